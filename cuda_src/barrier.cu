@@ -1,0 +1,37 @@
+// Barrier across every rank of a Buffer, on the device, over NVSHMEM, with a bounded wait.
+//
+// Buffer layout: each rank owns `uint64_t signals[num_ranks]` in NVSHMEM symmetric memory;
+// signals[src] on rank r holds the newest barrier epoch that src has announced to r.
+//
+// Protocol for barrier number `epoch` (1, 2, ..., counted by the host and equal on every rank):
+//   thread p of the single block (p < num_ranks) first completes this thread's earlier NVSHMEM
+//   operations (quiet), then sets signals[rank] on rank p to `epoch` (a signal op: an NVLink store
+//   or a network atomic, as NVSHMEM sees fit), then waits until its own signals[p] >= epoch.
+// Epochs only grow, so a peer that arrives late still releases the others, and a signal for a
+// later epoch also satisfies an earlier wait. A wait that passes the deadline records the peer in
+// `status` (see common.cuh) and returns; the host raises PeerTimeoutError naming rank and peer.
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cuep/common.cuh>
+#include <cuep/sync.cuh>
+
+namespace cuep {
+
+__device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_t epoch,
+                                  uint64_t deadline_ns, int32_t* status) {
+    nvshmem_quiet();
+    __threadfence_system();
+    nvshmemx_signal_op(signals + rank, epoch, NVSHMEM_SIGNAL_SET, peer);
+    if (!wait_at_least_until(signals + peer, epoch, deadline_ns))
+        record_timeout(status, peer, kPhaseBarrier);
+}
+
+}  // namespace cuep
+
+extern "C" __global__ void cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t epoch,
+                                        uint64_t timeout_ns, int32_t* status) {
+    const uint64_t deadline_ns = cuep::globaltimer_ns() + timeout_ns;
+    for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
+        cuep::announce_and_wait(signals, rank, peer, epoch, deadline_ns, status);
+}

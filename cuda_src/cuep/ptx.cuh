@@ -1,0 +1,55 @@
+// Every inline-assembly wrapper, named by operation, memory order, scope and state space.
+#pragma once
+
+#include <cuep/common.cuh>
+
+namespace cuep {
+
+// Nanoseconds from the GPU's global timer; used only to bound waits, so its coarse tick is fine.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys_global(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ int64_t ld_volatile_global(const int64_t* ptr) {
+    int64_t value;
+    asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr));
+    return value;
+}
+
+__device__ __forceinline__ int32_t ld_volatile_global(const int32_t* ptr) {
+    int32_t value;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr));
+    return value;
+}
+
+__device__ __forceinline__ int64_t ld_nc_no_allocate_global(const int64_t* ptr) {
+    int64_t value;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.s64 %0, [%1];" : "=l"(value) : "l"(ptr));
+    return value;
+}
+
+__device__ __forceinline__ int32_t ld_nc_no_allocate_global(const int32_t* ptr) {
+    int32_t value;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.s32 %0, [%1];" : "=r"(value) : "l"(ptr));
+    return value;
+}
+
+// Load of data read once by this kernel. The aggressive form skips L1 and prefetches 256 bytes into
+// L2; it is only valid for memory no one writes during the kernel, so it stays opt-in.
+template <typename T>
+__device__ __forceinline__ T ld_nc_global(const T* ptr) {
+    if constexpr (kAggressivePtx)
+        return ld_nc_no_allocate_global(ptr);
+    else
+        return ld_volatile_global(ptr);
+}
+
+}  // namespace cuep

@@ -1,0 +1,28 @@
+// Bounded waits on flags written by peers, and the status record a timed-out wait leaves behind.
+#pragma once
+
+#include <cuep/common.cuh>
+#include <cuep/ptx.cuh>
+
+namespace cuep {
+
+// Spin until *flag >= target (flags here only grow) or until the global timer passes deadline_ns.
+// Returns whether the target was reached.
+__device__ __forceinline__ bool wait_at_least_until(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {
+    while (ld_acquire_sys_global(flag) < target) {
+        if (globaltimer_ns() > deadline_ns)
+            return false;
+    }
+    return true;
+}
+
+// First timed-out wait of a launch wins the record; later ones keep the first culprit.
+__device__ __forceinline__ void record_timeout(int32_t* status, int32_t peer, int32_t phase) {
+    if (atomicCAS(status + kStatusTimedOut, 0, 1) == 0) {
+        status[kStatusPeer] = peer;
+        status[kStatusPhase] = phase;
+        __threadfence_system();
+    }
+}
+
+}  // namespace cuep

@@ -1,0 +1,15 @@
+"""cuep: expert-parallel dispatch and combine for Mixture-of-Experts models, on CuPy arrays.
+
+DeepEP's ``Buffer`` API without PyTorch or a compiler: kernels ship as CUDA source in ``cuda_src/``,
+are compiled at first use with NVRTC for the GPU found, and run across MPI ranks bootstrapped into
+NVSHMEM. Importing cuep touches no GPU, MPI, disk or environment.
+"""
+
+__version__ = "0.1.0"
+
+from .buffer import Buffer  # noqa: E402
+from .errors import CompileError, CuepError, MissingDependencyError, PeerTimeoutError  # noqa: E402
+from .event import EventOverlap  # noqa: E402
+
+__all__ = ["Buffer", "CompileError", "CuepError", "EventOverlap", "MissingDependencyError", "PeerTimeoutError",
+           "__version__"]

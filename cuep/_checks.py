@@ -1,0 +1,81 @@
+"""Argument checks: each raises TypeError/ValueError naming the call and the argument, before any kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _deps, env
+
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def as_device_array(call: str, name: str, value: Any):
+    """A CuPy view of ``value`` (CuPy, DLPack or ``__cuda_array_interface__``) on the current device."""
+    cupy = _deps.cupy()
+    if isinstance(value, cupy.ndarray):
+        array = value
+    elif hasattr(value, "__cuda_array_interface__"):
+        array = cupy.asarray(value)
+    elif hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        array = cupy.from_dlpack(value)
+    else:
+        raise TypeError(f"{call}: {name} must be a GPU array (CuPy, or anything exporting __dlpack__ or "
+                        f"__cuda_array_interface__), got {type(value).__module__}.{type(value).__name__}")
+    device = cupy.cuda.Device().id
+    if array.device.id != device:
+        raise ValueError(f"{call}: {name} is on GPU {array.device.id}, but this rank's Buffer uses GPU {device}")
+    return array
+
+
+def check_topk_idx(call: str, topk_idx, num_experts: int) -> None:
+    """Shape, dtype and layout of ``topk_idx`` (no GPU work)."""
+    if topk_idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{call}: topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    if topk_idx.ndim != 2:
+        raise ValueError(f"{call}: topk_idx must have shape [num_tokens, num_topk], got {tuple(topk_idx.shape)}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError(f"{call}: topk_idx must have at least one column (num_topk >= 1), got {tuple(topk_idx.shape)}")
+    if not topk_idx.flags.c_contiguous:
+        raise ValueError(f"{call}: topk_idx must be C-contiguous; pass cupy.ascontiguousarray(topk_idx)")
+
+
+def check_num_experts(call: str, num_experts: Any, num_ranks: int) -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+        raise TypeError(f"{call}: num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts <= 0 or num_experts % num_ranks:
+        raise ValueError(f"{call}: num_experts must be a positive multiple of the {num_ranks} ranks, got {num_experts}")
+
+
+def check_expert_ids(call: str, topk_idx, num_experts: int, stream) -> None:
+    """Every id in ``topk_idx`` is -1 or in ``[0, num_experts)``.
+
+    Reads the values on the GPU and waits for them (one small reduction), so it is skipped while
+    ``stream`` is being captured into a CUDA graph and when ``CUEP_SKIP_VALUE_CHECKS`` is set.
+    """
+    if topk_idx.size == 0 or env.get("CUEP_SKIP_VALUE_CHECKS") or stream.is_capturing():
+        return
+    cupy = _deps.cupy()
+    with stream:
+        low, high = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+    if low < -1:
+        raise ValueError(f"{call}: topk_idx holds {low}; entries must be -1 (no expert) or expert ids in "
+                         f"[0, {num_experts})")
+    if high >= num_experts:
+        raise ValueError(f"{call}: topk_idx holds expert id {high}, but num_experts={num_experts} "
+                         f"(valid ids: -1 for none, 0..{num_experts - 1})")
+
+
+def check_nonnegative_int(call: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{call}: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{call}: {name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_event_options(call: str, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError(f"{call}: allocate_on_comm_stream=True needs previous_event and async_finish=True "
+                         f"(the outputs then belong to the communication stream)")

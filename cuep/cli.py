@@ -1,0 +1,101 @@
+"""Command line: ``python -m cuep info`` and ``python -m cuep compile --arch sm_80,sm_90``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+
+from . import __version__, env
+from .errors import MissingDependencyError
+
+_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cuda-core", "cuda-bindings", "nvshmem4py-cu13",
+                  "nvshmem4py-cu12", "nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12", "mpi4py", "numpy")
+
+
+def _distribution_versions() -> list[tuple[str, str]]:
+    found = []
+    for name in _DISTRIBUTIONS:
+        try:
+            found.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _try(what, describe):
+    try:
+        return describe(what())
+    except (MissingDependencyError, ImportError, OSError, RuntimeError, ValueError) as exc:
+        return f"unavailable ({exc})"
+
+
+def _mpi_library() -> str:
+    from . import _deps
+    return _deps.mpi().Get_library_version().splitlines()[0].strip()
+
+
+def _gpus() -> str:
+    from . import _deps
+    cupy = _deps.cupy()
+    count = cupy.cuda.runtime.getDeviceCount()
+    names = []
+    for index in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(index)
+        names.append(f"{index}: {props['name'].decode()} (sm_{props['major']}{props['minor']})")
+    return "; ".join(names) if names else "none"
+
+
+def info() -> int:
+    from .jit import toolchain
+    print(f"cuep {__version__} on Python {platform.python_version()} ({sys.executable})")
+    for name, version in _distribution_versions():
+        print(f"  {name:22s} {version}")
+    print("  NVRTC                  " + _try(toolchain.toolchain, lambda t: "%d.%d" % t.nvrtc_version))
+    print("  nvJitLink              " + _try(toolchain.toolchain, lambda t: "%d.%d" % t.nvjitlink_version))
+    print("  CUDA / CCCL headers    " + _try(toolchain.toolchain,
+                                             lambda t: f"{t.cudart_header_version} / {t.cccl_header_version}"))
+    print("  NVSHMEM                " + _try(toolchain.nvshmem, lambda n: "%d.%d.%d at %s" % (*n.version, n.root)))
+    print("  MPI                    " + _try(lambda: None, lambda _: _mpi_library()))
+    print("  GPUs                   " + _try(lambda: None, lambda _: _gpus()))
+    print("environment:")
+    for var in env.table():
+        print(f"  {var.name:24s} = {_try(lambda: env.get(var.name), str):28s} {var.doc}")
+    return 0
+
+
+def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool) -> int:
+    from .jit import build
+    from .kernels import FAMILIES
+    variants = [dict(force_fallback=False, aggressive_ptx=False)]
+    if fallback:
+        variants.append(dict(force_fallback=True, aggressive_ptx=False))
+    if aggressive_ptx:
+        variants.append(dict(force_fallback=False, aggressive_ptx=True))
+    for arch in archs:
+        for module in FAMILIES.values():
+            for features in variants:
+                spec = module.spec(arch, **features)
+                path, seconds = build(spec)
+                state = f"compiled in {seconds:.1f} s" if seconds else "already cached"
+                print(f"{spec.name:64s} {state}  {path or '(cache disabled)'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuep", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, GPUs, cache directory and CUEP_* settings")
+    build = commands.add_parser("compile", help="build every kernel into the cache (no GPU needed)")
+    build.add_argument("--arch", default="sm_90", help="comma-separated targets, e.g. sm_80,sm_90")
+    build.add_argument("--fallback", action="store_true", help="also build the Ampere fallback path")
+    build.add_argument("--aggressive-ptx", action="store_true", help="also build the aggressive-PTX variant")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    try:
+        return compile_all([a for a in args.arch.split(",") if a], args.fallback, args.aggressive_ptx)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 2

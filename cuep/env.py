@@ -1,0 +1,108 @@
+"""Every ``CUEP_*`` environment variable, declared once, read when used.
+
+Each variable has a name, a type, a default and one line of documentation. Code reads a variable
+through :func:`get` at the moment it needs it (never at import), so a test or a user can change it
+between calls. A malformed value raises ``ValueError`` naming the variable and what was expected.
+``python -m cuep info`` prints this table with the values in force, and the README copies it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{name}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def _parse_seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={text!r} must be a positive number of seconds")
+    return value
+
+
+def _parse_positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a whole number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={text!r} must be a positive whole number")
+    return value
+
+
+def _parse_path(name: str, text: str) -> Path:
+    if not text.strip():
+        raise ValueError(f"{name} is set but empty; unset it or give a directory")
+    return Path(text).expanduser()
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``CUEP_*`` variable: its parser turns the raw string into the typed value."""
+
+    name: str
+    type_name: str
+    default: Any
+    doc: str
+    parse: Callable[[str, str], Any]
+    group: str
+
+
+_TABLE: tuple[EnvVar, ...] = (
+    EnvVar("CUEP_CACHE_DIR", "path", Path("~/.cache/cuep").expanduser(),
+           "where compiled kernels are cached on disk", _parse_path, "jit"),
+    EnvVar("CUEP_JIT_VERBOSE", "bool", False,
+           "log compile options, NVRTC output, timings and cache hits", _parse_bool, "jit"),
+    EnvVar("CUEP_JIT_DISABLE_CACHE", "bool", False,
+           "compile every kernel in every process, never reading or writing the disk cache",
+           _parse_bool, "jit"),
+    EnvVar("CUEP_JIT_DUMP", "bool", False,
+           "keep the PTX beside each cached cubin, for reading the generated code", _parse_bool, "jit"),
+    EnvVar("CUEP_JIT_LINEINFO", "bool", False,
+           "compile with line information, for profilers and compute-sanitizer", _parse_bool, "jit"),
+    EnvVar("CUEP_COMPILE_TIMEOUT_S", "seconds", 900.0,
+           "how long ranks wait for the rank that compiles for their node", _parse_seconds, "jit"),
+    EnvVar("CUEP_AGGRESSIVE_PTX", "bool", False,
+           "read data used once with ld.global.nc.L1::no_allocate.L2::256B (sm_90 only)",
+           _parse_bool, "kernels"),
+    EnvVar("CUEP_FORCE_FALLBACK", "bool", False,
+           "build the Ampere fallback path even on Hopper (to test it there)", _parse_bool, "kernels"),
+    EnvVar("CUEP_SKIP_VALUE_CHECKS", "bool", False,
+           "skip the checks that read input values on the GPU (expert ids in range); saves one sync",
+           _parse_bool, "api"),
+    EnvVar("CUEP_RANKS_PER_NODE", "int", None,
+           "treat this many consecutive ranks as one node (e.g. 2 on a 4-GPU host: 2 nodes x 2 GPUs)",
+           _parse_positive_int, "runtime"),
+    EnvVar("CUEP_TIMEOUT_S", "seconds", 100.0,
+           "how long a kernel or the host waits for a peer before raising PeerTimeoutError",
+           _parse_seconds, "runtime"),
+)
+
+_BY_NAME = {var.name: var for var in _TABLE}
+
+
+def table() -> tuple[EnvVar, ...]:
+    """All variables, in documentation order."""
+    return _TABLE
+
+
+def get(name: str) -> Any:
+    """The typed value of ``name`` now: the parsed environment value, or the default when unset."""
+    var = _BY_NAME[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    return var.parse(name, raw)

@@ -1,0 +1,33 @@
+"""Exceptions cuep raises on purpose; every other failure is a bug."""
+
+from __future__ import annotations
+
+
+class CuepError(RuntimeError):
+    """Base class of cuep's runtime errors."""
+
+
+class MissingDependencyError(ImportError):
+    """A package cuep needs is absent or unusable; the message says what to install."""
+
+
+class CompileError(CuepError):
+    """NVRTC or nvJitLink rejected a kernel; the message holds the log and the kept source."""
+
+
+class PeerTimeoutError(CuepError, TimeoutError):
+    """A peer rank did not arrive within ``CUEP_TIMEOUT_S``.
+
+    Attributes:
+        rank: the rank that waited.
+        peer: the rank it waited for (``-1`` when unknown).
+        phase: what it was waiting for (e.g. ``"barrier"``, ``"compile"``).
+    """
+
+    def __init__(self, rank: int, peer: int, phase: str, timeout_s: float):
+        self.rank, self.peer, self.phase, self.timeout_s = rank, peer, phase, timeout_s
+        who = f"rank {peer}" if peer >= 0 else "a peer"
+        super().__init__(
+            f"rank {rank} waited {timeout_s:g} s for {who} in {phase} and gave up; "
+            f"check that every rank makes the same cuep calls in the same order "
+            f"(raise CUEP_TIMEOUT_S if the peer is merely slow)")

@@ -1,0 +1,145 @@
+"""Cache keys and the on-disk store of compiled kernels. No CUDA calls: CPU tests cover all of it.
+
+Key: SHA-256 over labelled, length-prefixed fields (see :func:`key_fields`), so no field can bleed
+into its neighbour and a new field changes every key. A key input that cannot be read raises
+:class:`UncacheableError`; the caller then compiles without the cache rather than drop the field.
+
+Store: ``<root>/v1/<spec.name>.<key[:16]>/`` holding ``kernel.cubin``, ``source.cu`` (the exact
+text compiled), optionally ``kernel.ptx``, and ``meta.json`` written last as the commit marker. An
+entry is built in ``<root>/v1/tmp/<uuid>/`` and renamed into place; the loser of a race deletes
+its copy. :func:`load` never raises for a missing, partial or corrupt entry: it returns ``None``
+(after one warning and removal when the entry is corrupt) and the caller rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from .spec import KernelSpec
+
+KEY_SCHEMA_VERSION = 1
+STORE_LAYOUT = "v1"
+_CUBIN, _SOURCE, _PTX, _META = "kernel.cubin", "source.cu", "kernel.ptx", "meta.json"
+
+logger = logging.getLogger("cuep.jit")
+
+
+class UncacheableError(RuntimeError):
+    """An input of the key could not be read; the kernel must be compiled without the cache."""
+
+
+def digest_file(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise UncacheableError(f"cannot read {path} for the cache key: {exc}") from exc
+
+
+def digest_tree(root: Path) -> str:
+    """Digest of every file under ``root``: relative path and bytes, in sorted order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        for part in (path.relative_to(root).as_posix().encode(), path.read_bytes()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
+
+
+def key_fields(spec: KernelSpec, source_root: Path, program_options: str, linker_options: str,
+               toolchain_fields: dict[str, str]) -> dict[str, str]:
+    """Every input that can change the compiled bytes, as labelled strings."""
+    try:
+        sources = digest_tree(source_root)
+    except OSError as exc:
+        raise UncacheableError(f"cannot read the kernel sources under {source_root}: {exc}") from exc
+    return {
+        "schema": str(KEY_SCHEMA_VERSION),
+        "cuep": __version__,
+        "sources": sources,
+        "spec": repr(spec),
+        "program_options": program_options,
+        "linker_options": linker_options,
+        **toolchain_fields,
+    }
+
+
+def cache_key(fields: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for label, value in fields.items():
+        for part in (label.encode(), value.encode()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What a compile produces and the cache stores."""
+
+    cubin: bytes
+    source: str
+    log: str
+    seconds: float
+    ptx: str | None = None
+
+
+def entry_dir(root: Path, spec: KernelSpec, key: str) -> Path:
+    return root / STORE_LAYOUT / f"{spec.name}.{key[:16]}"
+
+
+def _discard(path: Path, reason: str) -> None:
+    logger.warning("cuep: discarding cache entry %s (%s); it will be rebuilt. "
+                   "To clear the whole cache: rm -rf %s", path, reason, path.parent)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def load(root: Path, spec: KernelSpec, key: str) -> bytes | None:
+    """The cached cubin for ``key``, or ``None`` when there is no complete, matching entry."""
+    path = entry_dir(root, spec, key)
+    if not path.is_dir():
+        return None
+    try:
+        meta = json.loads((path / _META).read_text())
+        cubin = (path / _CUBIN).read_bytes()
+    except FileNotFoundError:
+        _discard(path, "incomplete: no meta.json or kernel.cubin")
+        return None
+    except (OSError, ValueError) as exc:
+        _discard(path, f"unreadable: {exc}")
+        return None
+    if meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+        _discard(path, "its key or cubin digest disagrees with meta.json")
+        return None
+    return cubin
+
+
+def store(root: Path, spec: KernelSpec, key: str, fields: dict[str, str], artifact: Artifact) -> Path:
+    """Write an entry atomically; if another process won the race, keep theirs."""
+    final = entry_dir(root, spec, key)
+    staging = root / STORE_LAYOUT / "tmp" / uuid.uuid4().hex
+    staging.mkdir(parents=True)
+    try:
+        (staging / _CUBIN).write_bytes(artifact.cubin)
+        (staging / _SOURCE).write_text(artifact.source)
+        if artifact.ptx is not None:
+            (staging / _PTX).write_text(artifact.ptx)
+        meta = {"key": key, "spec": spec.name, "fields": fields, "log": artifact.log,
+                "seconds": round(artifact.seconds, 3),
+                "cubin_sha256": hashlib.sha256(artifact.cubin).hexdigest()}
+        (staging / _META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / _META).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

@@ -1,0 +1,81 @@
+"""KernelSpec -> cubin bytes: NVRTC through cuda.core ``Program``, then nvJitLink through ``Linker``
+when the family uses NVSHMEM. Nothing else: no cache, no loading, no GPU needed.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import _deps, env
+from ..errors import CompileError
+from .cache import Artifact
+from .spec import KernelSpec
+from .toolchain import Nvshmem, toolchain
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent.parent / "cuda_src"
+CXX_STANDARD = "c++17"
+
+
+def source_root() -> Path:
+    """``cuda_src/``: beside the package in a checkout, inside it when installed as a wheel."""
+    packaged = Path(__file__).resolve().parent.parent / "cuda_src"
+    return packaged if packaged.is_dir() else SOURCE_ROOT
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The rendered options of one compile; ``describe()`` feeds the cache key."""
+
+    spec: KernelSpec
+    lineinfo: bool
+    include_dirs: tuple[Path, ...]
+
+    def program_kwargs(self) -> dict:
+        return dict(name=f"{self.spec.family}.cu", arch=self.spec.arch, std=CXX_STANDARD,
+                    relocatable_device_code=self.spec.uses_nvshmem, lineinfo=self.lineinfo,
+                    define_macro=self.spec.macros(), include_path=[str(p) for p in self.include_dirs])
+
+    def describe_program(self) -> str:
+        # Include directories are left out: their contents are keyed by version and digest instead.
+        kwargs = {k: v for k, v in self.program_kwargs().items() if k != "include_path"}
+        return repr(sorted(kwargs.items()))
+
+    def describe_linker(self) -> str:
+        return repr([("arch", self.spec.arch), ("lineinfo", self.lineinfo)]) if self.spec.uses_nvshmem else "none"
+
+
+def compile_options(spec: KernelSpec, nvshmem: Nvshmem | None) -> CompileOptions:
+    tc = toolchain()
+    include_dirs = [source_root(), tc.cudart_include, tc.cccl_include]
+    if spec.uses_nvshmem:
+        assert nvshmem is not None, "an NVSHMEM family needs its NVSHMEM installation"
+        include_dirs.append(nvshmem.include_dir)
+    return CompileOptions(spec=spec, lineinfo=env.get("CUEP_JIT_LINEINFO"), include_dirs=tuple(include_dirs))
+
+
+def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: bool = False) -> Artifact:
+    """Compile (and link) one kernel family. Raises :class:`CompileError` with the NVRTC log."""
+    core = _deps.cuda_core()
+    spec = options.spec
+    source = (source_root() / f"{spec.family}.cu").read_text()
+    started = time.perf_counter()
+    program = core.Program(source, "c++", options=core.ProgramOptions(**options.program_kwargs()))
+    log = io.StringIO()
+    try:
+        obj = program.compile("cubin", logs=log)
+        ptx = program.compile("ptx").code.decode() if keep_ptx else None
+    except Exception as exc:  # cuda.core raises a generic error carrying the NVRTC log
+        raise CompileError(f"NVRTC failed on {spec.name}:\n{exc}") from exc
+    if spec.uses_nvshmem:
+        device_library = core.ObjectCode.from_library(str(nvshmem.device_library))
+        linker = core.Linker(obj, device_library,
+                             options=core.LinkerOptions(arch=spec.arch, lineinfo=options.lineinfo))
+        try:
+            obj = linker.link("cubin")
+        except Exception as exc:
+            raise CompileError(f"nvJitLink failed on {spec.name} with {nvshmem.device_library}:\n{exc}") from exc
+    cubin = bytes(obj.code)
+    return Artifact(cubin=cubin, source=source, log=log.getvalue(), seconds=time.perf_counter() - started, ptx=ptx)

@@ -1,0 +1,68 @@
+"""Who is where: world rank, node, local rank and the device each rank drives.
+
+Ranks per node come from MPI's shared-memory split. ``CUEP_RANKS_PER_NODE`` can make nodes
+smaller than the physical host (e.g. 2 on a 4-GPU host: 2 nodes x 2 GPUs), so the internode path
+runs, and is tested, on one machine. Logical nodes are ranks ``[n * ranks_per_node, (n + 1) *
+ranks_per_node)``; the split must agree with the hosts, which the checks below enforce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import env
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Placement of this rank. ``num_nodes > 1`` means the internode (hierarchical) path applies."""
+
+    rank: int
+    num_ranks: int
+    local_rank: int          # index among the ranks of this physical host: picks the GPU
+    num_local_ranks: int     # ranks on this physical host
+    ranks_per_node: int      # ranks per logical node (physical unless CUEP_RANKS_PER_NODE)
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
+
+
+def plan_topology(rank: int, host_of_rank: list[int], override: int | None) -> Topology:
+    """Topology from every rank's host index (pure, so CPU tests cover every refusal)."""
+    num_ranks = len(host_of_rank)
+    host = host_of_rank[rank]
+    host_sizes = {h: host_of_rank.count(h) for h in set(host_of_rank)}
+    if len(set(host_sizes.values())) != 1:
+        raise ValueError(f"every host must run the same number of ranks, got {sorted(host_sizes.values())}")
+    num_local = host_sizes[host]
+    for first in range(0, num_ranks, num_local):
+        if len(set(host_of_rank[first:first + num_local])) != 1:
+            raise ValueError(f"ranks must be placed host by host (ranks {first}..{first + num_local - 1} on one "
+                             f"host); launch with mpirun's default by-slot mapping")
+    ranks_per_node = num_local
+    if override is not None:
+        if num_local % override:
+            raise ValueError(f"CUEP_RANKS_PER_NODE={override} must divide the {num_local} ranks of each host")
+        ranks_per_node = override
+    local_rank = host_of_rank[:rank].count(host)
+    return Topology(rank=rank, num_ranks=num_ranks, local_rank=local_rank, num_local_ranks=num_local,
+                    ranks_per_node=ranks_per_node)
+
+
+def discover_topology(comm) -> Topology:
+    """Collective over ``comm``: the shared-memory split tells which ranks share a host."""
+    from .. import _deps
+    mpi = _deps.mpi()
+    local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        leader_of_rank = comm.allgather(local.bcast(comm.Get_rank(), root=0))
+    finally:
+        local.Free()
+    leaders = sorted(set(leader_of_rank))
+    host_of_rank = [leaders.index(leader) for leader in leader_of_rank]
+    return plan_topology(comm.Get_rank(), host_of_rank, env.get("CUEP_RANKS_PER_NODE"))

@@ -1,0 +1,189 @@
+"""The process's NVSHMEM world: bootstrap from an mpi4py communicator, symmetric memory, teardown.
+
+One world per process, shared by every Buffer. Bootstrap uses a unique id broadcast over the
+communicator (works with any MPI; NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
+sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set with
+``setdefault`` (a user's value wins) before init.
+
+Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), then
+``nvshmem.core.finalize()`` frees the symmetric buffers. Finalize is collective, so at interpreter
+exit it runs only after a bounded check that every rank is exiting too; if a peer is gone it is
+skipped with a warning instead of hanging the exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _deps, env
+from ..errors import CuepError, PeerTimeoutError
+from .group import wait_for_all
+from .topology import Topology
+
+logger = logging.getLogger("cuep.runtime")
+
+# Room for NVSHMEM's own symmetric allocations and cuep's control words, beyond the Buffers' data.
+HEAP_RESERVE_BYTES = 256 << 20
+_HEAP_ALIGN_BYTES = 2 << 20
+# At exit, how long to wait for the other ranks before skipping the collective finalize.
+_EXIT_TIMEOUT_S = 30.0
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_heap_size(text: str) -> int | None:
+    """``NVSHMEM_SYMMETRIC_SIZE`` in bytes (``1G``, ``512M``, ``1073741824``), ``None`` if unreadable."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)B?\s*", text.upper())
+    return int(match.group(1)) * _SIZE_SUFFIXES[match.group(2)] if match else None
+
+
+def heap_size_for(data_bytes: int) -> int:
+    """Symmetric heap for ``data_bytes`` of Buffer data plus the reserve, rounded up to 2 MiB."""
+    needed = data_bytes + HEAP_RESERVE_BYTES
+    return -(-needed // _HEAP_ALIGN_BYTES) * _HEAP_ALIGN_BYTES
+
+
+def pick_device(local_rank: int, num_local_ranks: int, num_devices: int) -> int:
+    """One GPU per rank of a host: the local rank's GPU, or the only one visible to this rank."""
+    if num_devices == 0:
+        raise CuepError("cuep found no CUDA GPU: run on a machine with an NVIDIA GPU and its driver")
+    if num_devices >= num_local_ranks:
+        return local_rank
+    if num_devices == 1:
+        return 0
+    raise CuepError(f"{num_local_ranks} ranks share a host that shows {num_devices} GPUs to each rank; "
+                    f"run at most one rank per GPU, or give each rank one GPU with CUDA_VISIBLE_DEVICES")
+
+
+@dataclass
+class World:
+    """The initialised NVSHMEM world of this process."""
+
+    comm: Any
+    topology: Topology
+    device_id: int
+    heap_bytes: int
+    _libraries: list[tuple[Any, Callable[[], None]]] = field(default_factory=list)
+    finalized: bool = False
+
+
+_world: World | None = None
+
+
+def current() -> World | None:
+    return _world
+
+
+def init_world(comm, topology: Topology, data_bytes: int) -> World:
+    """Collective: bootstrap NVSHMEM over ``comm`` once per process; later calls return the world."""
+    global _world
+    mpi = _deps.mpi()
+    if _world is not None and not _world.finalized:
+        if mpi.Comm.Compare(comm, _world.comm) not in (mpi.IDENT, mpi.CONGRUENT):
+            raise ValueError("Buffer(): comm must contain the same ranks as the first Buffer's: NVSHMEM "
+                             "allows one world per process")
+        return _world
+    if _world is not None:
+        raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
+    cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
+    try:
+        num_devices = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        num_devices = 0
+    device_id = pick_device(topology.local_rank, topology.num_local_ranks, num_devices)
+    heap_bytes = _size_heap(data_bytes)
+    device = core.Device(device_id)
+    device.set_current()
+    cupy.cuda.Device(device_id).use()
+    uid = nvshmem.get_unique_id(empty=topology.rank != 0)
+    wait_for_all(comm, "NVSHMEM bootstrap")
+    comm.Bcast(uid._data.view(np.int8), root=0)
+    nvshmem.init(device=device, uid=uid, rank=topology.rank, nranks=topology.num_ranks,
+                 initializer_method="uid")
+    _world = World(comm=comm, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
+    atexit.register(_finalize_at_exit)
+    return _world
+
+
+def _size_heap(data_bytes: int) -> int:
+    wanted = heap_size_for(data_bytes)
+    given = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    if given is None:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(wanted)
+        return wanted
+    size = parse_heap_size(given)
+    if size is not None and size < wanted:
+        raise ValueError(f"NVSHMEM_SYMMETRIC_SIZE={given} is smaller than the {wanted} bytes this Buffer needs "
+                         f"({data_bytes} of data plus {HEAP_RESERVE_BYTES} reserved); raise it or unset it")
+    return size if size is not None else wanted
+
+
+def _require_world() -> World:
+    if _world is None or _world.finalized:
+        raise CuepError("NVSHMEM is not initialised: create a cuep.Buffer first")
+    return _world
+
+
+def register_library(obj, forget: Callable[[], None]) -> None:
+    """``library_init`` a loaded cuda.core ObjectCode; teardown finalizes it, then calls ``forget``."""
+    world = _require_world()
+    nvshmem = _deps.nvshmem()
+    kernel_object = nvshmem.NvshmemKernelObject.from_obj(obj)
+    nvshmem.library_init(kernel_object)
+    world._libraries.append((kernel_object, forget))
+
+
+def allocate(nbytes: int):
+    """Collective: ``nbytes`` of symmetric memory (a cuda.core Buffer)."""
+    world = _require_world()
+    nvshmem = _deps.nvshmem()
+    try:
+        return nvshmem.buffer(nbytes)
+    except nvshmem.NvshmemError as exc:
+        raise CuepError(f"NVSHMEM could not allocate {nbytes} bytes of symmetric memory (the heap was sized "
+                        f"{world.heap_bytes} bytes for the first Buffer); create the largest Buffer first or "
+                        f"set NVSHMEM_SYMMETRIC_SIZE") from exc
+
+
+def free(buffer) -> None:
+    """Collective: return symmetric memory from :func:`allocate`."""
+    if _world is not None and not _world.finalized:
+        _deps.nvshmem().free(buffer)
+
+
+def finalize_world() -> None:
+    """Collective: finalize every registered library, then NVSHMEM. Idempotent."""
+    world = _world
+    if world is None or world.finalized:
+        return
+    nvshmem = _deps.nvshmem()
+    _deps.cuda_core().Device(world.device_id).set_current()
+    _deps.cupy().cuda.Device(world.device_id).synchronize()
+    for kernel_object, forget in reversed(world._libraries):
+        nvshmem.library_finalize(kernel_object)
+        forget()
+    world._libraries.clear()
+    nvshmem.finalize()
+    world.finalized = True
+
+
+def _finalize_at_exit() -> None:
+    world = _world
+    if world is None or world.finalized:
+        return
+    try:
+        if _deps.mpi().Is_finalized():
+            logger.warning("cuep: MPI was finalized before NVSHMEM; skipping NVSHMEM teardown")
+            return
+        wait_for_all(world.comm, "exit", min(env.get("CUEP_TIMEOUT_S"), _EXIT_TIMEOUT_S))
+        finalize_world()
+    except PeerTimeoutError as exc:
+        logger.warning("cuep: skipping NVSHMEM teardown at exit: %s", exc)
+    except Exception as exc:  # an exit handler must not raise
+        logger.warning("cuep: NVSHMEM teardown at exit failed: %s", exc)

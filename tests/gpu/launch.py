@@ -1,0 +1,68 @@
+"""Run a worker script under ``mpirun -np N`` from pytest, or say why it cannot run here.
+
+The launcher is ``$CUEP_TEST_MPIRUN`` when set (e.g. an ``mpirun`` with site flags), otherwise
+``mpirun`` or ``mpiexec`` from PATH. GPUs are counted through the driver API, which creates no context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_TIMEOUT_S = 600
+
+
+def gpu_count() -> int:
+    try:
+        from cuda.bindings import driver
+        (err,) = driver.cuInit(0)
+    except Exception:  # no cuda-bindings, or no driver library (libcuda) on this machine
+        return 0
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return 0
+    err, count = driver.cuDeviceGetCount()
+    return count if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def mpirun() -> list[str] | None:
+    configured = os.environ.get("CUEP_TEST_MPIRUN")
+    if configured:
+        return shlex.split(configured)
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    return [found] if found else None
+
+
+def skip_reason(num_ranks: int) -> str | None:
+    """Why a ``num_ranks``-rank GPU test cannot run here, or ``None`` when it can."""
+    for module, package in (("cupy", "cupy-cuda13x"), ("nvshmem.core", "nvshmem4py-cu13"),
+                            ("mpi4py", "mpi4py")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return f"{package} is not installed"
+    found = gpu_count()
+    if found < num_ranks:
+        return f"needs {num_ranks} GPUs, found {found}"
+    if mpirun() is None:
+        return "no mpirun or mpiexec on PATH (set CUEP_TEST_MPIRUN)"
+    return None
+
+
+def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``workers/<script>`` on ``num_ranks`` ranks; return its output, or fail the test with it."""
+    command = [*mpirun(), "-np", str(num_ranks), sys.executable, str(WORKERS / script), *args]
+    environment = {**os.environ, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=environment)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{shlex.join(command)} did not finish in {WORKER_TIMEOUT_S} s:\n"
+                             f"{exc.stdout or ''}{exc.stderr or ''}") from None
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{shlex.join(command)} exited with {done.returncode}:\n{output}"
+    return output

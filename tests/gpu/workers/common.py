@@ -1,0 +1,31 @@
+"""Shared by the MPI workers: run named cases on every rank, abort the whole job on the first failure."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import numpy as np
+
+
+def random_topk(rng: np.random.Generator, num_tokens: int, num_experts: int, num_topk: int,
+                masked_fraction: float = 0.0, dtype=np.int64) -> np.ndarray:
+    """Top-k routing like a gate's: distinct experts per token, some entries masked to -1."""
+    scores = rng.random((num_tokens, num_experts))
+    topk = np.argsort(scores, axis=1)[:, :num_topk].astype(dtype)
+    topk[rng.random(topk.shape) < masked_fraction] = -1
+    return topk
+
+
+def run_cases(comm, cases) -> None:
+    """Run ``(name, fn)`` pairs in order; on any failure print it and abort every rank."""
+    rank = comm.Get_rank()
+    for name, case in cases:
+        try:
+            case()
+        except BaseException:
+            print(f"[rank {rank}] FAILED {name}\n{traceback.format_exc()}", flush=True)
+            sys.stderr.flush()
+            comm.Abort(1)
+        if rank == 0:
+            print(f"[rank 0] ok {name}", flush=True)
