@@ -59,12 +59,19 @@ def check_expert_ids(call: str, topk_idx, num_experts: int, stream) -> None:
     cupy = _deps.cupy()
     with stream:
         low, high = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+    problem = expert_id_range_problem(low, high, num_experts)
+    if problem:
+        raise ValueError(f"{call}: {problem}")
+
+
+def expert_id_range_problem(low: int, high: int, num_experts: int) -> str | None:
+    """What is wrong with expert ids spanning ``[low, high]``, or ``None``."""
     if low < -1:
-        raise ValueError(f"{call}: topk_idx holds {low}; entries must be -1 (no expert) or expert ids in "
-                         f"[0, {num_experts})")
+        return f"topk_idx holds {low}; entries must be -1 (no expert) or expert ids in [0, {num_experts})"
     if high >= num_experts:
-        raise ValueError(f"{call}: topk_idx holds expert id {high}, but num_experts={num_experts} "
-                         f"(valid ids: -1 for none, 0..{num_experts - 1})")
+        return (f"topk_idx holds expert id {high}, but num_experts={num_experts} "
+                f"(valid ids: -1 for none, 0..{num_experts - 1})")
+    return None
 
 
 def check_nonnegative_int(call: str, name: str, value: Any) -> int:

@@ -39,9 +39,10 @@ class CompileOptions:
                     define_macro=self.spec.macros(), include_path=[str(p) for p in self.include_dirs])
 
     def describe_program(self) -> str:
-        # Include directories are left out: their contents are keyed by version and digest instead.
-        kwargs = {k: v for k, v in self.program_kwargs().items() if k != "include_path"}
-        return repr(sorted(kwargs.items()))
+        """The flags NVRTC receives. Include directories are left out: what they hold is keyed by
+        version and digest instead, so moving a virtual environment keeps the cache valid."""
+        flags = _deps.cuda_core().ProgramOptions(**self.program_kwargs()).as_bytes("nvrtc")
+        return " ".join(f.decode() for f in flags if not f.startswith(b"--include-path="))
 
     def describe_linker(self) -> str:
         return repr([("arch", self.spec.arch), ("lineinfo", self.lineinfo)]) if self.spec.uses_nvshmem else "none"
@@ -56,6 +57,28 @@ def compile_options(spec: KernelSpec, nvshmem: Nvshmem | None) -> CompileOptions
     return CompileOptions(spec=spec, lineinfo=env.get("CUEP_JIT_LINEINFO"), include_dirs=tuple(include_dirs))
 
 
+def _ptx(source: str, options: CompileOptions) -> str:
+    """The PTX of a compile, straight from NVRTC (cuda.core's PTX target needs a driver; this does not)."""
+    from cuda.bindings import nvrtc
+
+    def check(result):
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"NVRTC failed producing PTX for {options.spec.name}: {err}")
+        return values[0] if values else None
+
+    core = _deps.cuda_core()
+    flags = core.ProgramOptions(**options.program_kwargs()).as_bytes("nvrtc")
+    program = check(nvrtc.nvrtcCreateProgram(source.encode(), f"{options.spec.family}.cu".encode(), 0, [], []))
+    try:
+        check(nvrtc.nvrtcCompileProgram(program, len(flags), flags))
+        buffer = b" " * check(nvrtc.nvrtcGetPTXSize(program))
+        check(nvrtc.nvrtcGetPTX(program, buffer))
+        return buffer.rstrip(b"\0 ").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
 def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: bool = False) -> Artifact:
     """Compile (and link) one kernel family. Raises :class:`CompileError` with the NVRTC log."""
     core = _deps.cuda_core()
@@ -64,9 +87,9 @@ def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: 
     started = time.perf_counter()
     program = core.Program(source, "c++", options=core.ProgramOptions(**options.program_kwargs()))
     log = io.StringIO()
+    ptx = _ptx(source, options) if keep_ptx else None
     try:
         obj = program.compile("cubin", logs=log)
-        ptx = program.compile("ptx").code.decode() if keep_ptx else None
     except Exception as exc:  # cuda.core raises a generic error carrying the NVRTC log
         raise CompileError(f"NVRTC failed on {spec.name}:\n{exc}") from exc
     if spec.uses_nvshmem:

@@ -54,7 +54,8 @@ def skip_reason(num_ranks: int) -> str | None:
 
 
 def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
-    """Run ``workers/<script>`` on ``num_ranks`` ranks; return its output, or fail the test with it."""
+    """Run ``workers/<script>`` (or a script by absolute path) on ``num_ranks`` ranks; return its output,
+    or fail the test with it."""
     command = [*mpirun(), "-np", str(num_ranks), sys.executable, str(WORKERS / script), *args]
     environment = {**os.environ, **(env or {})}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))

@@ -1,0 +1,101 @@
+"""Cache keys and the on-disk store (no GPU, no CUDA calls except where a compile is the point)."""
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from cuep.jit import cache, compiler, library
+from cuep.kernels import FAMILIES
+
+SPEC = FAMILIES["layout"].spec("sm_90")
+
+
+def key_for(source_root, spec=SPEC):
+    options = compiler.compile_options(spec, None)
+    fields = cache.key_fields(spec, source_root, options.describe_program(), options.describe_linker(),
+                              library._toolchain_fields(spec, None))
+    return cache.cache_key(fields)
+
+
+@pytest.fixture
+def sources(tmp_path):
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(compiler.source_root(), copy)
+    return copy
+
+
+def test_same_inputs_same_key(sources):
+    assert key_for(sources) == key_for(sources)
+    assert key_for(sources) == key_for(compiler.source_root())
+
+
+def test_one_byte_of_a_header_changes_the_key(sources):
+    before = key_for(sources)
+    header = sources / "cuep" / "ptx.cuh"
+    header.write_bytes(header.read_bytes() + b" ")
+    assert key_for(sources) != before
+
+
+def test_spec_and_options_change_the_key(sources, monkeypatch):
+    base = key_for(sources)
+    assert key_for(sources, FAMILIES["layout"].spec("sm_90", force_fallback=True)) != base
+    monkeypatch.setenv("CUEP_JIT_LINEINFO", "1")
+    assert key_for(sources) != base
+
+
+def test_fields_are_length_prefixed():
+    assert cache.cache_key({"a": "bc"}) != cache.cache_key({"ab": "c"})
+
+
+def artifact(cubin=b"\x7fELF-fake"):
+    return cache.Artifact(cubin=cubin, source="// src", log="", seconds=0.1)
+
+
+def test_store_then_load_round_trip(tmp_path):
+    path = cache.store(tmp_path, SPEC, "k" * 64, {"schema": "1"}, artifact())
+    assert path == cache.entry_dir(tmp_path, SPEC, "k" * 64)
+    assert cache.load(tmp_path, SPEC, "k" * 64) == b"\x7fELF-fake"
+    assert json.loads((path / "meta.json").read_text())["spec"] == SPEC.name
+    assert not any((tmp_path / "v1" / "tmp").iterdir()), "staging directory left behind"
+
+
+def test_missing_entry_is_none(tmp_path):
+    assert cache.load(tmp_path, SPEC, "0" * 64) is None
+
+
+@pytest.mark.parametrize("damage", ["drop_meta", "corrupt_cubin", "bad_json"])
+def test_damaged_entry_is_discarded(tmp_path, damage, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("cuep.jit"), "propagate", True)  # let caplog see it
+    path = cache.store(tmp_path, SPEC, "d" * 64, {}, artifact())
+    if damage == "drop_meta":
+        (path / "meta.json").unlink()
+    elif damage == "corrupt_cubin":
+        (path / "kernel.cubin").write_bytes(b"garbage")
+    else:
+        (path / "meta.json").write_text("{not json")
+    assert cache.load(tmp_path, SPEC, "d" * 64) is None
+    assert not path.exists()
+    assert "rm -rf" in caplog.text
+
+
+def test_race_loser_keeps_the_winner(tmp_path):
+    first = cache.store(tmp_path, SPEC, "r" * 64, {}, artifact(b"winner"))
+    second = cache.store(tmp_path, SPEC, "r" * 64, {}, artifact(b"loser"))
+    assert first == second and cache.load(tmp_path, SPEC, "r" * 64) == b"winner"
+
+
+def test_unreadable_key_input_compiles_without_cache(cache_dir, monkeypatch, caplog):
+    def unreadable(*args, **kwargs):
+        raise cache.UncacheableError("cannot read a header")
+    monkeypatch.setattr(cache, "key_fields", unreadable)
+    entry, seconds = library.build(SPEC)
+    assert entry is None and seconds > 0
+    assert not cache_dir.exists() or not any(cache_dir.rglob("kernel.cubin"))
+
+
+def test_disable_cache_writes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setenv("CUEP_JIT_DISABLE_CACHE", "1")
+    assert library.build(SPEC)[0] is None
+    assert not cache_dir.exists()

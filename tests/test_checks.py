@@ -1,0 +1,173 @@
+"""Every argument and dependency error message, without a GPU."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import cuep
+from cuep import _checks, _deps, env
+from cuep.errors import CuepError, MissingDependencyError
+from cuep.jit import toolchain
+from cuep.runtime import world
+
+CALL = "get_dispatch_layout()"
+
+
+class HostArray:
+    """Stands in for a device array in the shape/dtype checks, which read only metadata."""
+
+    def __init__(self, array):
+        self.dtype, self.ndim, self.shape = array.dtype, array.ndim, array.shape
+        self.flags = array.flags
+
+
+def test_topk_idx_dtype():
+    with pytest.raises(TypeError, match=r"get_dispatch_layout\(\): topk_idx must be int32 or int64, got float32"):
+        _checks.check_topk_idx(CALL, HostArray(np.zeros((4, 2), np.float32)), 8)
+
+
+def test_topk_idx_rank():
+    with pytest.raises(ValueError, match=r"topk_idx must have shape \[num_tokens, num_topk\], got \(8,\)"):
+        _checks.check_topk_idx(CALL, HostArray(np.zeros(8, np.int64)), 8)
+
+
+def test_topk_idx_contiguity():
+    strided = np.zeros((4, 8), np.int64)[:, ::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _checks.check_topk_idx(CALL, HostArray(strided), 8)
+
+
+def test_topk_idx_needs_a_column():
+    with pytest.raises(ValueError, match="num_topk >= 1"):
+        _checks.check_topk_idx(CALL, HostArray(np.zeros((4, 0), np.int64)), 8)
+
+
+@pytest.mark.parametrize("low, high, message", [
+    (0, 8, r"topk_idx holds expert id 8, but num_experts=8 \(valid ids: -1 for none, 0..7\)"),
+    (-3, 2, r"topk_idx holds -3; entries must be -1"),
+])
+def test_expert_id_out_of_range(low, high, message):
+    assert _checks.expert_id_range_problem(-1, 7, 8) is None
+    with pytest.raises(ValueError, match=message):
+        raise ValueError(_checks.expert_id_range_problem(low, high, 8))
+
+
+@pytest.mark.parametrize("num_experts, error, message", [
+    (6, ValueError, "positive multiple of the 4 ranks, got 6"),
+    (0, ValueError, "positive multiple"),
+    (8.0, TypeError, "num_experts must be an int, got float"),
+])
+def test_num_experts(num_experts, error, message):
+    with pytest.raises(error, match=message):
+        _checks.check_num_experts(CALL, num_experts, 4)
+
+
+def test_host_array_is_refused():
+    pytest.importorskip("cupy")
+    with pytest.raises(TypeError, match="topk_idx must be a GPU array .* got numpy.ndarray"):
+        _checks.as_device_array(CALL, "topk_idx", np.zeros((2, 2), np.int64))
+
+
+def test_allocate_on_comm_stream_needs_event_and_async():
+    with pytest.raises(ValueError, match="allocate_on_comm_stream=True needs previous_event and async_finish"):
+        _checks.check_event_options(CALL, None, True, True)
+
+
+@pytest.mark.parametrize("name, value", [("num_nvl_bytes", -1), ("num_rdma_bytes", 2.5)])
+def test_buffer_sizes_checked_first(name, value):
+    with pytest.raises((ValueError, TypeError), match=f"Buffer\\(\\): {name} must be"):
+        cuep.Buffer(None, **{name: value})
+
+
+def test_no_gpu_is_one_sentence():
+    with pytest.raises(CuepError, match="cuep found no CUDA GPU: run on a machine with an NVIDIA GPU"):
+        world.pick_device(0, 1, 0)
+
+
+def test_more_ranks_than_gpus():
+    assert world.pick_device(3, 4, 4) == 3 and world.pick_device(3, 4, 1) == 0
+    with pytest.raises(CuepError, match="at most one rank per GPU"):
+        world.pick_device(3, 4, 2)
+
+
+def test_missing_mpi_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)  # makes the import fail
+    _deps.require.cache_clear()
+    try:
+        with pytest.raises(MissingDependencyError, match=r"pip install mpi4py mpich"):
+            _deps.mpi()
+    finally:
+        _deps.require.cache_clear()
+
+
+def write_nvshmem(root, version, device_library=True):
+    include = root / "include" / "non_abi"
+    include.mkdir(parents=True)
+    major, minor, patch = version
+    include.joinpath("nvshmem_version.h").write_text(
+        f"#define NVSHMEM_VENDOR_MAJOR_VERSION {major}\n#define NVSHMEM_VENDOR_MINOR_VERSION {minor}\n"
+        f"#define NVSHMEM_VENDOR_PATCH_VERSION {patch}\n")
+    (root / "lib").mkdir()
+    if device_library:
+        (root / "lib" / "libnvshmem_device.a").write_bytes(b"!<arch>\n")
+    return root
+
+
+def test_nvshmem_too_old(tmp_path):
+    root = write_nvshmem(tmp_path, (3, 4, 5))
+    with pytest.raises(MissingDependencyError, match=r"NVSHMEM 3.4.5 .* is too old .*pip install 'nvidia-nvshmem-cu13>=3.5.21'"):
+        toolchain.check_nvshmem(root, (3, 4, 5))
+
+
+def test_nvshmem_headers_and_host_library_of_different_releases(tmp_path):
+    root = write_nvshmem(tmp_path, (3, 8, 0))
+    with pytest.raises(MissingDependencyError, match=r"headers \(3.8.0.*loaded host library \(3.4.5\) are different releases"):
+        toolchain.check_nvshmem(root, (3, 4, 5))
+
+
+def test_nvshmem_without_device_library(tmp_path):
+    root = write_nvshmem(tmp_path, (3, 8, 0), device_library=False)
+    with pytest.raises(MissingDependencyError, match="libnvshmem_device.a is missing"):
+        toolchain.check_nvshmem(root, (3, 8, 0))
+
+
+def test_installed_nvshmem_is_one_release():
+    nvshmem = toolchain.nvshmem()
+    assert nvshmem.version >= toolchain.MIN_NVSHMEM_VERSION and nvshmem.device_library.is_file()
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("CUEP_TIMEOUT_S", "ten", "CUEP_TIMEOUT_S='ten' is not a number of seconds"),
+    ("CUEP_TIMEOUT_S", "-1", "must be a positive number of seconds"),
+    ("CUEP_RANKS_PER_NODE", "two", "CUEP_RANKS_PER_NODE='two' is not a whole number"),
+    ("CUEP_JIT_VERBOSE", "maybe", "CUEP_JIT_VERBOSE='maybe' is not a boolean"),
+])
+def test_bad_environment_value_names_the_variable(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        env.get(name)
+
+
+def test_environment_defaults_and_parsing(monkeypatch):
+    monkeypatch.delenv("CUEP_TIMEOUT_S", raising=False)
+    assert env.get("CUEP_TIMEOUT_S") == 100.0
+    monkeypatch.setenv("CUEP_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("CUEP_FORCE_FALLBACK", "yes")
+    assert env.get("CUEP_TIMEOUT_S") == 2.5 and env.get("CUEP_FORCE_FALLBACK") is True
+
+
+def test_import_touches_nothing():
+    import subprocess
+    code = ("import sys, cuep; heavy = [m for m in ('cupy', 'mpi4py.MPI', 'nvshmem.core', 'cuda.core') "
+            "if m in sys.modules]; print(heavy)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def test_buffer_without_gpu_says_so():
+    from tests.gpu.launch import gpu_count
+    if gpu_count() > 0:
+        pytest.skip("this machine has a GPU; the GPU tests create real Buffers")
+    pytest.importorskip("mpi4py")
+    with pytest.raises(CuepError, match="cuep found no CUDA GPU"):
+        cuep.Buffer()

@@ -1,0 +1,82 @@
+"""Every kernel family compiles for sm_80 and sm_90, in every variant, through the real NVRTC (+ nvJitLink
+with libnvshmem_device.a for NVSHMEM families). No GPU needed."""
+
+import pytest
+
+from cuep.jit import build, compiler, toolchain
+from cuep.kernels import FAMILIES
+
+ELF_MAGIC = b"\x7fELF"
+ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"]}
+VARIANTS = {
+    "default": dict(force_fallback=False, aggressive_ptx=False),
+    "fallback": dict(force_fallback=True, aggressive_ptx=False),
+    "aggressive_ptx": dict(force_fallback=False, aggressive_ptx=True),
+}
+
+
+def compile_variant(family, arch, variant, keep_ptx=False):
+    spec = FAMILIES[family].spec(arch, **VARIANTS[variant])
+    nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
+    return spec, compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem, keep_ptx=keep_ptx)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_compiles(family, arch, variant):
+    spec, artifact = compile_variant(family, arch, variant)
+    assert artifact.cubin.startswith(ELF_MAGIC), spec.name
+    for entry in ENTRIES[family]:
+        assert entry in artifact.cubin, (spec.name, entry)
+    if spec.uses_nvshmem:  # linked: the NVSHMEM device state the host library initialises is present
+        assert b"nvshmemi_device_state" in artifact.cubin, spec.name
+
+
+def test_variants_resolve_per_arch():
+    assert FAMILIES["layout"].spec("sm_90", **VARIANTS["default"]).sm90_features
+    fallback = FAMILIES["layout"].spec("sm_90", **VARIANTS["fallback"])
+    assert not fallback.sm90_features and fallback.software_fp8 and fallback.name.endswith("sm_90.fallback")
+    ampere = FAMILIES["layout"].spec("sm_80", **VARIANTS["aggressive_ptx"])
+    assert not ampere.sm90_features and not ampere.aggressive_ptx and ampere.software_fp8
+    ada = FAMILIES["layout"].spec("sm_89", **VARIANTS["default"])
+    assert not ada.sm90_features and not ada.software_fp8
+
+
+def test_aggressive_ptx_switch_changes_the_loads():
+    _, default = compile_variant("layout", "sm_90", "default", keep_ptx=True)
+    _, aggressive = compile_variant("layout", "sm_90", "aggressive_ptx", keep_ptx=True)
+    assert "L1::no_allocate" in aggressive.ptx and "ld.volatile.global" not in aggressive.ptx
+    assert "L1::no_allocate" not in default.ptx and "ld.volatile.global" in default.ptx
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm90", "gfx90a"])
+def test_unsupported_arch_is_refused(arch):
+    with pytest.raises(ValueError, match="arch"):
+        FAMILIES["layout"].spec(arch)
+
+
+def test_build_caches_and_cli(cache_dir, capsys):
+    from cuep.cli import main
+    spec = FAMILIES["layout"].spec("sm_80")
+    entry, seconds = build(spec)
+    assert seconds > 0 and (entry / "kernel.cubin").is_file() and (entry / "meta.json").is_file()
+    assert build(spec) == (entry, 0.0)
+    assert main(["compile", "--arch", "sm_80"]) == 0
+    assert "layout" in capsys.readouterr().out
+
+
+def test_compile_error_names_spec_and_keeps_source(cache_dir, tmp_path, monkeypatch):
+    from cuep.errors import CompileError
+    from cuep.jit import library
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "layout.cu").write_text('extern "C" __global__ void k() { this is not C++; }\n')
+    monkeypatch.setattr(compiler, "source_root", lambda: broken)
+    monkeypatch.setattr(library, "source_root", lambda: broken)
+    with pytest.raises(CompileError) as info:
+        build(FAMILIES["layout"].spec("sm_90"))
+    message = str(info.value)
+    assert "layout" in message and "source kept at" in message
+    kept = cache_dir / "v1" / "failed"
+    assert any(p.name == "source.cu" for p in kept.rglob("*"))

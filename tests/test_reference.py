@@ -1,0 +1,55 @@
+"""cuep.reference against layouts worked out by hand."""
+
+import numpy as np
+import pytest
+
+from cuep import reference
+
+
+def test_two_ranks_three_tokens_four_experts():
+    # Rank 0 holds experts 0-1, rank 1 holds experts 2-3.
+    topk = np.array([[0, 1],    # both on rank 0
+                     [1, 3],    # rank 0 and rank 1
+                     [-1, 2]])  # rank 1 only; -1 routes nowhere
+    layout = reference.get_dispatch_layout(topk, num_experts=4, num_ranks=2)
+    np.testing.assert_array_equal(layout.num_tokens_per_expert, [1, 2, 1, 1])
+    np.testing.assert_array_equal(layout.num_tokens_per_rank, [2, 2])
+    np.testing.assert_array_equal(layout.is_token_in_rank, [[True, False], [True, True], [False, True]])
+    assert layout.num_tokens_per_rdma_rank is None
+    assert layout.num_tokens_per_rank.dtype == layout.num_tokens_per_expert.dtype == np.int32
+
+
+def test_two_nodes_of_two_ranks():
+    # 8 experts, 4 ranks (2 experts each), nodes {0, 1} and {2, 3}.
+    topk = np.array([[0, 2, -1],   # ranks 0, 1 -> node 0 only
+                     [1, 7, 6],    # ranks 0, 3 -> both nodes
+                     [5, 4, -1],   # rank 2 -> node 1
+                     [-1, -1, -1]])
+    layout = reference.get_dispatch_layout(topk, num_experts=8, num_ranks=4, num_ranks_per_node=2)
+    np.testing.assert_array_equal(layout.num_tokens_per_rank, [2, 1, 1, 1])
+    np.testing.assert_array_equal(layout.num_tokens_per_rdma_rank, [2, 2])
+    np.testing.assert_array_equal(layout.num_tokens_per_expert, [1, 1, 1, 0, 1, 1, 1, 1])
+    assert not layout.is_token_in_rank[3].any()
+
+
+def test_repeated_expert_counts_per_entry_but_rank_once():
+    layout = reference.get_dispatch_layout(np.array([[3, 3]]), num_experts=4, num_ranks=2)
+    np.testing.assert_array_equal(layout.num_tokens_per_expert, [0, 0, 0, 2])
+    np.testing.assert_array_equal(layout.num_tokens_per_rank, [0, 1])
+
+
+def test_zero_tokens():
+    layout = reference.get_dispatch_layout(np.zeros((0, 8), dtype=np.int64), num_experts=16, num_ranks=4)
+    assert layout.is_token_in_rank.shape == (0, 4)
+    assert not layout.num_tokens_per_rank.any() and not layout.num_tokens_per_expert.any()
+
+
+@pytest.mark.parametrize("topk, experts, ranks, message", [
+    (np.array([[0, 4]]), 4, 2, r"in \[0, 4\)"),
+    (np.array([[0, -2]]), 4, 2, r"in \[0, 4\)"),
+    (np.array([[0, 1]]), 5, 2, "multiple of num_ranks"),
+    (np.array([0, 1]), 4, 2, "num_tokens, num_topk"),
+])
+def test_rejects_bad_input(topk, experts, ranks, message):
+    with pytest.raises(ValueError, match=message):
+        reference.get_dispatch_layout(topk, experts, ranks)

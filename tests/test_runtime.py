@@ -1,0 +1,45 @@
+"""Topology planning and heap sizing (pure functions; the collective parts run in the GPU tests)."""
+
+import pytest
+
+from cuep.runtime import plan_topology
+from cuep.runtime import world
+
+
+def test_one_host_four_ranks():
+    topology = plan_topology(2, [0, 0, 0, 0], None)
+    assert (topology.local_rank, topology.ranks_per_node, topology.node, topology.num_nodes) == (2, 4, 0, 1)
+
+
+def test_override_makes_two_nodes_of_two():
+    topology = plan_topology(3, [0, 0, 0, 0], 2)
+    assert (topology.local_rank, topology.num_local_ranks, topology.node, topology.num_nodes) == (3, 4, 1, 2)
+
+
+def test_two_hosts():
+    topology = plan_topology(5, [0, 0, 0, 0, 1, 1, 1, 1], None)
+    assert (topology.local_rank, topology.node, topology.num_nodes) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("hosts, override, message", [
+    ([0, 0, 0, 1], None, "same number of ranks"),
+    ([0, 1, 0, 1], None, "placed host by host"),
+    ([0, 0, 0, 0], 3, "CUEP_RANKS_PER_NODE=3 must divide the 4 ranks"),
+])
+def test_refusals(hosts, override, message):
+    with pytest.raises(ValueError, match=message):
+        plan_topology(0, hosts, override)
+
+
+@pytest.mark.parametrize("text, size", [("1G", 1 << 30), ("512M", 512 << 20), ("4096", 4096), ("2gb", 2 << 30),
+                                        ("lots", None)])
+def test_heap_size_parsing(text, size):
+    assert world.parse_heap_size(text) == size
+
+
+def test_heap_is_sized_from_the_request(monkeypatch):
+    assert world.heap_size_for(0) == world.HEAP_RESERVE_BYTES
+    assert world.heap_size_for(1) % (2 << 20) == 0 and world.heap_size_for(1) > world.HEAP_RESERVE_BYTES
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "64M")
+    with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE=64M is smaller than"):
+        world._size_heap(1 << 30)
