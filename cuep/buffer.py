@@ -12,7 +12,7 @@ from .jit import get_library
 from .kernels import barrier as barrier_kernel
 from .kernels import layout as layout_kernel
 from .kernels import status as kernel_status
-from .runtime import MpiGroup, discover_topology
+from .runtime import MpiGroup, discover_topology, wait_for_all
 from .runtime import world as nvshmem_world
 
 
@@ -65,6 +65,7 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self._destroyed = True  # until construction completes
 
+        wait_for_all(self.comm, "Buffer()")  # the collectives below cannot time out themselves
         self.topology = discover_topology(self.comm)
         self.rank, self.group_size = self.topology.rank, self.topology.num_ranks
         control_bytes = barrier_kernel.signal_bytes(self.group_size)
@@ -223,6 +224,7 @@ class Buffer:
         """Collective: release this Buffer's symmetric memory now. Idempotent; the Buffer is unusable after."""
         if self._destroyed:
             return
+        wait_for_all(self.comm, "Buffer.destroy()")  # freeing symmetric memory is collective
         self._device.synchronize()
         self._in_flight.clear()
         nvshmem_world.free(self._control)

@@ -33,7 +33,7 @@ def _try(what, describe):
 
 def _mpi_library() -> str:
     from . import _deps
-    return _deps.mpi().Get_library_version().splitlines()[0].strip()
+    return _deps.mpi().Get_library_version().replace("\0", "").splitlines()[0].strip()
 
 
 def _gpus() -> str:

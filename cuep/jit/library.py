@@ -120,18 +120,23 @@ def _check_same_key(group: CompileGroup, spec: KernelSpec, keyed) -> None:
     other = next(r for r, k in enumerate(keys) if k != keys[group.rank])
     all_fields = group.allgather(keyed[1] if keyed else None, f"compile of {spec.name}")
     mine, theirs = all_fields[group.rank] or {}, all_fields[other] or {}
-    differing = next((f for f in mine.keys() | theirs.keys() if mine.get(f) != theirs.get(f)), "cache use")
+    in_order = [*mine, *(f for f in theirs if f not in mine)]
+    differing = next((f for f in in_order if mine.get(f) != theirs.get(f)), "cache use")
     raise CompileError(
         f"ranks {group.rank} and {other} would build different {spec.name} kernels: their '{differing}' "
         f"differs ({mine.get(differing)!r} vs {theirs.get(differing)!r}); give every rank the same "
         f"cuep, CUDA and NVSHMEM installation and the same CUEP_* settings")
 
 
-def _obtain_cubin(spec: KernelSpec, group: CompileGroup | None) -> bytes:
+def _prepare(spec: KernelSpec):
+    """What every path to a cubin needs: NVSHMEM (if used), the options, the key (or None), the cache root."""
     nv = nvshmem() if spec.uses_nvshmem else None
     options = compile_options(spec, nv)
-    keyed = _key(spec, options, nv)
-    root = env.get("CUEP_CACHE_DIR")
+    return nv, options, _key(spec, options, nv), env.get("CUEP_CACHE_DIR")
+
+
+def _obtain_cubin(spec: KernelSpec, group: CompileGroup | None) -> bytes:
+    nv, options, keyed, root = _prepare(spec)
     announce = group is None or group.rank == 0
     if group is not None and group.num_ranks > 1:
         _check_same_key(group, spec, keyed)
@@ -140,17 +145,19 @@ def _obtain_cubin(spec: KernelSpec, group: CompileGroup | None) -> bytes:
     key, fields = keyed
     if group is None:
         return _build_into_cache(spec, options, nv, root, key, fields, announce)
-    status = _OK
+    phase = f"compile of {spec.name}"
+    cubin = None
     if group.local_rank == 0:
         try:
-            _build_into_cache(spec, options, nv, root, key, fields, announce)
+            cubin = _build_into_cache(spec, options, nv, root, key, fields, announce)
         except Exception as exc:
-            group.node_broadcast(f"{type(exc).__name__}: {exc}", f"compile of {spec.name}")
+            group.node_broadcast(f"{type(exc).__name__}: {exc}", phase)
             raise
-    status = group.node_broadcast(status, f"compile of {spec.name}")
+    status = group.node_broadcast(_OK, phase)
     if status != _OK:
         raise CompileError(f"local rank 0 of this node failed to build {spec.name}:\n{status}")
-    cubin = cache.load(root, spec, key)
+    if cubin is None:
+        cubin = cache.load(root, spec, key)
     if cubin is None:
         raise CompileError(f"local rank 0 built {spec.name} into {cache.entry_dir(root, spec, key)}, but rank "
                            f"{group.rank} cannot read it there: CUEP_CACHE_DIR must be visible to every rank "
@@ -176,10 +183,7 @@ def build(spec: KernelSpec) -> tuple[Path | None, float]:
 
     Returns the cache entry (``None`` when the cache is disabled) and the seconds spent compiling
     (0 when it was already cached)."""
-    nv = nvshmem() if spec.uses_nvshmem else None
-    options = compile_options(spec, nv)
-    keyed = _key(spec, options, nv)
-    root = env.get("CUEP_CACHE_DIR")
+    nv, options, keyed, root = _prepare(spec)
     started = time.perf_counter()
     if keyed is None:
         _compile(spec, options, nv, root, announce=False)

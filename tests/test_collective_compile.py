@@ -1,0 +1,59 @@
+"""The collective-compile protocol of cuep.jit.library, with two simulated ranks of one node.
+
+The MPI side (bounded Ibarrier + allgather/bcast) runs in the GPU tests; here a stand-in group
+returns what the other rank would have sent, so each branch of the protocol is checked on a CPU.
+"""
+
+import pytest
+
+from cuep.errors import CompileError
+from cuep.jit import library
+from cuep.kernels import FAMILIES
+
+SPEC = FAMILIES["layout"].spec("sm_80")
+
+
+class TwoRanks:
+    """This process is ``rank``; ``other`` is what rank ``1 - rank`` contributes to each collective."""
+
+    def __init__(self, rank, other=lambda mine: mine, leader_status=None):
+        self.rank, self.local_rank, self.num_ranks = rank, rank, 2
+        self.other, self.leader_status = other, leader_status
+
+    def allgather(self, value, phase):
+        pair = [value, self.other(value)]
+        return pair if self.rank == 0 else pair[::-1]
+
+    def node_broadcast(self, value, phase):
+        return value if self.local_rank == 0 else self.leader_status
+
+
+def test_ranks_with_different_toolchains_are_refused(cache_dir):
+    def older_nvrtc(value):
+        if isinstance(value, dict):
+            return {**value, "nvrtc": "12.8"}
+        return "another-key"
+    with pytest.raises(CompileError, match=r"ranks 0 and 1 would build different .* 'nvrtc' differs"):
+        library._obtain_cubin(SPEC, TwoRanks(0, other=older_nvrtc))
+
+
+def test_leader_compiles_and_follower_loads_its_cubin(cache_dir):
+    leader = library._obtain_cubin(SPEC, TwoRanks(0))
+    follower = library._obtain_cubin(SPEC, TwoRanks(1, leader_status="ok"))
+    assert follower == leader and leader.startswith(b"\x7fELF")
+
+
+def test_follower_reports_the_leaders_failure(cache_dir):
+    with pytest.raises(CompileError, match="local rank 0 of this node failed to build .*\nCompileError: boom"):
+        library._obtain_cubin(SPEC, TwoRanks(1, leader_status="CompileError: boom"))
+
+
+def test_follower_without_the_leaders_cache_says_where_to_look(cache_dir):
+    with pytest.raises(CompileError, match="CUEP_CACHE_DIR must be visible to every rank"):
+        library._obtain_cubin(SPEC, TwoRanks(1, leader_status="ok"))
+
+
+def test_cache_disabled_every_rank_compiles(cache_dir, monkeypatch):
+    monkeypatch.setenv("CUEP_JIT_DISABLE_CACHE", "1")
+    assert library._obtain_cubin(SPEC, TwoRanks(1, leader_status=None)).startswith(b"\x7fELF")
+    assert not cache_dir.exists()
