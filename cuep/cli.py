@@ -61,7 +61,7 @@ def info() -> int:
     print("  GPUs                   " + _try(lambda: None, lambda _: _gpus()))
     print("environment:")
     for var in env.table():
-        print(f"  {var.name:24s} = {_try(lambda: env.get(var.name), str):28s} {var.doc}")
+        print(f"  {var.name:24s} = {_try(lambda name=var.name: env.get(name), str):28s} {var.doc}")
     return 0
 
 

@@ -1,7 +1,5 @@
 """get_dispatch_layout on 2 and 4 GPUs against cuep.reference (workers/layout_worker.py has the cases)."""
 
-import os
-
 import pytest
 
 from .launch import run_worker, skip_reason
