@@ -8,8 +8,9 @@ NVSHMEM. Importing cuep touches no GPU, MPI, disk or environment.
 __version__ = "0.1.0"
 
 from .buffer import Buffer  # noqa: E402
+from .config import Config  # noqa: E402
 from .errors import CompileError, CuepError, MissingDependencyError, PeerTimeoutError  # noqa: E402
 from .event import EventOverlap  # noqa: E402
 
-__all__ = ["Buffer", "CompileError", "CuepError", "EventOverlap", "MissingDependencyError", "PeerTimeoutError",
+__all__ = ["Buffer", "CompileError", "Config", "CuepError", "EventOverlap", "MissingDependencyError", "PeerTimeoutError",
            "__version__"]

@@ -86,3 +86,28 @@ def check_event_options(call: str, previous_event, async_finish: bool, allocate_
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise ValueError(f"{call}: allocate_on_comm_stream=True needs previous_event and async_finish=True "
                          f"(the outputs then belong to the communication stream)")
+
+
+def bf16_dtype():
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def check_matrix(call: str, name: str, array, dtypes, rows: int | None = None, cols: int | None = None,
+                 contiguous: bool = True) -> None:
+    """A 2-D array of one of ``dtypes`` with the given row/column counts (``None``: any)."""
+    names = " or ".join(str(np.dtype(d)) for d in dtypes)
+    if array.dtype not in [np.dtype(d) for d in dtypes]:
+        raise TypeError(f"{call}: {name} must be {names}, got {array.dtype}")
+    expected = f"[{'num_rows' if rows is None else rows}, {'any' if cols is None else cols}]"
+    if array.ndim != 2 or (rows is not None and array.shape[0] != rows) or (cols is not None and array.shape[1] != cols):
+        raise ValueError(f"{call}: {name} must have shape {expected}, got {tuple(array.shape)}")
+    if contiguous and not array.flags.c_contiguous:
+        raise ValueError(f"{call}: {name} must be C-contiguous; pass cupy.ascontiguousarray({name})")
+
+
+def check_hidden(call: str, hidden: int, fp8: bool) -> None:
+    multiple = 128 if fp8 else 8
+    if hidden <= 0 or hidden % multiple:
+        kind = "FP8 (one scale per 128 channels)" if fp8 else "BF16 (16-byte vectors)"
+        raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple} for {kind}, got {hidden}")

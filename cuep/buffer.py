@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from . import _checks, _deps, env
 from .errors import CuepError
 from .event import EventOverlap
 from .jit import get_library
+from .config import Config, get_combine_config, get_dispatch_config
 from .kernels import barrier as barrier_kernel
+from .kernels import intranode as intranode_kernel
 from .kernels import layout as layout_kernel
 from .kernels import status as kernel_status
 from .runtime import MpiGroup, discover_topology, wait_for_all
@@ -47,6 +51,9 @@ class Buffer:
     and internode memory are one NVSHMEM mechanism; adds :meth:`barrier`.
     """
 
+    #: SMs used by the high-throughput kernels when no Config is given (DeepEP's class attribute).
+    num_sms: int = 24
+
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  explicitly_destroy: bool = False):
@@ -82,8 +89,12 @@ class Buffer:
         self._data = nvshmem_world.allocate(data_bytes) if data_bytes else None
         self._destroyed = False
         self._status = cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32)
+        self._status_host = np.frombuffer(cupy.cuda.alloc_pinned_memory(self._status.nbytes), np.int32,
+                                          kernel_status.STATUS_WORDS)
+        self._status_host[:] = 0
         self._barrier_epoch = 0
         self._load_kernels()
+        self._intranode = self._intranode_context() if self._data is not None else None
         cupy.cuda.runtime.memset(int(self._control.handle), 0, control_bytes)
         self._device.synchronize()
         _deps.nvshmem().barrier_all(self._core_stream(self._comm_stream))
@@ -100,8 +111,21 @@ class Buffer:
             group = MpiGroup(self.comm, local_comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
             self._layout_library = get_library(layout_kernel.spec(arch), group)
             self._barrier_library = get_library(barrier_kernel.spec(arch), group)
+            self._intranode_library = get_library(intranode_kernel.spec(arch), group)
         finally:
             local_comm.Free()
+
+    def _intranode_context(self) -> intranode_kernel.Context:
+        cupy, nvshmem = _deps.cupy(), _deps.nvshmem()
+        bases = [int(self._data.handle) if pe == self.rank else int(nvshmem.get_peer_buffer(self._data, pe).handle)
+                 for pe in range(self.group_size)]
+        timeout_s = env.get("CUEP_TIMEOUT_S")
+        return intranode_kernel.Context(
+            library=self._intranode_library, rank=self.rank, num_ranks=self.group_size,
+            buffer_ptr=int(self._data.handle), buffer_bytes=self.num_nvl_bytes,
+            peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
+            barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), core_stream=self._core_stream,
+            raise_if_failed=self._raise_if_failed)
 
     def _core_stream(self, cupy_stream):
         """The cuda.core view of a CuPy stream, made once per stream."""
@@ -116,12 +140,50 @@ class Buffer:
     def _check_alive(self, call: str) -> None:
         if self._destroyed:
             raise CuepError(f"{call}: this Buffer was destroyed")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow), once."""
+        if self._status_host.any():
+            recorded = self._status_host.copy()
+            self._status.fill(0)
+            self._status_host[:] = 0
+            kernel_status.raise_if_failed(recorded, self.rank, env.get("CUEP_TIMEOUT_S"))
+
+    def _enqueue_barrier(self, stream, timeout_s: float) -> None:
+        """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
+        cupy = _deps.cupy()
+        self._barrier_epoch += 1
+        barrier_kernel.launch(self._barrier_library, self._core_stream(stream), int(self._control.handle),
+                              self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status)
+        cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, self._status.data.ptr, self._status.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
     def _keep_alive(self, event, arrays: tuple) -> None:
         """Hold ``arrays`` until ``event`` completes: the comm stream may still read or write them after
         the caller drops its references (CuPy has no ``record_stream``)."""
         self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
         self._in_flight.append((event, arrays))
+
+    def _on_comm_stream(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool,
+                        enqueue: Callable[[Any], tuple[tuple, tuple]]) -> tuple[tuple, EventOverlap]:
+        """Run ``enqueue(comm_stream)`` after ``previous_event`` (default: the current stream's work).
+
+        ``enqueue`` launches on the comm stream, allocating on the comm stream or the current one, and
+        returns ``(outputs, inputs)``; both are kept alive until the comm stream is done with them.
+        """
+        cupy = _deps.cupy()
+        compute_stream = cupy.cuda.get_current_stream()
+        comm_stream = self._comm_stream
+        comm_stream.wait_event(previous_event.event if previous_event is not None else compute_stream.record())
+        with comm_stream if allocate_on_comm_stream else compute_stream:
+            outputs, inputs = enqueue(comm_stream)
+        done = comm_stream.record()
+        if async_finish:
+            self._keep_alive(done, (*inputs, *outputs))
+        else:
+            compute_stream.wait_event(done)
+        return outputs, EventOverlap(done, extra_arrays=tuple(inputs))
 
     # ----------------------------------------------------------------------------------------------
     # Public API
@@ -154,12 +216,10 @@ class Buffer:
         timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else float(timeout_s)
         if not timeout_s > 0:
             raise ValueError(f"Buffer.barrier(): timeout_s must be positive, got {timeout_s}")
-        self._barrier_epoch += 1
         stream = cupy.cuda.get_current_stream()
-        self._status.fill(0)
-        barrier_kernel.launch(self._barrier_library, self._core_stream(stream), int(self._control.handle),
-                              self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status)
-        kernel_status.raise_if_timed_out(self._status.get(), self.rank, timeout_s)
+        self._enqueue_barrier(stream, timeout_s)
+        stream.synchronize()
+        self._raise_if_failed()
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -200,25 +260,203 @@ class Buffer:
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
         compute_stream = cupy.cuda.get_current_stream()
         _checks.check_expert_ids(call, topk_idx, int(num_experts), compute_stream)
-
-        comm_stream = self._comm_stream
-        comm_stream.wait_event(previous_event.event if previous_event is not None else compute_stream.record())
         num_tokens, num_nodes = topk_idx.shape[0], self.topology.num_nodes
-        with comm_stream if allocate_on_comm_stream else compute_stream:
+
+        def enqueue(comm_stream):
             per_rank = cupy.empty(self.group_size, dtype=cupy.int32)
             per_node = cupy.empty(num_nodes, dtype=cupy.int32) if num_nodes > 1 else None
             per_expert = cupy.empty(int(num_experts), dtype=cupy.int32)
             in_rank = cupy.empty((num_tokens, self.group_size), dtype=cupy.bool_)
-        layout_kernel.launch(self._layout_library, self._core_stream(comm_stream), topk_idx, int(num_experts),
-                             self.group_size, num_nodes, per_expert, per_rank, per_node, in_rank)
+            layout_kernel.launch(self._layout_library, self._core_stream(comm_stream), topk_idx, int(num_experts),
+                                 self.group_size, num_nodes, per_expert, per_rank, per_node, in_rank)
+            return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
 
-        done = comm_stream.record()
-        outputs = (per_rank, per_node, per_expert, in_rank)
-        if async_finish:
-            self._keep_alive(done, (topk_idx, *outputs))
+        outputs, event = self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, enqueue)
+        return (*outputs, event)
+
+    @classmethod
+    def set_num_sms(cls, new_num_sms: int) -> None:
+        """Set the SMs the high-throughput kernels use when no Config is passed (every Buffer)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
+            raise ValueError(f"Buffer.set_num_sms(): new_num_sms must be a positive int, got {new_num_sms!r}")
+        cls.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The tuned dispatch Config for ``num_ranks`` ranks (see docs/performance.md)."""
+        return get_dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The tuned combine Config for ``num_ranks`` ranks (see docs/performance.md)."""
+        return get_combine_config(num_ranks)
+
+    def _intranode_ready(self, call: str) -> intranode_kernel.Context:
+        self._check_alive(call)
+        if self._intranode is None:
+            raise ValueError(f"{call}: this Buffer has no NVL buffer (num_nvl_bytes=0); create it with "
+                             f"num_nvl_bytes >= Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
+        if self.topology.num_nodes > 1 or self.group_size > intranode_kernel.MAX_RANKS:
+            raise ValueError(f"{call}: the internode mode is not built yet; dispatch and combine need all "
+                             f"{self.group_size} ranks on one node (at most {intranode_kernel.MAX_RANKS})")
+        return self._intranode
+
+    def dispatch(self, x, handle: intranode_kernel.Handle | None = None, num_tokens_per_rank=None,
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank that holds one of its experts (NVLink, one node).
+
+        Requirements:
+            every rank calls it; non-cached calls need the layout from :meth:`get_dispatch_layout`.
+            A non-cached call without ``num_worst_tokens`` waits on the CPU for the received count,
+            to size the outputs. The NVL buffer must hold this call's staged tokens (the error says
+            how much when it does not).
+
+        Arguments:
+            x: `[num_tokens, hidden]` with `bfloat16` (``ml_dtypes.bfloat16``), or a tuple of
+                `[num_tokens, hidden]` `uint8` holding FP8 e4m3 bytes and `[num_tokens, hidden // 128]`
+                `float32` scales (any strides, e.g. column-major).
+            handle: a previous dispatch's handle: cached mode, reusing its layout (no CPU wait);
+                ``topk_idx``/``topk_weights`` must then be ``None``.
+            num_tokens_per_rank: `[num_ranks]` `int32` from the layout.
+            num_tokens_per_rdma_rank: `[num_nodes]` from the layout, `None` on one node.
+            is_token_in_rank: `[num_tokens, num_ranks]` `bool` from the layout.
+            num_tokens_per_expert: `[num_experts]` `int32` from the layout.
+            topk_idx: `[num_tokens, num_topk]` `int64`/`int32`, or `None` to send no routing.
+            topk_weights: `[num_tokens, num_topk]` `float32`, or `None`.
+            expert_alignment: round each received per-expert count up to a multiple of this.
+            num_worst_tokens: when > 0, allocate this many received rows and skip the CPU wait
+                (CUDA-graph capturable); rows past the real count have top-k ids `-1`.
+            config: performance config (default :meth:`get_dispatch_config` with ``num_sms``).
+            previous_event, async_finish, allocate_on_comm_stream: as in :meth:`get_dispatch_layout`.
+
+        Returns:
+            recv_x: `[num_recv_tokens, hidden]` like ``x`` (a tuple with `[num_recv_tokens, hidden // 128]`
+                `float32` scales for FP8), rows ordered by source rank, then source token.
+            recv_topk_idx: `[num_recv_tokens, num_topk]` `int64`, local expert ids, `-1` where the expert
+                is elsewhere (or `None`).
+            recv_topk_weights: `[num_recv_tokens, num_topk]` `float32`, zero where the id is `-1` (or `None`).
+            num_recv_tokens_per_expert_list: per local expert, tokens received (aligned); empty with
+                ``num_worst_tokens`` or a handle.
+            handle: for :meth:`combine` and cached dispatch.
+            event: an :class:`EventOverlap` for the communication.
+
+        Differs from DeepEP: any hidden size (multiple of 8 for BF16, of 128 for FP8); `int32` ids
+        accepted; FP8 data is `uint8` (CuPy has no FP8 dtype).
+        """
+        call = "dispatch()"
+        ctx = self._intranode_ready(call)
+        cupy, bf16 = _deps.cupy(), _checks.bf16_dtype()
+        fp8 = isinstance(x, tuple)
+        if fp8:
+            if len(x) != 2:
+                raise ValueError(f"{call}: FP8 x must be a tuple (x_fp8, scales), got {len(x)} items")
+            x, scales = (_checks.as_device_array(call, name, a) for name, a in zip(("x", "x scales"), x))
         else:
-            compute_stream.wait_event(done)
-        return (*outputs, EventOverlap(done, extra_arrays=(topk_idx,)))
+            x, scales = _checks.as_device_array(call, "x", x), None
+        _checks.check_matrix(call, "x", x, [np.uint8] if fp8 else [bf16])
+        num_tokens, hidden = x.shape
+        _checks.check_hidden(call, hidden, fp8)
+        if fp8:
+            _checks.check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // 128, contiguous=False)
+        expert_alignment = _checks.check_nonnegative_int(call, "expert_alignment", expert_alignment)
+        num_worst_tokens = _checks.check_nonnegative_int(call, "num_worst_tokens", num_worst_tokens)
+        if expert_alignment < 1:
+            raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
+        _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"{call}: a cached dispatch (handle given) takes no topk_idx or topk_weights")
+            if not isinstance(handle, intranode_kernel.Handle) or handle.num_tokens != num_tokens:
+                raise ValueError(f"{call}: handle must come from a dispatch of {num_tokens} tokens on this Buffer")
+            num_experts = 0
+        else:
+            if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
+                raise ValueError(f"{call}: without a handle, pass num_tokens_per_rank, is_token_in_rank and "
+                                 f"num_tokens_per_expert from get_dispatch_layout()")
+            is_token_in_rank = _checks.as_device_array(call, "is_token_in_rank", is_token_in_rank)
+            _checks.check_matrix(call, "is_token_in_rank", is_token_in_rank, [np.bool_], num_tokens, self.group_size)
+            num_tokens_per_expert = _checks.as_device_array(call, "num_tokens_per_expert", num_tokens_per_expert)
+            num_experts = num_tokens_per_expert.size
+            if num_tokens_per_expert.dtype != np.int32 or num_tokens_per_expert.ndim != 1:
+                raise TypeError(f"{call}: num_tokens_per_expert must be [num_experts] int32, got "
+                                f"{num_tokens_per_expert.dtype} {tuple(num_tokens_per_expert.shape)}")
+            _checks.check_num_experts(call, num_experts, self.group_size)
+            if num_experts > intranode_kernel.MAX_EXPERTS:
+                raise ValueError(f"{call}: at most {intranode_kernel.MAX_EXPERTS} experts, got {num_experts}")
+            if topk_idx is not None:
+                topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
+                _checks.check_topk_idx(call, topk_idx, num_experts)
+                _checks.check_matrix(call, "topk_idx", topk_idx, _checks.INDEX_DTYPES, num_tokens)
+                topk_idx = topk_idx.astype(cupy.int64, copy=False)
+            if topk_weights is not None:
+                if topk_idx is None:
+                    raise ValueError(f"{call}: topk_weights needs topk_idx")
+                topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
+                _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
+        num_sms = (config or Config(num_sms=self.num_sms)).num_sms
+
+        def enqueue(comm_stream):
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, new_handle = intranode_kernel.dispatch(
+                ctx, comm_stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                num_experts, handle, expert_alignment, num_worst_tokens, num_sms)
+            outputs = ((recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
+                       new_handle)
+            return outputs, (x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, recv_x,
+                             recv_scales)
+
+        outputs, event = self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, enqueue)
+        self._raise_if_failed()
+        return (*outputs, event)
+
+    def combine(self, x, handle: intranode_kernel.Handle, topk_weights=None, bias=None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send each received token back to its source rank and sum the copies there (no weights applied).
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` `bfloat16`, one row per row ``dispatch`` returned.
+            handle: the dispatch's handle.
+            topk_weights: `[num_recv_tokens, num_topk]` `float32` to sum back too, or `None`.
+            bias: `[num_tokens, hidden]` `bfloat16`, or a tuple of two, added to each result.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` `bfloat16`: for each original token, the FP32 sum of its
+                copies' rows plus the biases (just the biases when it went nowhere).
+            combined_topk_weights: `[num_tokens, num_topk]` `float32`, the summed weights (or `None`).
+            event: an :class:`EventOverlap` for the communication.
+        """
+        call = "combine()"
+        ctx = self._intranode_ready(call)
+        bf16 = _checks.bf16_dtype()
+        if not isinstance(handle, intranode_kernel.Handle):
+            raise TypeError(f"{call}: handle must be the handle a dispatch() on this Buffer returned")
+        x = _checks.as_device_array(call, "x", x)
+        _checks.check_matrix(call, "x", x, [bf16], handle.num_rows)
+        _checks.check_hidden(call, x.shape[1], fp8=False)
+        if topk_weights is not None:
+            topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
+            _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_rows)
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        if len(biases) > 2:
+            raise ValueError(f"{call}: bias must be one array or a tuple of two, got {len(biases)}")
+        biases = [_checks.as_device_array(call, "bias", b) if b is not None else None for b in biases] + [None]
+        for b in biases[:2]:
+            if b is not None:
+                _checks.check_matrix(call, "bias", b, [bf16], handle.num_tokens, x.shape[1])
+        _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
+        num_sms = (config or Config(num_sms=self.num_sms)).num_sms
+
+        def enqueue(comm_stream):
+            combined_x, combined_weights = intranode_kernel.combine(ctx, comm_stream, x, handle, topk_weights,
+                                                                    biases[0], biases[1], num_sms)
+            return (combined_x, combined_weights), (x, topk_weights, biases[0], biases[1], handle.send_pos)
+
+        outputs, event = self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, enqueue)
+        return (*outputs, event)
 
     def destroy(self) -> None:
         """Collective: release this Buffer's symmetric memory now. Idempotent; the Buffer is unusable after."""

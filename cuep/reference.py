@@ -56,3 +56,71 @@ def get_dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int,
         in_node = is_token_in_rank.reshape(num_tokens, num_nodes, ranks_per_node).any(axis=2)
         per_node = in_node.sum(axis=0).astype(np.int32)
     return DispatchLayout(per_rank, per_node, per_expert, is_token_in_rank)
+
+
+class DispatchResult(NamedTuple):
+    """What one receiving rank gets from ``Buffer.dispatch``."""
+
+    recv_x: np.ndarray                      # [num_recv, hidden], rows by (source rank, source token)
+    recv_scales: np.ndarray | None          # [num_recv, hidden // 128]
+    recv_topk_idx: np.ndarray | None        # [num_recv, num_topk] local expert ids, -1 elsewhere
+    recv_topk_weights: np.ndarray | None    # [num_recv, num_topk], 0 where the id is -1
+    num_recv_tokens_per_expert: list[int]   # per local expert, aligned
+    recv_src: np.ndarray                    # [num_recv, 2]: (source rank, source token)
+
+
+def dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int, topk_weights: list | None = None,
+             scales: list | None = None, expert_alignment: int = 1) -> list[DispatchResult]:
+    """Every rank's dispatch result, from every rank's inputs (``xs[s]``: rank ``s``'s tokens).
+
+    A token goes to each rank holding one of its experts, once; ranks receive rows ordered by
+    source rank, then source token.
+    """
+    num_ranks = len(xs)
+    per_rank = num_experts // num_ranks
+    results = []
+    for r in range(num_ranks):
+        rows, row_scales, ids, weights, sources = [], [], [], [], []
+        for s in range(num_ranks):
+            topk = np.asarray(topk_idxs[s])
+            owner = np.where(topk >= 0, topk // per_rank, -1)
+            tokens = np.nonzero((owner == r).any(axis=1))[0]
+            rows.append(xs[s][tokens])
+            if scales is not None:
+                row_scales.append(scales[s][tokens])
+            local = owner[tokens] == r
+            ids.append(np.where(local, topk[tokens] - r * per_rank, -1))
+            if topk_weights is not None:
+                weights.append(np.where(local, topk_weights[s][tokens], 0).astype(np.float32))
+            sources.append(np.stack([np.full(len(tokens), s), tokens], axis=1))
+        counts = [sum(int((np.asarray(t) == r * per_rank + e).sum()) for t in topk_idxs) for e in range(per_rank)]
+        aligned = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        results.append(DispatchResult(np.concatenate(rows), np.concatenate(row_scales) if scales is not None else None,
+                                      np.concatenate(ids).astype(np.int64),
+                                      np.concatenate(weights) if topk_weights is not None else None,
+                                      aligned, np.concatenate(sources).astype(np.int64)))
+    return results
+
+
+def combine(recv_xs: list[np.ndarray], recv_srcs: list[np.ndarray], num_tokens: list[int],
+            recv_topk_weights: list | None = None, biases: list | None = None):
+    """Every source rank's combine result: for each of its tokens, the float32 sum of the rows that
+    the ranks holding a copy send back, plus ``biases[s]`` (a list of arrays per rank, or None).
+
+    Returns ``(combined_x, combined_topk_weights)`` lists, one entry per source rank.
+    """
+    hidden = recv_xs[0].shape[1]
+    combined = [np.zeros((n, hidden), dtype=np.float32) for n in num_tokens]
+    weights = None
+    if recv_topk_weights is not None:
+        weights = [np.zeros((n, recv_topk_weights[0].shape[1]), dtype=np.float32) for n in num_tokens]
+    for r, (rows, sources) in enumerate(zip(recv_xs, recv_srcs)):
+        for i, (s, t) in enumerate(sources):
+            combined[s][t] += rows[i].astype(np.float32)
+            if weights is not None:
+                weights[s][t] += recv_topk_weights[r][i]
+    if biases is not None:
+        for s, extra in enumerate(biases):
+            for b in extra or ():
+                combined[s] += b.astype(np.float32)
+    return combined, weights

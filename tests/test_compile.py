@@ -7,7 +7,8 @@ from cuep.jit import build, compiler, toolchain
 from cuep.kernels import FAMILIES
 
 ELF_MAGIC = b"\x7fELF"
-ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"]}
+ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"],
+           "intranode": [b"cuep_intranode_%s" % name for name in (b"stage", b"notify", b"pull", b"push", b"reduce")]}
 VARIANTS = {
     "default": dict(force_fallback=False, aggressive_ptx=False),
     "fallback": dict(force_fallback=True, aggressive_ptx=False),

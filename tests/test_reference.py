@@ -53,3 +53,30 @@ def test_zero_tokens():
 def test_rejects_bad_input(topk, experts, ranks, message):
     with pytest.raises(ValueError, match=message):
         reference.get_dispatch_layout(topk, experts, ranks)
+
+
+def test_dispatch_and_combine_two_ranks_by_hand():
+    # Rank 0 holds experts 0-1, rank 1 holds experts 2-3.
+    xs = [np.arange(6, dtype=np.float32).reshape(3, 2), np.arange(6, 10, dtype=np.float32).reshape(2, 2)]
+    topk = [np.array([[0, 3], [1, -1], [2, 3]]), np.array([[3, -1], [0, 2]])]
+    rank0, rank1 = reference.dispatch(xs, topk, num_experts=4)
+    assert rank0.recv_src.tolist() == [[0, 0], [0, 1], [1, 1]]
+    assert rank0.recv_x.tolist() == [[0, 1], [2, 3], [8, 9]]
+    assert rank0.recv_topk_idx.tolist() == [[0, -1], [1, -1], [0, -1]]
+    assert rank0.num_recv_tokens_per_expert == [2, 1]
+    assert rank1.recv_src.tolist() == [[0, 0], [0, 2], [1, 0], [1, 1]]
+    assert rank1.recv_topk_idx.tolist() == [[-1, 1], [0, 1], [1, -1], [-1, 0]]
+    assert rank1.num_recv_tokens_per_expert == [2, 3]
+    aligned = reference.dispatch(xs, topk, num_experts=4, expert_alignment=4)
+    assert aligned[1].num_recv_tokens_per_expert == [4, 4]
+    combined, _ = reference.combine([rank0.recv_x, rank1.recv_x], [rank0.recv_src, rank1.recv_src], [3, 2])
+    assert combined[0].tolist() == [[0, 2], [2, 3], [4, 5]]  # token 0 came back from both ranks
+    assert combined[1].tolist() == [[6, 7], [16, 18]]
+
+
+def test_dispatch_zeroes_weights_of_remote_experts():
+    xs = [np.zeros((1, 2)), np.zeros((0, 2))]
+    result = reference.dispatch(xs, [np.array([[0, 2]]), np.zeros((0, 2), int)], num_experts=4,
+                                topk_weights=[np.array([[0.25, 0.75]], np.float32), np.zeros((0, 2), np.float32)])
+    assert result[0].recv_topk_weights.tolist() == [[0.25, 0.0]]
+    assert result[1].recv_topk_weights.tolist() == [[0.0, 0.75]]

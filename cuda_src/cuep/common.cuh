@@ -38,6 +38,7 @@ constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
 constexpr int kStatusTimedOut = 0;  // 0 = fine, 1 = a wait timed out
 constexpr int kStatusPeer = 1;      // the rank that never arrived
 constexpr int kStatusPhase = 2;     // which wait (kPhase* below)
+constexpr int kStatusOverflow = 3;  // rows a dispatch needed beyond the num_worst_tokens it was given
 constexpr int kStatusWords = 4;
 
 constexpr int kPhaseBarrier = 1;

@@ -42,6 +42,26 @@ __device__ __forceinline__ int32_t ld_nc_no_allocate_global(const int32_t* ptr) 
     return value;
 }
 
+__device__ __forceinline__ int4 ld_volatile_global(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
+
+__device__ __forceinline__ int4 ld_nc_no_allocate_global(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
+
+// Store that will not be read again by this SM: skip L1 allocation.
+__device__ __forceinline__ void st_na_global(int4* ptr, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Load of data read once by this kernel. The aggressive form skips L1 and prefetches 256 bytes into
 // L2; it is only valid for memory no one writes during the kernel, so it stays opt-in.
 template <typename T>

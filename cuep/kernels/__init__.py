@@ -1,7 +1,7 @@
 """One launch module per ``cuda_src`` family: its spec, its launch geometry, its argument order."""
 
-from . import barrier, layout
+from . import barrier, intranode, layout
 
-FAMILIES = {"barrier": barrier, "layout": layout}
+FAMILIES = {"barrier": barrier, "intranode": intranode, "layout": layout}
 
-__all__ = ["FAMILIES", "barrier", "layout"]
+__all__ = ["FAMILIES", "barrier", "intranode", "layout"]

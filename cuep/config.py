@@ -1,0 +1,79 @@
+"""Config: the performance knobs of the high-throughput kernels, and buffer size hints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, bf16 hidden.
+HINT_TOKENS_PER_RANK = 4096
+_META_BYTES = 64 * 1024  # mirrors kMetaBytes in cuda_src/intranode.cu
+_ALIGN = 16
+MAX_TOPK_HINT = 8
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Config:
+    """How many SMs the normal-mode kernels use, and DeepEP's chunking knobs.
+
+    Arguments:
+        num_sms: SMs (thread blocks) for the copy kernels; DeepEP's default is 20. More SMs keep
+            more bytes in flight over NVLink; fewer leave SMs free for overlapped compute.
+        num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's ring-buffer
+            chunk sizes, kept for API compatibility.
+
+    Differs from DeepEP: the intranode kernels move each token straight between the senders' and
+    receivers' buffers (no per-channel ring), so the chunk sizes do not affect them; the NVL buffer
+    must instead hold one call's staged tokens (see :meth:`get_nvl_buffer_size_hint`).
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self):
+        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Config(): {name} must be a positive int, got {value!r}")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
+                                 num_tokens: int = HINT_TOKENS_PER_RANK, num_topk: int = MAX_TOPK_HINT) -> int:
+        """Bytes of NVL buffer for dispatch and combine of ``num_tokens`` tokens per rank.
+
+        Dispatch stages every token once (hidden, FP8 scales, top-k ids and weights, send lists);
+        combine lands one row per (token, rank holding a copy), at most ``min(num_ranks, num_topk)``
+        copies per token. Differs from DeepEP: the hint grows with the tokens per call
+        (``num_tokens``, an addition), because the kernels have no ring buffer to cycle through.
+        """
+        hidden = hidden_bytes // 2
+        num_scales = -(-hidden // 128)
+        dispatch = (_aligned(num_tokens * hidden_bytes) + _aligned(num_tokens * num_scales * 4)
+                    + _aligned(num_tokens * num_topk * 8) + _aligned(num_tokens * num_topk * 4)
+                    + _aligned(num_ranks * num_tokens * 4))
+        combine = num_tokens * min(num_ranks, num_topk) * _aligned(hidden_bytes + num_topk * 4)
+        return _META_BYTES + max(dispatch, combine)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Internode buffer bytes; 0 until the internode mode exists."""
+        return 0
+
+
+# Defaults chosen on 4 x H200 (see docs/performance.md); keyed by rank count.
+_DISPATCH_SMS = {2: 24, 4: 24, 8: 24}
+_COMBINE_SMS = {2: 24, 4: 24, 8: 24}
+
+
+def get_dispatch_config(num_ranks: int) -> Config:
+    return Config(num_sms=_DISPATCH_SMS.get(num_ranks, 24))
+
+
+def get_combine_config(num_ranks: int) -> Config:
+    return Config(num_sms=_COMBINE_SMS.get(num_ranks, 24))

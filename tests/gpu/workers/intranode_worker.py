@@ -1,0 +1,246 @@
+"""GPU worker for intranode dispatch/combine against cuep.reference (run under mpirun).
+
+Every rank rebuilds every rank's inputs from one seed, so it can compute what it must receive and
+what its tokens must combine to. Moved data is compared bit for bit; combined sums within FP32-
+accumulation tolerance of the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import cuep
+from cuep import reference
+from common import random_topk, run_cases
+
+comm = MPI.COMM_WORLD
+rank, num_ranks = comm.Get_rank(), comm.Get_size()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SEED = 7
+_case_counter = iter(range(1_000_000))
+
+
+def all_inputs(num_tokens, hidden, num_experts, num_topk, masked=0.1, fp8=False, route=None):
+    """Every rank's (x, scales, topk_idx, topk_weights), reproducible on every rank."""
+    seed = next(_case_counter)
+    inputs = []
+    for s in range(num_ranks):
+        rng = np.random.default_rng([SEED, seed, s])
+        tokens = num_tokens(s) if callable(num_tokens) else num_tokens
+        if fp8:
+            x = rng.integers(0, 256, (tokens, hidden), dtype=np.uint8)
+            scales = rng.random((tokens, hidden // 128), dtype=np.float32)
+        else:
+            x, scales = rng.standard_normal((tokens, hidden)).astype(BF16), None
+        topk = random_topk(rng, tokens, num_experts, num_topk, masked)
+        if route is not None:
+            topk = route(topk)
+        inputs.append((x, scales, topk, rng.random((tokens, num_topk), dtype=np.float32)))
+    return inputs
+
+
+def bits(array):
+    array = np.asarray(array)
+    return array.view(np.uint16) if array.dtype == BF16 else array
+
+
+def dispatch_and_check(buffer, inputs, num_experts, with_topk=True, alignment=1, num_worst_tokens=0,
+                       column_major_scales=False, **options):
+    x, scales, topk, weights = inputs[rank]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk), num_experts)
+    x_in = cupy.asarray(x)
+    if scales is not None:
+        scales_in = cupy.asfortranarray(cupy.asarray(scales)) if column_major_scales else cupy.asarray(scales)
+        x_in = (x_in, scales_in)
+    recv_x, recv_topk, recv_weights, per_expert_list, handle, event = buffer.dispatch(
+        x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=cupy.asarray(topk) if with_topk else None,
+        topk_weights=cupy.asarray(weights) if with_topk else None, expert_alignment=alignment,
+        num_worst_tokens=num_worst_tokens, **options)
+    if options.get("async_finish"):
+        event.current_stream_wait()
+    expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts,
+                                  [i[3] for i in inputs], [i[1] for i in inputs] if scales is not None else None,
+                                  alignment)[rank]
+    received = len(expected.recv_x)
+    recv_data, recv_scales = recv_x if scales is not None else (recv_x, None)
+    rows = recv_data.shape[0]
+    assert rows == (num_worst_tokens or received), (rows, received, num_worst_tokens)
+    np.testing.assert_array_equal(bits(recv_data.get()[:received]), bits(expected.recv_x))
+    if scales is not None:
+        np.testing.assert_array_equal(recv_scales.get()[:received], expected.recv_scales)
+    if with_topk:
+        np.testing.assert_array_equal(recv_topk.get()[:received], expected.recv_topk_idx)
+        np.testing.assert_array_equal(recv_weights.get()[:received], expected.recv_topk_weights)
+        assert (recv_topk.get()[received:] == -1).all() and (recv_weights.get()[received:] == 0).all()
+    else:
+        assert recv_topk is None and recv_weights is None
+    assert per_expert_list == ([] if num_worst_tokens else expected.num_recv_tokens_per_expert), per_expert_list
+    return recv_x, recv_weights, handle, expected
+
+
+def expected_sources(inputs, num_experts):
+    return [r.recv_src for r in reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts)]
+
+
+def combine_and_check(buffer, inputs, num_experts, recv_x, recv_weights, handle, biases=None):
+    """Each rank scales what it received by (rank + 1) and sends it back."""
+    all_recv = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts,
+                                  [i[3] for i in inputs])
+    scaled = [(r.recv_x.astype(np.float32) * (k + 1)).astype(BF16) for k, r in enumerate(all_recv)]
+    mine = cupy.asarray(scaled[rank])
+    rows = recv_x.shape[0]
+    if rows > len(mine):  # num_worst_tokens padding rows are ignored by combine
+        mine = cupy.concatenate([mine, cupy.zeros((rows - len(mine), mine.shape[1]), dtype=BF16)])
+    bias_arg = None
+    if biases is not None:
+        bias_arg = tuple(cupy.asarray(b[rank]) for b in biases)
+        bias_arg = bias_arg[0] if len(bias_arg) == 1 else bias_arg
+    combined, combined_weights, _ = buffer.combine(mine, handle, topk_weights=recv_weights, bias=bias_arg)
+    want_x, want_w = reference.combine(scaled, [r.recv_src for r in all_recv], [len(i[0]) for i in inputs],
+                                       [r.recv_topk_weights for r in all_recv],
+                                       [[b[s] for b in biases] for s in range(num_ranks)] if biases else None)
+    got = combined.get().astype(np.float32)
+    np.testing.assert_allclose(got, want_x[rank].astype(BF16).astype(np.float32), rtol=1e-2, atol=1e-2)
+    error = np.linalg.norm(got - want_x[rank]) / max(np.linalg.norm(want_x[rank]), 1e-6)
+    assert error < 5e-3, error
+    if recv_weights is not None:
+        np.testing.assert_allclose(combined_weights.get(), want_w[rank], rtol=1e-6, atol=1e-6)
+
+
+def main() -> None:
+    buffer = cuep.Buffer(comm, num_nvl_bytes=512 << 20)
+    experts = 16 * num_ranks
+
+    def bf16_topk8_masked_odd_tokens():
+        inputs = all_inputs(lambda s: 1001 + 3 * s, 2048, experts, 8)
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def fp8_column_major_scales_hidden_7168():
+        inputs = all_inputs(513, 7168, experts, 8, fp8=True)
+        dispatch_and_check(buffer, inputs, experts, column_major_scales=True)
+
+    def without_topk():
+        inputs = all_inputs(300, 1024, experts, 4)
+        recv_x, _, handle, _ = dispatch_and_check(buffer, inputs, experts, with_topk=False)
+        combine_and_check(buffer, inputs, experts, recv_x, None, handle)
+
+    def cached_dispatch_new_x():
+        inputs = all_inputs(700, 2048, experts, 8)
+        _, _, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        rng = np.random.default_rng([SEED, 999, rank])
+        new_x = [np.random.default_rng([SEED, 999, s]).standard_normal((700, 2048)).astype(BF16)
+                 for s in range(num_ranks)]
+        del rng
+        recv_x, recv_topk, recv_w, per_expert, same_handle, _ = buffer.dispatch(cupy.asarray(new_x[rank]),
+                                                                               handle=handle)
+        expected = reference.dispatch(new_x, [i[2] for i in inputs], experts)[rank]
+        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
+        assert recv_topk is None and recv_w is None and per_expert == [] and same_handle is handle
+
+    def alignment_and_two_biases():
+        inputs = all_inputs(257, 1024, experts, 6)
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, alignment=4)
+        biases = [[np.random.default_rng([SEED, 5, k, s]).standard_normal((257, 1024)).astype(BF16)
+                   for s in range(num_ranks)] for k in range(2)]
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle, biases=biases)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle, biases=biases[:1])
+
+    def zero_tokens_on_rank_1():
+        inputs = all_inputs(lambda s: 0 if s == 1 else 400, 1024, experts, 8)
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def every_token_to_rank_0():
+        inputs = all_inputs(300, 1024, experts, 4, masked=0.0, route=lambda t: t % (experts // num_ranks))
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def unusual_hidden_384_and_7168():
+        for hidden in (384, 7168):
+            inputs = all_inputs(200, hidden, experts, 8)
+            recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+            combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def async_previous_event_comm_stream_allocation():
+        inputs = all_inputs(500, 2048, experts, 8)
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, previous_event=buffer.capture(),
+                                                       async_finish=True, allocate_on_comm_stream=True)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def num_worst_tokens_no_cpu_wait():
+        inputs = all_inputs(lambda s: 100 + 50 * s, 1024, experts, 8)
+        worst = sum(100 + 50 * s for s in range(num_ranks))
+        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, num_worst_tokens=worst)
+        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+
+    def thousand_calls_hold_no_memory():
+        inputs = all_inputs(64, 256, experts, 8)
+        x, _, topk, weights = inputs[rank]
+        x, topk, weights = cupy.asarray(x), cupy.asarray(topk), cupy.asarray(weights)
+        pool = cupy.get_default_memory_pool()
+
+        def step():
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                              num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                              topk_weights=weights)
+            buffer.combine(recv_x, handle, topk_weights=recv_w)
+        for _ in range(20):
+            step()
+        cupy.cuda.Device().synchronize()
+        before = pool.used_bytes()
+        for _ in range(1000):
+            step()
+        cupy.cuda.Device().synchronize()
+        assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
+
+    def peer_that_skips_dispatch_times_out():
+        os.environ["CUEP_TIMEOUT_S"] = "3"
+        try:
+            short = cuep.Buffer(comm, num_nvl_bytes=64 << 20)
+        finally:
+            del os.environ["CUEP_TIMEOUT_S"]
+        inputs = all_inputs(100, 512, experts, 4)
+        comm.Barrier()
+        if rank != 0:
+            try:
+                dispatch_and_check(short, inputs, experts)
+            except cuep.PeerTimeoutError as exc:
+                assert exc.peer == 0 and exc.rank == rank, exc
+            else:
+                raise AssertionError("dispatch without rank 0 did not time out")
+        comm.Barrier()
+        if rank == 0:
+            short.barrier()  # the others announced this epoch before giving up
+        comm.Barrier()
+        short.barrier()
+        short.destroy()
+
+    run_cases(comm, [
+        ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
+        ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
+        ("without top-k", without_topk),
+        ("cached dispatch with new x", cached_dispatch_new_x),
+        ("expert_alignment=4, one and two biases", alignment_and_two_biases),
+        ("0 tokens on rank 1", zero_tokens_on_rank_1),
+        ("every token to rank 0", every_token_to_rank_0),
+        ("hidden 384 and 7168", unusual_hidden_384_and_7168),
+        ("async, previous_event, allocate_on_comm_stream", async_previous_event_comm_stream_allocation),
+        ("num_worst_tokens (no CPU wait)", num_worst_tokens_no_cpu_wait),
+        ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
+        ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
+    ])
+    buffer.destroy()
+    if rank == 0:
+        print(f"[rank 0] intranode worker passed on {num_ranks} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main()
