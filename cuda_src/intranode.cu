@@ -143,7 +143,7 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
                      int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
                      int num_topk, const bool* is_token_in_rank, const int32_t* num_tokens_per_expert, int num_experts,
                      int num_tokens, int num_ranks, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
-                     int64_t topk_weights_offset, int64_t send_lists_offset, int32_t* send_pos) {
+                     int64_t topk_weights_offset, int64_t send_lists_offset, int32_t* send_pos, int cached) {
     auto* meta = reinterpret_cast<SenderMeta*>(buffer);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         meta->num_tokens = num_tokens;
@@ -158,8 +158,9 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
         for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
             expert_counts[e] = num_tokens_per_expert[e];
     }
-    // Cached dispatch (no is_token_in_rank): the receivers already know which rows they need.
-    const int num_scan_blocks = is_token_in_rank != nullptr ? num_ranks : 0;
+    // Cached dispatch: the receivers already know which rows they need, so there is nothing to scan.
+    // (A flag, not a null is_token_in_rank: an empty array's pointer is null too.)
+    const int num_scan_blocks = cached ? 0 : num_ranks;
     if (static_cast<int>(blockIdx.x) < num_scan_blocks) {
         auto* send_list = reinterpret_cast<int32_t*>(buffer + send_lists_offset) + static_cast<int64_t>(blockIdx.x) * num_tokens;
         scan_destination(is_token_in_rank, num_tokens, num_ranks, blockIdx.x, send_list, send_pos, meta);

@@ -5,7 +5,7 @@ C++ entries (see the .cu file for the protocol)::
     cuep_intranode_stage(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                          topk_idx, topk_weights, num_topk, is_token_in_rank, num_tokens_per_expert,
                          num_experts, num_tokens, num_ranks, buffer, scales_offset, topk_idx_offset,
-                         topk_weights_offset, send_lists_offset, send_pos)
+                         topk_weights_offset, send_lists_offset, send_pos, cached)
     cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, plans,
                           combine_offsets, send_offsets)
     cuep_intranode_pull(plans, recv_info, rank, num_ranks, num_experts, num_rows, hidden_bytes, num_scales,
@@ -143,7 +143,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts), np.int32(num_tokens),
             np.int32(ctx.num_ranks), np.uint64(ctx.buffer_ptr), np.int64(layout.scales_offset),
             np.int64(layout.topk_idx_offset), np.int64(layout.topk_weights_offset),
-            np.int64(layout.send_lists_offset), np.uint64(_ptr(send_pos)))
+            np.int64(layout.send_lists_offset), np.uint64(_ptr(send_pos)), np.int32(cached))
     ctx.barrier(stream)
 
     num_local_experts = num_experts // ctx.num_ranks
