@@ -51,11 +51,33 @@ struct SourcePlan {
     const int32_t* send_list;  // the source's list of token indices for this rank
 };
 
-__device__ __forceinline__ int find_source(const int32_t* rank_prefix, int num_ranks, int row) {
-    int source = 0;
-    while (source + 1 < num_ranks && rank_prefix[source + 1] <= row)
-        ++source;
-    return source;
+// Received rows come grouped by source rank. Walking them in order would send every warp of every
+// rank to the same source at once, leaving the other links idle; instead each warp starts on a
+// different source (staggered by rank and warp) and claims kRowsPerClaim rows at a time from
+// per-source counters, moving on to the next source when one is exhausted.
+constexpr int kRowsPerClaim = 2;
+
+template <typename CopyRow>
+__device__ __forceinline__ void for_each_row_spread_over_sources(int32_t* next_row, const int32_t* rank_prefix,
+                                                                 int rank, int num_ranks, CopyRow copy_row) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+    int source = (rank + 1 + warp) % num_ranks;
+    for (int exhausted = 0; exhausted < num_ranks;) {
+        int first = 0;
+        if (lane == 0)
+            first = atomicAdd(next_row + source, kRowsPerClaim);
+        first = __shfl_sync(kFullWarpMask, first, 0);
+        const int segment = rank_prefix[source + 1] - rank_prefix[source];
+        if (first >= segment) {
+            source = (source + 1) % num_ranks;
+            ++exhausted;
+            continue;
+        }
+        const int last = min(first + kRowsPerClaim, segment);
+        for (int j = first; j < last; ++j)
+            copy_row(source, rank_prefix[source] + j, j, lane);
+    }
 }
 
 // One warp copies `num_bytes` (a multiple of 16) from src to dst, kCopyUnroll vectors per lane in flight.
@@ -222,12 +244,12 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch, step 4: pull. One warp per received row, in order of (source rank, source token).
+// Dispatch, step 4: pull. One warp per received row; rows land in order of (source rank, source token).
 extern "C" __global__ void __launch_bounds__(kNumThreads)
 cuep_intranode_pull(const SourcePlan* plans, const int32_t* recv_info, int rank, int num_ranks, int num_experts,
                     int num_rows, int64_t hidden_bytes, int num_scales, int num_topk, uint8_t* recv_x,
                     float* recv_scales, int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx,
-                    int cached, int32_t* status) {
+                    int cached, int32_t* status, int32_t* next_row) {
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
@@ -237,23 +259,24 @@ cuep_intranode_pull(const SourcePlan* plans, const int32_t* recv_info, int rank,
         status[kStatusOverflow] = num_recv;
         __threadfence_system();
     }
-    const int experts_per_rank = num_experts / num_ranks;
-    const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
     const int lane = threadIdx.x % kWarpSize;
     const int num_warps = gridDim.x * kWarpsPerBlock;
-    for (int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize; row < num_rows; row += num_warps) {
-        if (row >= num_recv) {  // padding up to num_worst_tokens: no expert, no source
-            if (recv_topk_idx != nullptr && lane < num_topk) {
-                recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = -1;
-                recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] = 0.0f;
-            }
-            if (recv_src_idx != nullptr && lane == 0 && !cached)
-                recv_src_idx[row] = -1;
-            continue;
+    // Padding rows up to num_worst_tokens: no expert, no source.
+    for (int row = num_recv + blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize; row < num_rows; row += num_warps) {
+        if (recv_topk_idx != nullptr && lane < num_topk) {
+            recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = -1;
+            recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] = 0.0f;
         }
-        const int source = find_source(rank_prefix, num_ranks, row);
-        const SourcePlan plan = plans[source];
-        const int64_t token = cached ? recv_src_idx[row] : plan.send_list[row - rank_prefix[source]];
+        if (lane == 0 && !cached)
+            recv_src_idx[row] = -1;
+    }
+    if (num_recv > num_rows)
+        return;
+    const int experts_per_rank = num_experts / num_ranks;
+    const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
+    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int j, int lane) {
+        const SourcePlan& plan = plans[source];
+        const int64_t token = cached ? recv_src_idx[row] : plan.send_list[j];
         warp_copy(recv_x + row * hidden_bytes, plan.x + token * hidden_bytes, hidden_bytes, lane);
         if (recv_scales != nullptr)
             for (int s = lane; s < num_scales; s += kWarpSize)
@@ -268,7 +291,7 @@ cuep_intranode_pull(const SourcePlan* plans, const int32_t* recv_info, int rank,
         }
         if (!cached && lane == 0)
             recv_src_idx[row] = static_cast<int32_t>(token);
-    }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -276,23 +299,19 @@ cuep_intranode_pull(const SourcePlan* plans, const int32_t* recv_info, int rank,
 // into the source's landing row combine_offsets[source] + (row - rank_prefix[source]).
 extern "C" __global__ void __launch_bounds__(kNumThreads)
 cuep_intranode_push(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
-                    int num_ranks, const uint8_t* x, int64_t hidden_bytes, const float* topk_weights, int num_topk,
-                    int64_t landing_row_bytes) {
+                    int rank, int num_ranks, const uint8_t* x, int64_t hidden_bytes, const float* topk_weights,
+                    int num_topk, int64_t landing_row_bytes, int32_t* next_row) {
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
     __syncthreads();
-    const int num_recv = recv_info[0];
-    const int lane = threadIdx.x % kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    for (int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize; row < num_recv; row += num_warps) {
-        const int source = find_source(rank_prefix, num_ranks, row);
-        const int64_t slot = combine_offsets[source] + (row - rank_prefix[source]);
+    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int j, int lane) {
+        const int64_t slot = combine_offsets[source] + j;
         auto* landing = reinterpret_cast<uint8_t*>(peer_bases[source]) + kMetaBytes + slot * landing_row_bytes;
         warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
         if (topk_weights != nullptr && lane < num_topk)
             reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
-    }
+    });
     __threadfence_system();
 }
 

@@ -51,8 +51,8 @@ class Buffer:
     and internode memory are one NVSHMEM mechanism; adds :meth:`barrier`.
     """
 
-    #: SMs used by the high-throughput kernels when no Config is given (DeepEP's class attribute).
-    num_sms: int = 24
+    #: SMs for the high-throughput kernels when no Config is given; ``None`` uses the tuned defaults.
+    num_sms: int | None = None
 
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
@@ -124,6 +124,7 @@ class Buffer:
             library=self._intranode_library, rank=self.rank, num_ranks=self.group_size,
             buffer_ptr=int(self._data.handle), buffer_bytes=self.num_nvl_bytes,
             peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
+            next_row=cupy.zeros(self.group_size, dtype=cupy.int32),
             barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), core_stream=self._core_stream,
             raise_if_failed=self._raise_if_failed)
 
@@ -281,15 +282,15 @@ class Buffer:
             raise ValueError(f"Buffer.set_num_sms(): new_num_sms must be a positive int, got {new_num_sms!r}")
         cls.num_sms = new_num_sms
 
-    @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        """The tuned dispatch Config for ``num_ranks`` ranks (see docs/performance.md)."""
-        return get_dispatch_config(num_ranks)
+    @classmethod
+    def get_dispatch_config(cls, num_ranks: int) -> Config:
+        """The tuned dispatch Config for ``num_ranks`` ranks, with ``set_num_sms``'s count if set."""
+        return get_dispatch_config(num_ranks, cls.num_sms)
 
-    @staticmethod
-    def get_combine_config(num_ranks: int) -> Config:
-        """The tuned combine Config for ``num_ranks`` ranks (see docs/performance.md)."""
-        return get_combine_config(num_ranks)
+    @classmethod
+    def get_combine_config(cls, num_ranks: int) -> Config:
+        """The tuned combine Config for ``num_ranks`` ranks, with ``set_num_sms``'s count if set."""
+        return get_combine_config(num_ranks, cls.num_sms)
 
     def _intranode_ready(self, call: str) -> intranode_kernel.Context:
         self._check_alive(call)
@@ -329,7 +330,7 @@ class Buffer:
             expert_alignment: round each received per-expert count up to a multiple of this.
             num_worst_tokens: when > 0, allocate this many received rows and skip the CPU wait
                 (CUDA-graph capturable); rows past the real count have top-k ids `-1`.
-            config: performance config (default :meth:`get_dispatch_config` with ``num_sms``).
+            config: performance config (default :meth:`get_dispatch_config`).
             previous_event, async_finish, allocate_on_comm_stream: as in :meth:`get_dispatch_layout`.
 
         Returns:
@@ -396,7 +397,7 @@ class Buffer:
                     raise ValueError(f"{call}: topk_weights needs topk_idx")
                 topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
                 _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
-        num_sms = (config or Config(num_sms=self.num_sms)).num_sms
+        num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
 
         def enqueue(comm_stream):
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, new_handle = intranode_kernel.dispatch(
@@ -448,7 +449,7 @@ class Buffer:
             if b is not None:
                 _checks.check_matrix(call, "bias", b, [bf16], handle.num_tokens, x.shape[1])
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        num_sms = (config or Config(num_sms=self.num_sms)).num_sms
+        num_sms = (config or self.get_combine_config(self.group_size)).num_sms
 
         def enqueue(comm_stream):
             combined_x, combined_weights = intranode_kernel.combine(ctx, comm_stream, x, handle, topk_weights,

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, bf16 hidden.
+from .kernels import intranode
+
+# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, top-8.
 HINT_TOKENS_PER_RANK = 4096
-_META_BYTES = 64 * 1024  # mirrors kMetaBytes in cuda_src/intranode.cu
-_ALIGN = 16
 MAX_TOPK_HINT = 8
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -54,26 +50,29 @@ class Config:
         (``num_tokens``, an addition), because the kernels have no ring buffer to cycle through.
         """
         hidden = hidden_bytes // 2
-        num_scales = -(-hidden // 128)
-        dispatch = (_aligned(num_tokens * hidden_bytes) + _aligned(num_tokens * num_scales * 4)
-                    + _aligned(num_tokens * num_topk * 8) + _aligned(num_tokens * num_topk * 4)
-                    + _aligned(num_ranks * num_tokens * 4))
-        combine = num_tokens * min(num_ranks, num_topk) * _aligned(hidden_bytes + num_topk * 4)
-        return _META_BYTES + max(dispatch, combine)
+        num_scales = -(-hidden // intranode.SCALE_BLOCK)
+        dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
+        copies = num_tokens * min(num_ranks, num_topk)
+        combine = intranode.META_BYTES + copies * intranode.landing_row_bytes(hidden, num_topk)
+        return max(dispatch, combine)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Internode buffer bytes; 0 until the internode mode exists."""
         return 0
 
 
-# Defaults chosen on 4 x H200 (see docs/performance.md); keyed by rank count.
-_DISPATCH_SMS = {2: 24, 4: 24, 8: 24}
-_COMBINE_SMS = {2: 24, 4: 24, 8: 24}
+# SM counts measured best on 4 x H200 at EP4 (docs/performance.md, v0.2.0): dispatch saturates near
+# 48-64 SMs, combine keeps improving up to all 132. EP2 and EP8 reuse the EP4 values until measured.
+_DISPATCH_SMS = {4: 64}
+_COMBINE_SMS = {4: 128}
+_DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 64, 128
 
 
-def get_dispatch_config(num_ranks: int) -> Config:
-    return Config(num_sms=_DISPATCH_SMS.get(num_ranks, 24))
+def get_dispatch_config(num_ranks: int, num_sms: int | None = None) -> Config:
+    """The dispatch Config for ``num_ranks``; ``num_sms`` (e.g. from ``Buffer.set_num_sms``) overrides the tuned count."""
+    return Config(num_sms=num_sms or _DISPATCH_SMS.get(num_ranks, _DEFAULT_DISPATCH_SMS))
 
 
-def get_combine_config(num_ranks: int) -> Config:
-    return Config(num_sms=_COMBINE_SMS.get(num_ranks, 24))
+def get_combine_config(num_ranks: int, num_sms: int | None = None) -> Config:
+    """The combine Config for ``num_ranks``; ``num_sms`` overrides the tuned count."""
+    return Config(num_sms=num_sms or _COMBINE_SMS.get(num_ranks, _DEFAULT_COMBINE_SMS))

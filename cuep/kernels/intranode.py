@@ -10,9 +10,9 @@ C++ entries (see the .cu file for the protocol)::
                           combine_offsets, send_offsets)
     cuep_intranode_pull(plans, recv_info, rank, num_ranks, num_experts, num_rows, hidden_bytes, num_scales,
                         num_topk, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-                        cached, status)
-    cuep_intranode_push(peer_bases, recv_info, combine_offsets, num_ranks, x, hidden_bytes, topk_weights,
-                        num_topk, landing_row_bytes)
+                        cached, status, next_row)
+    cuep_intranode_push(peer_bases, recv_info, combine_offsets, rank, num_ranks, x, hidden_bytes, topk_weights,
+                        num_topk, landing_row_bytes, next_row)
     cuep_intranode_reduce(buffer, send_pos, send_offsets, num_ranks, num_tokens, hidden, num_topk,
                           landing_row_bytes, bias0, bias1, has_weights, combined_x, combined_topk_weights)
 """
@@ -101,6 +101,7 @@ class Context:
     buffer_bytes: int
     peer_bases: Any               # [num_ranks] uint64 device array
     status: Any                   # [4] int32 device array (timeouts, overflow)
+    next_row: Any                 # [num_ranks] int32 device array: per-source work counters of pull/push
     barrier: Callable[[Any], None]
     core_stream: Callable[[Any], Any]
     raise_if_failed: Callable[[], None]  # reads the status words mirrored after each barrier
@@ -114,6 +115,10 @@ def _launch(ctx: Context, stream, grid: int, entry: str, *args) -> None:
 
 def _ptr(array) -> int:
     return 0 if array is None else array.data.ptr
+
+
+def _reset_work_counters(ctx: Context, stream) -> None:
+    _deps.cupy().cuda.runtime.memsetAsync(ctx.next_row.data.ptr, 0, ctx.next_row.nbytes, stream.ptr)
 
 
 def need_nvl_bytes(call: str, ctx: Context, needed: int, what: str) -> None:
@@ -172,11 +177,12 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
     recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
     recv_src_idx = handle.recv_src_idx if cached else cupy.empty(num_rows, dtype=cupy.int32)
+    _reset_work_counters(ctx, stream)
     _launch(ctx, stream, num_sms, "cuep_intranode_pull", plans.data.ptr, recv_info.data.ptr, np.int32(ctx.rank),
             np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(num_rows), np.int64(hidden_bytes),
             np.int32(num_scales), np.int32(num_topk), recv_x.data.ptr, np.uint64(_ptr(recv_scales)),
             np.uint64(_ptr(recv_topk_idx)), np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr,
-            np.int32(cached), ctx.status.data.ptr)
+            np.int32(cached), ctx.status.data.ptr, ctx.next_row.data.ptr)
     ctx.barrier(stream)
 
     if not cached:
@@ -197,9 +203,11 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
     need_nvl_bytes("combine()", ctx, META_BYTES + copies * row_bytes, f"combining {handle.num_tokens} tokens")
     ctx.barrier(stream)  # every source's landing region is free
+    _reset_work_counters(ctx, stream)
     _launch(ctx, stream, num_sms, "cuep_intranode_push", ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
-            handle.combine_offsets.data.ptr, np.int32(ctx.num_ranks), x.data.ptr, np.int64(hidden * x.itemsize),
-            np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes))
+            handle.combine_offsets.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), x.data.ptr,
+            np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
+            ctx.next_row.data.ptr)
     ctx.barrier(stream)  # every copy has landed
     combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
     combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None

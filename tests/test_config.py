@@ -1,0 +1,34 @@
+"""Config defaults, validation and the NVL buffer size hint arithmetic."""
+
+import pytest
+
+from cuep.config import Config, get_combine_config, get_dispatch_config
+from cuep.kernels import intranode
+
+
+def test_tuned_defaults_and_override():
+    assert get_dispatch_config(4).num_sms == 64 and get_combine_config(4).num_sms == 128
+    assert get_dispatch_config(4, num_sms=20).num_sms == 20
+
+
+@pytest.mark.parametrize("field", ["num_sms", "num_max_nvl_chunked_send_tokens"])
+def test_bad_config_names_the_field(field):
+    with pytest.raises(ValueError, match=f"Config\\(\\): {field} must be a positive int"):
+        Config(**{field: 0})
+
+
+def test_hint_covers_dispatch_staging_and_combine_landing():
+    hidden, ranks, tokens, topk = 7168, 4, 4096, 8
+    hint = Config().get_nvl_buffer_size_hint(hidden * 2, ranks, tokens, topk)
+    staging = intranode.staging_layout(tokens, hidden * 2, hidden // 128, topk, ranks).end
+    landing = intranode.META_BYTES + tokens * min(ranks, topk) * intranode.landing_row_bytes(hidden, topk)
+    assert hint >= staging and hint >= landing
+    assert hint == max(staging, landing)  # no slack beyond what the kernels address
+
+
+def test_staging_layout_is_aligned_and_ordered():
+    layout = intranode.staging_layout(1001, 2048 * 2, 16, 8, 4)
+    offsets = [intranode.META_BYTES, layout.scales_offset, layout.topk_idx_offset, layout.topk_weights_offset,
+               layout.send_lists_offset, layout.end]
+    assert offsets == sorted(offsets) and all(o % intranode.ALIGN == 0 for o in offsets)
+    assert layout.scales_offset - intranode.META_BYTES >= 1001 * 4096
