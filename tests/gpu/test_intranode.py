@@ -13,3 +13,13 @@ def test_dispatch_combine_match_reference(num_ranks):
         pytest.skip(reason)
     output = run_worker("intranode_worker.py", num_ranks)
     assert f"intranode worker passed on {num_ranks} ranks" in output, output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+def test_fallback_and_aggressive_ptx_builds(variant):
+    reason = skip_reason(2)
+    if reason:
+        pytest.skip(reason)
+    output = run_worker("intranode_worker.py", 2, env={variant: "1"})
+    assert "intranode worker passed on 2 ranks" in output, (variant, output)
