@@ -67,3 +67,17 @@ def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | No
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{shlex.join(command)} exited with {done.returncode}:\n{output}"
     return output
+
+
+def run_or_skip(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None,
+                expect: str | None = None) -> str:
+    """Skip the calling test with the reason when ``num_ranks`` GPUs cannot run here; otherwise run the
+    worker and check its output contains ``expect`` (default: "passed on N ranks")."""
+    import pytest
+    reason = skip_reason(num_ranks)
+    if reason:
+        pytest.skip(reason)
+    output = run_worker(script, num_ranks, *args, env=env)
+    expect = f"passed on {num_ranks} ranks" if expect is None else expect
+    assert expect in output, output
+    return output

@@ -2,24 +2,16 @@
 
 import pytest
 
-from .launch import run_worker, skip_reason
+from .launch import run_or_skip
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_layout_matches_reference(num_ranks):
-    reason = skip_reason(num_ranks)
-    if reason:
-        pytest.skip(reason)
-    output = run_worker("layout_worker.py", num_ranks)
-    assert f"layout worker passed on {num_ranks} ranks" in output, output
+    run_or_skip("layout_worker.py", num_ranks, expect=f"layout worker passed on {num_ranks} ranks")
 
 
 @pytest.mark.gpu
-def test_ampere_fallback_and_aggressive_ptx_paths():
-    reason = skip_reason(2)
-    if reason:
-        pytest.skip(reason)
-    for variant in ({"CUEP_FORCE_FALLBACK": "1"}, {"CUEP_AGGRESSIVE_PTX": "1"}):
-        output = run_worker("layout_worker.py", 2, env=variant)
-        assert "layout worker passed on 2 ranks" in output, (variant, output)
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+def test_ampere_fallback_and_aggressive_ptx_paths(variant):
+    run_or_skip("layout_worker.py", 2, env={variant: "1"}, expect="layout worker passed on 2 ranks")
