@@ -3,7 +3,8 @@
 // Buffer layout: each rank owns `uint64_t signals[num_ranks]` in NVSHMEM symmetric memory;
 // signals[src] on rank r holds the newest barrier epoch that src has announced to r.
 //
-// Protocol for barrier number `epoch` (1, 2, ..., counted by the host and equal on every rank):
+// Protocol for barrier number `epoch` (1, 2, ..., counted on the device in *epoch_counter, which this
+// kernel increments, so a CUDA graph that replays it keeps counting; equal on every rank):
 //   thread p of the single block (p < num_ranks) first completes this thread's earlier NVSHMEM
 //   operations (quiet), then sets signals[rank] on rank p to `epoch` (a signal op: an NVLink store
 //   or a network atomic, as NVSHMEM sees fit), then waits until its own signals[p] >= epoch.
@@ -29,8 +30,12 @@ __device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_
 
 }  // namespace cuep
 
-extern "C" __global__ void cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t epoch,
+extern "C" __global__ void cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter,
                                         uint64_t timeout_ns, int32_t* status) {
+    __shared__ uint64_t epoch;
+    if (threadIdx.x == 0)
+        epoch = ++*epoch_counter;  // a single block runs this kernel
+    __syncthreads();
     const uint64_t deadline_ns = cuep::globaltimer_ns() + timeout_ns;
     for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
         cuep::announce_and_wait(signals, rank, peer, epoch, deadline_ns, status);

@@ -14,6 +14,8 @@ import numpy as np
 
 from . import _deps
 
+TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
+
 
 def _median_us(fn, warmup: int, iters: int) -> float:
     cupy = _deps.cupy()
@@ -136,12 +138,14 @@ def bench_normal(args) -> None:
           f"top-{args.topk} of {args.experts} experts; {num_recv} rows received by rank 0 "
           f"({remote_rows} over NVLink)")
     print(f"{'operation':34s} {'SMs':>4s} {'median us':>10s} {'GB/s':>8s} {'NVLink GB/s':>12s}")
-    for key in results:
-        name, sms = key
-        us = float(np.mean([g[key] for g in gathered]))
-        fp8 = "fp8" in name
-        total, remote = (fp8_bytes, remote_fp8) if fp8 else (bf16_bytes, remote_bf16)
+    mean_us = {key: float(np.mean([g[key] for g in gathered])) for key in results}
+    for (name, sms), us in mean_us.items():
+        total, remote = (fp8_bytes, remote_fp8) if "fp8" in name else (bf16_bytes, remote_bf16)
         print(f"{name:34s} {sms or '-':>4} {us:10.1f} {total / us / 1e3:8.1f} {remote / us / 1e3:12.1f}")
+    if args.tune:
+        for name in ("dispatch bf16 (cached)", "dispatch fp8 (cached)", "combine bf16"):
+            sms, us = min(((s, u) for (n, s), u in mean_us.items() if n == name), key=lambda item: item[1])
+            print(f"best for {name}: Config(num_sms={sms}) at {us:.1f} us")
     buffer.destroy()
 
 
@@ -157,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated SM counts to measure")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--tune", action="store_true",
+                        help=f"search SM counts {TUNE_SMS} and print the best Config per operation")
+    parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
     args = parser.parse_args(argv)
+    if args.tune:
+        args.sms, args.progress = TUNE_SMS, True
     bench_normal(args)
     return 0
 

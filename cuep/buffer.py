@@ -92,7 +92,7 @@ class Buffer:
         self._status_host = np.frombuffer(cupy.cuda.alloc_pinned_memory(self._status.nbytes), np.int32,
                                           kernel_status.STATUS_WORDS)
         self._status_host[:] = 0
-        self._barrier_epoch = 0
+        self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._load_kernels()
         self._intranode = self._intranode_context() if self._data is not None else None
         cupy.cuda.runtime.memset(int(self._control.handle), 0, control_bytes)
@@ -154,7 +154,6 @@ class Buffer:
     def _enqueue_barrier(self, stream, timeout_s: float) -> None:
         """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
         cupy = _deps.cupy()
-        self._barrier_epoch += 1
         barrier_kernel.launch(self._barrier_library, self._core_stream(stream), int(self._control.handle),
                               self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status)
         cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, self._status.data.ptr, self._status.nbytes,

@@ -2,7 +2,7 @@
 
 C++ entry::
 
-    cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t epoch, uint64_t timeout_ns,
+    cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter, uint64_t timeout_ns,
                  int32_t* status)
 """
 
@@ -27,11 +27,12 @@ def signal_bytes(num_ranks: int) -> int:
     return num_ranks * SIGNAL_BYTES
 
 
-def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int, epoch: int,
+def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int, epoch_counter,
            timeout_s: float, status) -> None:
-    """Enqueue barrier number ``epoch`` on ``stream``; a timeout is recorded in ``status``."""
+    """Enqueue the next barrier on ``stream`` (``epoch_counter``: a device uint64 the kernel increments,
+    so graph replays keep counting); a timeout is recorded in ``status``."""
     core = _deps.cuda_core()
     threads = min(MAX_THREADS, -(-num_ranks // WARP_SIZE) * WARP_SIZE)
     config = core.LaunchConfig(grid=1, block=threads)
     core.launch(stream, config, library.kernel("cuep_barrier"), np.uint64(signals_ptr), np.int32(rank),
-                np.int32(num_ranks), np.uint64(epoch), np.uint64(int(timeout_s * 1e9)), status.data.ptr)
+                np.int32(num_ranks), epoch_counter.data.ptr, np.uint64(int(timeout_s * 1e9)), status.data.ptr)

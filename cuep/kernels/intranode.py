@@ -83,6 +83,7 @@ class Handle:
     num_recv_tokens: int | None
     num_send_copies: int | None
     recv_info: Any
+    plans: Any
     combine_offsets: Any
     send_offsets: Any
     send_pos: Any
@@ -151,11 +152,17 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             np.int64(layout.send_lists_offset), np.uint64(_ptr(send_pos)), np.int32(cached))
     ctx.barrier(stream)
 
-    num_local_experts = num_experts // ctx.num_ranks
-    recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
-    plans = cupy.empty(ctx.num_ranks * PLAN_WORDS, dtype=cupy.uint64)
-    combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-    send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+    # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid; a
+    # cached call rewrites its handle's plan in place (same values, the senders' offsets aside).
+    if cached:
+        recv_info, plans = handle.recv_info, handle.plans
+        combine_offsets, send_offsets = handle.combine_offsets, handle.send_offsets
+    else:
+        num_local_experts = num_experts // ctx.num_ranks
+        recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
+        plans = cupy.empty(ctx.num_ranks * PLAN_WORDS, dtype=cupy.uint64)
+        combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+        send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
     _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
             np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
             plans.data.ptr, combine_offsets.data.ptr, send_offsets.data.ptr)
@@ -187,7 +194,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
 
     if not cached:
         handle = Handle(num_tokens=num_tokens, num_rows=num_rows,
-                        num_recv_tokens=num_recv, num_send_copies=num_copies, recv_info=recv_info,
+                        num_recv_tokens=num_recv, num_send_copies=num_copies, recv_info=recv_info, plans=plans,
                         combine_offsets=combine_offsets, send_offsets=send_offsets, send_pos=send_pos,
                         recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle

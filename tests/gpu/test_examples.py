@@ -9,3 +9,10 @@ from .launch import REPO_ROOT, run_or_skip
 def test_dispatch_layout_example():
     run_or_skip(str(REPO_ROOT / "examples" / "dispatch_layout.py"), 2, "--tokens", "1024", "--hidden", "1024",
                 expect="layout matches cuep.reference on every rank")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_moe_prefill_example(num_ranks):
+    run_or_skip(str(REPO_ROOT / "examples" / "moe_prefill.py"), num_ranks, "--tokens", "1024", "--hidden", "1024",
+                expect="max relative error vs one-GPU computation")

@@ -201,6 +201,60 @@ def main() -> None:
         cupy.cuda.Device().synchronize()
         assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
 
+    def cuda_graph_capture_then_replay_with_new_inputs():
+        tokens, hidden, num_topk = 256, 1024, 8
+        worst = tokens * num_ranks
+        first = all_inputs(tokens, hidden, experts, num_topk)
+        x, _, topk, weights = (cupy.asarray(a) if a is not None else None for a in first[rank])
+        stream = cupy.cuda.Stream(non_blocking=True)
+
+        def moe_step():
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk, topk_weights=weights, num_worst_tokens=worst)
+            combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+            return recv_x, combined, combined_w, handle
+
+        with stream:
+            moe_step()  # warm the memory pool outside the capture
+            stream.synchronize()
+            stream.begin_capture()
+            captured = moe_step()
+            graph = stream.end_capture()
+        recv_x, combined, combined_w, _ = captured
+        for replay in range(5):
+            inputs = all_inputs(tokens, hidden, experts, num_topk)
+            with stream:
+                x[...] = cupy.asarray(inputs[rank][0])
+                topk[...] = cupy.asarray(inputs[rank][2])
+                weights[...] = cupy.asarray(inputs[rank][3])
+                graph.launch(stream)
+            stream.synchronize()
+            expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], experts,
+                                          [i[3] for i in inputs])
+            received = len(expected[rank].recv_x)
+            np.testing.assert_array_equal(bits(recv_x.get()[:received]), bits(expected[rank].recv_x))
+            want_x, want_w = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
+                                               [tokens] * num_ranks, [r.recv_topk_weights for r in expected])
+            np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
+            np.testing.assert_allclose(combined_w.get(), want_w[rank], rtol=1e-6, atol=1e-6)
+
+    def async_inputs_outlive_the_callers_references():
+        inputs = all_inputs(2048, 4096, experts, 8)
+        x, _, topk, weights = inputs[rank]
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk), experts)
+        recv_x, _, _, _, _, event = buffer.dispatch(
+            cupy.asarray(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, previous_event=buffer.capture(), async_finish=True)
+        # The caller dropped x; fresh allocations on this stream must not take its memory while the
+        # communication still reads it.
+        garbage = [cupy.full(x.shape, 7, dtype=cupy.uint16) for _ in range(4)]
+        event.current_stream_wait()
+        expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], experts)[rank]
+        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
+        del garbage
+
     def peer_that_skips_dispatch_times_out():
         os.environ["CUEP_TIMEOUT_S"] = "3"
         try:
@@ -234,6 +288,8 @@ def main() -> None:
         ("hidden 384 and 7168", unusual_hidden_384_and_7168),
         ("async, previous_event, allocate_on_comm_stream", async_previous_event_comm_stream_allocation),
         ("num_worst_tokens (no CPU wait)", num_worst_tokens_no_cpu_wait),
+        ("CUDA graph: capture once, replay 5x with new inputs", cuda_graph_capture_then_replay_with_new_inputs),
+        ("async call keeps inputs alive after the caller drops them", async_inputs_outlive_the_callers_references),
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
     ])
