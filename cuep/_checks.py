@@ -29,12 +29,13 @@ def as_device_array(call: str, name: str, value: Any):
     return array
 
 
-def check_topk_idx(call: str, topk_idx, num_experts: int) -> None:
-    """Shape, dtype and layout of ``topk_idx`` (no GPU work)."""
+def check_topk_idx(call: str, topk_idx, num_experts: int, num_tokens: int | None = None) -> None:
+    """Shape, dtype and layout of ``topk_idx`` (no GPU work); ``num_tokens`` also fixes its rows."""
     if topk_idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"{call}: topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if topk_idx.ndim != 2:
-        raise ValueError(f"{call}: topk_idx must have shape [num_tokens, num_topk], got {tuple(topk_idx.shape)}")
+    if topk_idx.ndim != 2 or (num_tokens is not None and topk_idx.shape[0] != num_tokens):
+        rows = "num_tokens" if num_tokens is None else num_tokens
+        raise ValueError(f"{call}: topk_idx must have shape [{rows}, num_topk], got {tuple(topk_idx.shape)}")
     if topk_idx.shape[1] == 0:
         raise ValueError(f"{call}: topk_idx must have at least one column (num_topk >= 1), got {tuple(topk_idx.shape)}")
     if not topk_idx.flags.c_contiguous:

@@ -128,8 +128,9 @@ def bench_normal(args) -> None:
     results[("nccl dispatch bf16", 0)] = _median_us(nccl_dispatch, args.warmup, args.iters)
     results[("nccl combine bf16", 0)] = _median_us(nccl_combine, args.warmup, args.iters)
 
-    bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * (args.hidden + args.hidden // 128 * 4)
-    remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * (args.hidden + args.hidden // 128 * 4)
+    fp8_row_bytes = args.hidden + args.hidden // 128 * 4  # e4m3 bytes, then one float scale per 128
+    bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row_bytes
+    remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row_bytes
     gathered = comm.gather(results, root=0)
     if rank != 0:
         buffer.destroy()

@@ -143,13 +143,16 @@ class Buffer:
             raise CuepError(f"{call}: this Buffer was destroyed")
         self._raise_if_failed()
 
-    def _raise_if_failed(self) -> None:
-        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow), once."""
+    def _raise_if_failed(self, timeout_s: float | None = None) -> None:
+        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow), once.
+
+        ``timeout_s``: the bound the waits ran with, for the message (default ``CUEP_TIMEOUT_S``)."""
         if self._status_host.any():
             recorded = self._status_host.copy()
             self._status.fill(0)
             self._status_host[:] = 0
-            kernel_status.raise_if_failed(recorded, self.rank, env.get("CUEP_TIMEOUT_S"))
+            timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s
+            kernel_status.raise_if_failed(recorded, self.rank, timeout_s)
 
     def _enqueue_barrier(self, stream, timeout_s: float) -> None:
         """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
@@ -219,7 +222,7 @@ class Buffer:
         stream = cupy.cuda.get_current_stream()
         self._enqueue_barrier(stream, timeout_s)
         stream.synchronize()
-        self._raise_if_failed()
+        self._raise_if_failed(timeout_s)
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -388,8 +391,7 @@ class Buffer:
                 raise ValueError(f"{call}: at most {intranode_kernel.MAX_EXPERTS} experts, got {num_experts}")
             if topk_idx is not None:
                 topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
-                _checks.check_topk_idx(call, topk_idx, num_experts)
-                _checks.check_matrix(call, "topk_idx", topk_idx, _checks.INDEX_DTYPES, num_tokens)
+                _checks.check_topk_idx(call, topk_idx, num_experts, num_tokens)
                 topk_idx = topk_idx.astype(cupy.int64, copy=False)
             if topk_weights is not None:
                 if topk_idx is None:
@@ -404,8 +406,7 @@ class Buffer:
                 num_experts, handle, expert_alignment, num_worst_tokens, num_sms)
             outputs = ((recv_x, recv_scales) if fp8 else recv_x, recv_topk_idx, recv_topk_weights, per_expert,
                        new_handle)
-            return outputs, (x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, recv_x,
-                             recv_scales)
+            return outputs, (x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
 
         outputs, event = self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, enqueue)
         self._raise_if_failed()
@@ -443,8 +444,9 @@ class Buffer:
         biases = bias if isinstance(bias, tuple) else (bias,)
         if len(biases) > 2:
             raise ValueError(f"{call}: bias must be one array or a tuple of two, got {len(biases)}")
-        biases = [_checks.as_device_array(call, "bias", b) if b is not None else None for b in biases] + [None]
-        for b in biases[:2]:
+        biases = [_checks.as_device_array(call, "bias", b) if b is not None else None for b in biases]
+        biases += [None] * (2 - len(biases))
+        for b in biases:
             if b is not None:
                 _checks.check_matrix(call, "bias", b, [bf16], handle.num_tokens, x.shape[1])
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)

@@ -171,3 +171,8 @@ def test_buffer_without_gpu_says_so():
     pytest.importorskip("mpi4py")
     with pytest.raises(CuepError, match="cuep found no CUDA GPU"):
         cuep.Buffer()
+
+
+def test_topk_idx_rows_must_match_the_tokens():
+    with pytest.raises(ValueError, match=r"topk_idx must have shape \[16, num_topk\], got \(15, 8\)"):
+        _checks.check_topk_idx("dispatch()", HostArray(np.zeros((15, 8), np.int64)), 64, num_tokens=16)

@@ -134,10 +134,8 @@ def main() -> None:
     def cached_dispatch_new_x():
         inputs = all_inputs(700, 2048, experts, 8)
         _, _, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        rng = np.random.default_rng([SEED, 999, rank])
         new_x = [np.random.default_rng([SEED, 999, s]).standard_normal((700, 2048)).astype(BF16)
                  for s in range(num_ranks)]
-        del rng
         recv_x, recv_topk, recv_w, per_expert, same_handle, _ = buffer.dispatch(cupy.asarray(new_x[rank]),
                                                                                handle=handle)
         expected = reference.dispatch(new_x, [i[2] for i in inputs], experts)[rank]
@@ -223,7 +221,7 @@ def main() -> None:
             captured = moe_step()
             graph = stream.end_capture()
         recv_x, combined, combined_w, _ = captured
-        for replay in range(5):
+        for _ in range(5):
             inputs = all_inputs(tokens, hidden, experts, num_topk)
             with stream:
                 x[...] = cupy.asarray(inputs[rank][0])

@@ -113,7 +113,7 @@ def main() -> None:
                 buffer.barrier(timeout_s=2.0)
             except cuep.PeerTimeoutError as exc:
                 assert exc.rank == rank and exc.peer == 0, exc
-                assert "rank 0" in str(exc), exc
+                assert "rank 0" in str(exc) and "waited 2 s" in str(exc), exc
             else:
                 raise AssertionError("barrier without rank 0 did not time out")
         comm.Barrier()
