@@ -112,3 +112,41 @@ def check_hidden(call: str, hidden: int, fp8: bool) -> None:
     if hidden <= 0 or hidden % multiple:
         kind = "FP8 (one scale per 128 channels)" if fp8 else "BF16 (16-byte vectors)"
         raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple} for {kind}, got {hidden}")
+
+
+def check_low_latency_dispatch(call: str, x, topk_idx, max_tokens: Any, num_experts: Any, num_ranks: int,
+                               max_topk: int, max_tokens_limit: int, use_fp8: bool, round_scale: bool,
+                               use_ue8m0: bool) -> None:
+    """Shapes, dtypes and options of a low-latency dispatch (no GPU work)."""
+    check_matrix(call, "x", x, [bf16_dtype()])
+    num_tokens, hidden = x.shape
+    multiple = 512 if use_ue8m0 else 128
+    if hidden <= 0 or hidden % multiple:
+        raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple}"
+                         f"{' with use_ue8m0' if use_ue8m0 else ''}, got {hidden}")
+    max_tokens = check_nonnegative_int(call, "num_max_dispatch_tokens_per_rank", max_tokens)
+    if not 0 < max_tokens <= max_tokens_limit:
+        raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank must be in [1, {max_tokens_limit}], got {max_tokens}")
+    if num_tokens > max_tokens:
+        raise ValueError(f"{call}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
+    check_topk_idx(call, topk_idx, num_experts, num_tokens)
+    if topk_idx.shape[1] > max_topk:
+        raise ValueError(f"{call}: at most {max_topk} experts per token, topk_idx has {topk_idx.shape[1]}")
+    check_num_experts(call, num_experts, num_ranks)
+    if use_ue8m0 and not (use_fp8 and round_scale):
+        raise ValueError(f"{call}: use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds powers of two)")
+    if round_scale and not use_fp8:
+        raise ValueError(f"{call}: round_scale=True needs use_fp8=True")
+
+
+def check_vector(call: str, name: str, array, dtype, length: int) -> None:
+    """A contiguous 1-D array of ``dtype`` and ``length``."""
+    if array.dtype != np.dtype(dtype) or array.ndim != 1 or array.shape[0] != length or not array.flags.c_contiguous:
+        raise ValueError(f"{call}: {name} must be a contiguous [{length}] {np.dtype(dtype)} array, got "
+                         f"{array.dtype} {tuple(array.shape)}")
+
+
+def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{call}: async_finish and return_recv_hook exclude each other (the hook runs the "
+                         f"receive on your stream)")

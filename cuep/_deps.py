@@ -17,6 +17,7 @@ _CUDA_EXTRA = "pip install 'cuep[cu13]' (or 'cuep[cu12]' on a CUDA 12 driver)"
 _INSTALL_HINTS = {
     "cupy": f"cuep needs CuPy: {_CUDA_EXTRA}.",
     "cuda.core": f"cuep needs cuda.core >= 1.2 (cuda-python): {_CUDA_EXTRA}.",
+    "cuda.bindings.driver": f"cuep needs cuda-bindings (cuda-python): {_CUDA_EXTRA}.",
     "cuda.pathfinder": f"cuep needs cuda-pathfinder to find NVRTC and the CUDA headers: {_CUDA_EXTRA}.",
     "nvshmem.core": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
     "mpi4py.MPI": "cuep needs mpi4py and an MPI library: pip install mpi4py mpich (or use your cluster's MPI).",
@@ -41,6 +42,10 @@ def cupy() -> ModuleType:
 
 def cuda_core() -> ModuleType:
     return require("cuda.core")
+
+
+def cuda_driver() -> ModuleType:
+    return require("cuda.bindings.driver")
 
 
 def pathfinder() -> ModuleType:

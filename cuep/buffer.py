@@ -15,9 +15,13 @@ from .config import Config, get_combine_config, get_dispatch_config
 from .kernels import barrier as barrier_kernel
 from .kernels import intranode as intranode_kernel
 from .kernels import layout as layout_kernel
+from .kernels import low_latency as low_latency_kernel
 from .kernels import status as kernel_status
 from .runtime import MpiGroup, discover_topology, wait_for_all
 from .runtime import world as nvshmem_world
+
+# The low-latency region starts on this boundary after the NVL region in the symmetric allocation.
+LOW_LATENCY_ALIGN = 4096
 
 
 class Buffer:
@@ -76,7 +80,8 @@ class Buffer:
         self.topology = discover_topology(self.comm)
         self.rank, self.group_size = self.topology.rank, self.topology.num_ranks
         control_bytes = barrier_kernel.signal_bytes(self.group_size)
-        data_bytes = self.num_nvl_bytes + self.num_rdma_bytes
+        self._low_latency_offset = -(-self.num_nvl_bytes // LOW_LATENCY_ALIGN) * LOW_LATENCY_ALIGN
+        data_bytes = self._low_latency_offset + self.num_rdma_bytes if self.num_rdma_bytes else self.num_nvl_bytes
         self._world = nvshmem_world.init_world(self.comm, self.topology, data_bytes + control_bytes)
         self.device_id = self._world.device_id
         self._device = cupy.cuda.Device(self.device_id)
@@ -94,7 +99,10 @@ class Buffer:
         self._status_host[:] = 0
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._load_kernels()
-        self._intranode = self._intranode_context() if self._data is not None else None
+        self._intranode = self._intranode_context() if self.num_nvl_bytes else None
+        self._low_latency = self._low_latency_context() if self.num_rdma_bytes else None
+        self._low_latency_half = 0  # DeepEP's buffer index: every low-latency call flips it
+        self._combine_buffers: dict[tuple, Any] = {}
         cupy.cuda.runtime.memset(int(self._control.handle), 0, control_bytes)
         self._device.synchronize()
         _deps.nvshmem().barrier_all(self._core_stream(self._comm_stream))
@@ -112,6 +120,8 @@ class Buffer:
             self._layout_library = get_library(layout_kernel.spec(arch), group)
             self._barrier_library = get_library(barrier_kernel.spec(arch), group)
             self._intranode_library = get_library(intranode_kernel.spec(arch), group)
+            self._low_latency_library = (get_library(low_latency_kernel.spec(arch), group) if self.num_rdma_bytes
+                                         else None)
         finally:
             local_comm.Free()
 
@@ -127,6 +137,24 @@ class Buffer:
             next_row=cupy.zeros(self.group_size, dtype=cupy.int32),
             barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), core_stream=self._core_stream,
             raise_if_failed=self._raise_if_failed)
+
+    def _low_latency_context(self) -> low_latency_kernel.Context:
+        cupy = _deps.cupy()
+        region = int(self._data.handle) + self._low_latency_offset
+        cupy.cuda.runtime.memset(region, 0, self.num_rdma_bytes)  # flags start below every call number
+        status_host = np.frombuffer(cupy.cuda.alloc_pinned_memory(self._status.nbytes), np.int32,
+                                    kernel_status.STATUS_WORDS)
+        status_host[:] = 0
+        self._low_latency_status_host = status_host
+        return low_latency_kernel.Context(
+            library=self._low_latency_library, rank=self.rank, num_ranks=self.group_size, region_ptr=region,
+            region_bytes=self.num_rdma_bytes,
+            num_sms=self._device.attributes["MultiProcessorCount"],
+            force_put=not self.allow_nvlink_for_low_latency_mode,
+            timeout_ns=int(env.get("CUEP_TIMEOUT_S") * 1e9),
+            seq_state=cupy.zeros(low_latency_kernel.SEQ_WORDS, dtype=cupy.uint64),
+            status=cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32),
+            status_host_ptr=cupy.cuda.runtime.hostGetDevicePointer(status_host.ctypes.data, 0))
 
     def _core_stream(self, cupy_stream):
         """The cuda.core view of a CuPy stream, made once per stream."""
@@ -144,9 +172,15 @@ class Buffer:
         self._raise_if_failed()
 
     def _raise_if_failed(self, timeout_s: float | None = None) -> None:
-        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow), once.
+        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow, bad expert
+        ids), once.
 
         ``timeout_s``: the bound the waits ran with, for the message (default ``CUEP_TIMEOUT_S``)."""
+        if self._low_latency is not None and self._low_latency_status_host.any():
+            recorded = self._low_latency_status_host.copy()
+            self._low_latency.status.fill(0)
+            self._low_latency_status_host[:] = 0
+            kernel_status.raise_if_failed(recorded, self.rank, env.get("CUEP_TIMEOUT_S"))
         if self._status_host.any():
             recorded = self._status_host.copy()
             self._status.fill(0)
@@ -459,6 +493,224 @@ class Buffer:
 
         outputs, event = self._on_comm_stream(previous_event, async_finish, allocate_on_comm_stream, enqueue)
         return (*outputs, event)
+
+    # ----------------------------------------------------------------------------------------------
+    # Low-latency mode
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` that low-latency calls of up to this many tokens per rank need.
+
+        Differs from DeepEP: each token crosses once per destination rank (not per expert), so the
+        buffer holds ``num_ranks`` slots per token instead of ``num_experts``; ``num_experts`` is
+        accepted for the same signature. Up to 32 experts per token.
+        """
+        call = "get_low_latency_rdma_size_hint()"
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            if _checks.check_nonnegative_int(call, name, value) == 0:
+                raise ValueError(f"{call}: {name} must be positive")
+        return low_latency_kernel.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks)
+
+    def _low_latency_ready(self, call: str) -> low_latency_kernel.Context:
+        self._check_alive(call)
+        if not self.low_latency_mode or self._low_latency is None:
+            raise ValueError(f"{call}: create the Buffer with low_latency_mode=True and num_rdma_bytes >= "
+                             f"Buffer.get_low_latency_rdma_size_hint(...)")
+        return self._low_latency
+
+    def _next_half(self) -> int:
+        half = self._low_latency_half
+        self._low_latency_half ^= 1
+        return half
+
+    def _run_low_latency(self, launch: low_latency_kernel.Launch, async_finish: bool, return_recv_hook: bool,
+                         keep: tuple) -> tuple[EventOverlap, Callable[[], None] | None]:
+        """Launch on the current stream (or, with ``async_finish``, on the comm stream after it); with
+        ``return_recv_hook`` only the send phase runs now and the hook runs the receive."""
+        cupy = _deps.cupy()
+        phases = low_latency_kernel.SEND_PHASE
+        if not return_recv_hook:
+            phases |= low_latency_kernel.RECV_PHASE
+        event = EventOverlap()
+        if async_finish:
+            comm_stream = self._comm_stream
+            comm_stream.wait_event(cupy.cuda.get_current_stream().record())
+            launch(comm_stream, phases)
+            done = comm_stream.record()
+            self._keep_alive(done, keep)
+            event = EventOverlap(done, extra_arrays=keep)
+        else:
+            launch(cupy.cuda.get_current_stream(), phases)
+        if not return_recv_hook:
+            return event, None
+        pending = [launch]
+
+        def hook() -> None:
+            """Receive this call's data (on the current stream). Call it once."""
+            if not pending:
+                raise CuepError("low-latency receive hook: this hook already ran; each hook runs once")
+            self._check_alive("low-latency receive hook")
+            pending.pop()(cupy.cuda.get_current_stream(), low_latency_kernel.RECV_PHASE)
+        return event, hook
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token to the ranks holding its experts, laid out per local expert (decode, low latency).
+
+        Each token crosses to each destination rank once, quantised to FP8 by its sender (or as BF16);
+        the receiver fans it out into the rows of its local experts. Capturable in a CUDA graph.
+
+        Requirements:
+            a Buffer made with ``low_latency_mode=True`` and ``num_rdma_bytes >=``
+            :meth:`get_low_latency_rdma_size_hint`; every rank calls it with the same
+            ``num_max_dispatch_tokens_per_rank``, hidden size and ``num_experts``. Calls alternate between
+            two buffer halves: every rank must finish (hook included) call ``n`` before any rank sends call
+            ``n + 2``, so at most two calls' data are in flight.
+
+        Arguments:
+            x: `[num_tokens, hidden]` `bfloat16`, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden a
+                multiple of 128 (of 512 with ``use_ue8m0``).
+            topk_idx: `[num_tokens, num_topk]` `int64` (or `int32`), up to 32 experts per token, `-1` for none.
+                Ids outside `[-1, num_experts)` are treated as `-1` and the next call raises ``ValueError``
+                (checking them here would cost a host sync per call).
+            num_max_dispatch_tokens_per_rank: the most tokens any rank sends in one call (at most 1024).
+            num_experts: experts across all ranks, a multiple of the number of ranks.
+            cumulative_local_expert_recv_stats: `[num_local_experts]` `int32`; each call adds the tokens each
+                local expert received.
+            use_fp8: send e4m3 with one float32 scale per 128 channels (else BF16).
+            round_scale: round each scale up to a power of two.
+            use_ue8m0: return the (power-of-two) scales as packed UE8M0 exponents.
+            async_finish: run on the communication stream and return an event to wait on.
+            return_recv_hook: run only the send phase now; calling the returned hook runs the receive (on
+                the current stream, then). No SM is used in between.
+
+        Returns:
+            recv_x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`: `uint8` e4m3
+                bytes with `float32` scales `[..., hidden // 128]` (column-major in the last two dims) as a
+                tuple ``(recv_x, scales)`` for FP8 (`int32` `[..., hidden // 512]` with ``use_ue8m0``), or
+                `bfloat16`. Rows ``0 .. recv_count[e] - 1`` of expert ``e`` hold its tokens ordered by
+                source rank, then source token.
+            recv_count: `[num_local_experts]` `int32`, tokens each local expert received.
+            handle: for :meth:`low_latency_combine`.
+            event: an :class:`EventOverlap` (holding an event with ``async_finish``).
+            hook: the receive hook with ``return_recv_hook``, else ``None``.
+
+        Differs from DeepEP: rows are deterministic (DeepEP's order depends on timing); up to 32 experts
+        per token; `int32` ids accepted; FP8 is `uint8` (CuPy has no FP8 dtype).
+        """
+        call = "low_latency_dispatch()"
+        ctx = self._low_latency_ready(call)
+        x = _checks.as_device_array(call, "x", x)
+        topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
+        _checks.check_low_latency_dispatch(call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                           self.group_size, low_latency_kernel.MAX_TOPK,
+                                           low_latency_kernel.MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            stats = _checks.as_device_array(call, "cumulative_local_expert_recv_stats", stats)
+            _checks.check_vector(call, "cumulative_local_expert_recv_stats", stats, np.int32,
+                                 num_experts // self.group_size)
+        _checks.check_hook_options(call, async_finish, return_recv_hook)
+        recv_x, recv_scales, recv_count, handle, launch = low_latency_kernel.dispatch(
+            ctx, self._next_half(), x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), stats,
+            use_fp8, round_scale, use_ue8m0)
+        received = (recv_x, recv_scales) if use_fp8 else recv_x
+        event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
+                                            (x, topk_idx, stats, recv_x, recv_scales, recv_count, handle))
+        return received, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: low_latency_kernel.Handle, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False, out=None):
+        """Send the expert outputs back to their tokens' ranks and reduce them with the top-k weights.
+
+        Each rank first sums, in FP32, the weighted outputs of its local experts for each token it
+        received, and sends that one BF16 partial back; the token's rank adds the partials in FP32.
+
+        Arguments:
+            x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16`, the
+                expert outputs in the dispatch's row layout.
+            topk_idx: `[num_tokens, num_topk]`, the dispatch's routing (entries set to `-1` since are skipped).
+            topk_weights: `[num_tokens, num_topk]` `float32`.
+            handle: the handle of the matching :meth:`low_latency_dispatch`.
+            zero_copy: accepted for DeepEP compatibility: cuep reads ``x`` in place whatever it is, so this
+                costs nothing either way (:meth:`get_next_low_latency_combine_buffer` gives a ready buffer).
+            async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
+            out: `[num_tokens, hidden]` `bfloat16` to write into, else a new array.
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` `bfloat16`, ``sum_k topk_weights[t, k] * x[row of (t, k)]``.
+            event: an :class:`EventOverlap`.
+            hook: the receive hook with ``return_recv_hook``, else ``None``.
+
+        Differs from DeepEP: a token's partial sum from each rank is rounded to BF16 once before it
+        travels (DeepEP rounds each expert's output); the result differs from DeepEP's by BF16 rounding.
+        """
+        call = "low_latency_combine()"
+        ctx = self._low_latency_ready(call)
+        if not isinstance(handle, low_latency_kernel.Handle):
+            raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
+        bf16 = _checks.bf16_dtype()
+        rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
+        shape = (handle.num_experts // self.group_size, rows, handle.hidden)
+        x = _checks.as_device_array(call, "x", x)
+        if x.dtype != bf16 or x.shape != shape or not x.flags.c_contiguous:
+            raise ValueError(f"{call}: x must be a C-contiguous {list(shape)} bfloat16 array, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
+        _checks.check_topk_idx(call, topk_idx, handle.num_experts, handle.num_tokens)
+        if topk_idx.shape[1] != handle.num_topk:
+            raise ValueError(f"{call}: topk_idx must be the dispatch's [{handle.num_tokens}, {handle.num_topk}], got "
+                             f"{tuple(topk_idx.shape)}")
+        topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
+        _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_tokens, handle.num_topk)
+        if out is None:
+            out = _deps.cupy().empty((handle.num_tokens, handle.hidden), dtype=bf16)
+        else:
+            out = _checks.as_device_array(call, "out", out)
+            _checks.check_matrix(call, "out", out, [bf16], handle.num_tokens, handle.hidden)
+        _checks.check_hook_options(call, async_finish, return_recv_hook)
+        launch = low_latency_kernel.combine(ctx, self._next_half(), x, topk_idx, topk_weights, handle, out)
+        event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
+                                            (x, topk_idx, topk_weights, handle, out))
+        return out, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: low_latency_kernel.Handle):
+        """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` array for
+        the next :meth:`low_latency_combine`'s expert outputs (one per buffer half, reused).
+
+        cuep's combine reads its ``x`` in place wherever it lives, so writing here saves nothing over any
+        other array; it exists so code written for DeepEP's zero-copy path runs unchanged.
+        """
+        call = "get_next_low_latency_combine_buffer()"
+        self._low_latency_ready(call)
+        if not isinstance(handle, low_latency_kernel.Handle):
+            raise TypeError(f"{call}: handle must come from low_latency_dispatch()")
+        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        key = (self._low_latency_half, shape)
+        if key not in self._combine_buffers:
+            self._combine_buffers = {k: v for k, v in self._combine_buffers.items() if k[1] == shape}
+            self._combine_buffers[key] = _deps.cupy().empty(shape, dtype=_checks.bf16_dtype())
+        return self._combine_buffers[key]
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: zero the low-latency buffer (every rank, with nothing in flight).
+
+        cuep's flags carry call numbers that only grow, so its kernels never need this, even when the
+        shapes change between calls; it exists for DeepEP compatibility and to start from a clean state.
+        The arguments are checked against the buffer's capacity.
+        """
+        call = "clean_low_latency_buffer()"
+        ctx = self._low_latency_ready(call)
+        low_latency_kernel.check_fits(call, ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        cupy = _deps.cupy()
+        self._device.synchronize()
+        wait_for_all(self.comm, call)
+        cupy.cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
+        self._device.synchronize()
+        wait_for_all(self.comm, call)
 
     def destroy(self) -> None:
         """Collective: release this Buffer's symmetric memory now. Idempotent; the Buffer is unusable after."""

@@ -124,3 +124,78 @@ def combine(recv_xs: list[np.ndarray], recv_srcs: list[np.ndarray], num_tokens: 
             for b in extra or ():
                 combined[s] += b.astype(np.float32)
     return combined, weights
+
+
+class LowLatencyDispatchResult(NamedTuple):
+    """What one receiving rank gets from ``Buffer.low_latency_dispatch`` (rows past a count are zero here)."""
+
+    recv_x: np.ndarray          # [L, R * max_tokens, hidden]: e4m3 bytes (uint8) or the input dtype
+    recv_scales: np.ndarray | None  # [L, R * max_tokens, hidden // 128] float32, or // 512 int32 (UE8M0)
+    recv_count: np.ndarray      # [L] int32
+    recv_src: list[np.ndarray]  # per local expert, [count, 2]: (source rank, source token) of each row
+
+
+def _expert_rows(topk_idxs: list[np.ndarray], expert: int) -> np.ndarray:
+    """(source rank, source token) pairs that chose ``expert``, in (rank, token) order."""
+    pairs = [np.stack([np.full(len(t), s), t], axis=1) for s, topk in enumerate(topk_idxs)
+             for t in [np.nonzero((np.asarray(topk) == expert).any(axis=1))[0]]]
+    return np.concatenate(pairs).astype(np.int64) if pairs else np.zeros((0, 2), np.int64)
+
+
+def low_latency_dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int, max_tokens: int,
+                         use_fp8: bool = True, round_scale: bool = False,
+                         use_ue8m0: bool = False) -> list[LowLatencyDispatchResult]:
+    """Every rank's low-latency dispatch result from every rank's inputs.
+
+    Each source quantises its tokens once (``cuep.fp8.quantize``); local expert ``e`` of rank ``r``
+    receives, in rows ``0 .. count - 1``, every token that chose it, ordered by (source rank, source token).
+    """
+    from . import fp8
+    num_ranks = len(xs)
+    per_rank = num_experts // num_ranks
+    sent = [fp8.quantize(np.asarray(x), round_scale, use_ue8m0) if use_fp8 else (np.asarray(x), None) for x in xs]
+    hidden = xs[0].shape[1]
+    results = []
+    for r in range(num_ranks):
+        data_dtype = np.uint8 if use_fp8 else xs[0].dtype
+        recv_x = np.zeros((per_rank, num_ranks * max_tokens, hidden), dtype=data_dtype)
+        recv_scales = None
+        if use_fp8:
+            columns = hidden // 128 // (4 if use_ue8m0 else 1)
+            recv_scales = np.zeros((per_rank, num_ranks * max_tokens, columns), sent[0][1].dtype)
+        counts, sources = np.zeros(per_rank, np.int32), []
+        for e in range(per_rank):
+            pairs = _expert_rows(topk_idxs, r * per_rank + e)
+            counts[e] = len(pairs)
+            sources.append(pairs)
+            for row, (s, t) in enumerate(pairs):
+                recv_x[e, row] = sent[s][0][t]
+                if use_fp8:
+                    recv_scales[e, row] = sent[s][1][t]
+        results.append(LowLatencyDispatchResult(recv_x, recv_scales, counts, sources))
+    return results
+
+
+def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.ndarray], topk_weights: list[np.ndarray],
+                        num_experts: int) -> list[np.ndarray]:
+    """Every source rank's low-latency combine result, float32 `[num_tokens, hidden]`.
+
+    ``expert_outputs[r]``: rank ``r``'s `[L, R * max_tokens, hidden]` outputs, row-aligned with its
+    dispatch result. Token ``t`` of rank ``s`` gets ``sum_k weights[t, k] * output(expert k, its row)``
+    over the entries that are not -1.
+    """
+    num_ranks = len(expert_outputs)
+    per_rank = num_experts // num_ranks
+    row_of = {}
+    for expert in range(num_experts):
+        for row, (s, t) in enumerate(_expert_rows(topk_idxs, expert)):
+            row_of[(expert, int(s), int(t))] = row
+    combined = []
+    for s, (topk, weights) in enumerate(zip(topk_idxs, topk_weights)):
+        out = np.zeros((len(topk), expert_outputs[0].shape[2]), dtype=np.float64)
+        for t, k in zip(*np.nonzero(np.asarray(topk) >= 0)):
+            expert = int(topk[t, k])
+            r, e = divmod(expert, per_rank)
+            out[t] += np.float64(weights[t, k]) * expert_outputs[r][e, row_of[(expert, s, int(t))]].astype(np.float64)
+        combined.append(out.astype(np.float32))
+    return combined

@@ -39,8 +39,14 @@ constexpr int kStatusTimedOut = 0;  // 0 = fine, 1 = a wait timed out
 constexpr int kStatusPeer = 1;      // the rank that never arrived
 constexpr int kStatusPhase = 2;     // which wait (kPhase* below)
 constexpr int kStatusOverflow = 3;  // rows a dispatch needed beyond the num_worst_tokens it was given
-constexpr int kStatusWords = 4;
+constexpr int kStatusBadExpertIds = 4;  // top-k ids outside [-1, num_experts) that a kernel ignored
+constexpr int kStatusWords = 5;
 
+// Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py names them.
 constexpr int kPhaseBarrier = 1;
+constexpr int kPhaseLowLatencyRouting = 2;  // a source's routing table (low-latency dispatch)
+constexpr int kPhaseLowLatencyToken = 3;    // a dispatched token
+constexpr int kPhaseLowLatencyWeights = 4;  // a source's top-k weights (low-latency combine)
+constexpr int kPhaseLowLatencyPartial = 5;  // a combined partial sum
 
 }  // namespace cuep

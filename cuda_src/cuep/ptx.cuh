@@ -56,10 +56,24 @@ __device__ __forceinline__ int4 ld_nc_no_allocate_global(const int4* ptr) {
     return v;
 }
 
+__device__ __forceinline__ void st_release_sys_global(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ld_volatile_global(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr));
+    return value;
+}
+
 // Store that will not be read again by this SM: skip L1 allocation.
 __device__ __forceinline__ void st_na_global(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ void st_na_global(uint2* ptr, const uint2& v) {
+    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(ptr), "r"(v.x), "r"(v.y) : "memory");
 }
 
 // Load of data read once by this kernel. The aggressive form skips L1 and prefetches 256 bytes into
