@@ -17,18 +17,24 @@ from . import _deps
 TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 
 
-def _median_us(fn, warmup: int, iters: int) -> float:
+def _times_us(fn, warmup: int, iters: int, phases: int = 1) -> np.ndarray:
+    """``[iters, phases]`` microseconds: ``fn(mark)`` runs one iteration and calls ``mark()`` after each
+    of its first ``phases - 1`` phases (events are recorded around every phase)."""
     cupy = _deps.cupy()
     for _ in range(warmup):
-        fn()
-    starts = [cupy.cuda.Event() for _ in range(iters)]
-    ends = [cupy.cuda.Event() for _ in range(iters)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    ends[-1].synchronize()
-    return float(np.median([cupy.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends)]))
+        fn(lambda: None)
+    events = [[cupy.cuda.Event() for _ in range(phases + 1)] for _ in range(iters)]
+    for marks in events:
+        recorded = iter(marks[1:-1])
+        marks[0].record()
+        fn(lambda: next(recorded).record())
+        marks[-1].record()
+    events[-1][-1].synchronize()
+    return np.array([[cupy.cuda.get_elapsed_time(a, b) * 1e3 for a, b in zip(marks, marks[1:])] for marks in events])
+
+
+def _median_us(fn, warmup: int, iters: int) -> float:
+    return float(np.median(_times_us(lambda _: fn(), warmup, iters)))
 
 
 class NcclAllToAll:
@@ -58,6 +64,31 @@ class NcclAllToAll:
                            self.stream.ptr)
             offset += count
         nccl.groupEnd()
+
+
+def nccl_baseline(comm, rows, in_rank):
+    """NCCL all-to-all of the same routing: ``(dispatch, combine)`` callables. Dispatch gathers each
+    destination's ``rows`` (glue) and exchanges them; combine sends them back and sums them per token."""
+    cupy = _deps.cupy()
+    nccl = NcclAllToAll(comm)
+    dst_of = [cupy.nonzero(in_rank[:, r])[0] for r in range(comm.Get_size())]
+    send_counts = [int(d.size) for d in dst_of]
+    recv_counts = [int(c) for c in comm.alltoall(send_counts)]
+    order = cupy.concatenate(dst_of)
+    received = cupy.empty((sum(recv_counts), rows.shape[1]), dtype=rows.dtype)
+    combined = cupy.zeros((rows.shape[0], rows.shape[1]), dtype=cupy.float32)
+
+    def dispatch():
+        nccl.exchange(rows[order], send_counts, received, recv_counts)
+
+    def combine():
+        back = cupy.empty((int(order.size), rows.shape[1]), dtype=rows.dtype)
+        nccl.exchange(received, recv_counts, back, send_counts)
+        combined.fill(0)
+        cupy.add.at(combined, order, back.astype(cupy.float32))
+        combined.astype(rows.dtype)
+
+    return dispatch, combine
 
 
 def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
@@ -105,26 +136,7 @@ def bench_normal(args) -> None:
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
 
-    # NCCL baseline on the same routing: group rows by destination (glue), then all-to-all.
-    nccl = NcclAllToAll(comm)
-    dst_of = [cupy.nonzero(in_rank[:, r])[0] for r in range(num_ranks)]
-    send_counts = [int(d.size) for d in dst_of]
-    recv_counts = [int(c) for c in comm.alltoall(send_counts)]
-    order = cupy.concatenate(dst_of)
-    recv_buf = cupy.empty((sum(recv_counts), args.hidden), dtype=x.dtype)
-
-    def nccl_dispatch():
-        nccl.exchange(x[order], send_counts, recv_buf, recv_counts)
-
-    combine_out = cupy.zeros((args.tokens, args.hidden), dtype=cupy.float32)
-
-    def nccl_combine():
-        back = cupy.empty((int(order.size), args.hidden), dtype=x.dtype)
-        nccl.exchange(recv_buf, recv_counts, back, send_counts)
-        combine_out.fill(0)
-        cupy.add.at(combine_out, order, back.astype(cupy.float32))
-        combine_out.astype(x.dtype)
-
+    nccl_dispatch, nccl_combine = nccl_baseline(comm, x, in_rank)
     results[("nccl dispatch bf16", 0)] = _median_us(nccl_dispatch, args.warmup, args.iters)
     results[("nccl combine bf16", 0)] = _median_us(nccl_combine, args.warmup, args.iters)
 
@@ -150,25 +162,99 @@ def bench_normal(args) -> None:
     buffer.destroy()
 
 
+def bench_low_latency(args) -> None:
+    cupy, mpi = _deps.cupy(), _deps.mpi()
+    import cuep
+    from ._checks import bf16_dtype
+    comm = mpi.COMM_WORLD
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    tokens, hidden, experts = args.tokens, args.hidden, args.experts
+    buffer = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts),
+                         low_latency_mode=True)
+    x, topk_idx, weights = _workload(rank, tokens, hidden, experts, args.topk)
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+    expert_out = cupy.random.default_rng(5).standard_normal(
+        (experts // num_ranks, num_ranks * tokens, hidden), dtype=cupy.float32).astype(bf16_dtype())
+
+    def dispatch(mark):
+        buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+
+    def combine(mark):
+        buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+
+    def both(mark):
+        _, _, new_handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+        mark()
+        buffer.low_latency_combine(expert_out, topk_idx, weights, new_handle)
+
+    def dispatch_hook(mark):
+        hook = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, return_recv_hook=True)[4]
+        mark()
+        hook()
+
+    def combine_hook(mark):
+        hook = buffer.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=True)[2]
+        mark()
+        hook()
+
+    runs = {"dispatch fp8": (dispatch, 1), "combine bf16": (combine, 1), "dispatch + combine": (both, 2),
+            "dispatch hook (send | recv)": (dispatch_hook, 2), "combine hook (send | recv)": (combine_hook, 2)}
+    times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
+
+    experts_per_rank = experts // num_ranks
+    owner = cupy.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)
+    in_rank = cupy.stack([(owner == r).any(axis=1) for r in range(num_ranks)], axis=1)
+    fp8_rows = cupy.zeros((tokens, hidden + hidden // 128 * 4), dtype=cupy.uint8)  # e4m3 bytes + scales
+    nccl_dispatch, _ = nccl_baseline(comm, fp8_rows, in_rank)
+    _, nccl_combine = nccl_baseline(comm, x, in_rank)
+    times["nccl dispatch fp8"] = _times_us(lambda _: nccl_dispatch(), args.warmup, args.iters)
+    times["nccl combine bf16"] = _times_us(lambda _: nccl_combine(), args.warmup, args.iters)
+
+    # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header bytes).
+    selections = int((topk_idx >= 0).sum())
+    dispatch_bytes, combine_bytes = selections * (hidden + hidden // 128 * 4 + 16), selections * hidden * 2
+    gathered = comm.gather(times, root=0)
+    buffer.destroy()
+    if rank != 0:
+        return
+    print(f"cuep low-latency mode: {num_ranks} ranks, {tokens} tokens/rank, hidden {hidden}, top-{args.topk} of "
+          f"{experts} experts; {args.iters} iterations; means over ranks")
+    print(f"{'operation':30s} {'phase':>6s} {'median us':>10s} {'p99 us':>8s} {'p99/med':>8s} {'GB/s':>7s}")
+    for name in times:
+        per_rank = np.stack([g[name] for g in gathered])  # [ranks, iters, phases]
+        for phase in range(per_rank.shape[2]):
+            median = float(np.mean(np.median(per_rank[:, :, phase], axis=1)))
+            p99 = float(np.mean(np.percentile(per_rank[:, :, phase], 99, axis=1)))
+            label = ("send", "recv")[phase] if "hook" in name else ("dispatch", "combine")[phase] if "+" in name else ""
+            moved = combine_bytes if ("combine" in name and "+" not in name) or label == "combine" else dispatch_bytes
+            gbps = f"{moved / median / 1e3:7.1f}" if "hook" not in name else "      -"
+            print(f"{name:30s} {label:>6s} {median:10.1f} {p99:8.1f} {p99 / median:8.2f} {gbps}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuep.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["normal"], default="normal")
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per rank (default 4096 normal, 128 low latency)")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=[24],
                         help="comma-separated SM counts to measure")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations (default 30 normal, 1000 low latency: p99 needs many)")
     parser.add_argument("--tune", action="store_true",
                         help=f"search SM counts {TUNE_SMS} and print the best Config per operation")
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
     args = parser.parse_args(argv)
+    low_latency = args.mode == "low_latency"
+    args.tokens = args.tokens or (128 if low_latency else 4096)
+    args.iters = args.iters or (1000 if low_latency else 30)
     if args.tune:
         args.sms, args.progress = TUNE_SMS, True
-    bench_normal(args)
+    (bench_low_latency if low_latency else bench_normal)(args)
     return 0
 
 

@@ -180,7 +180,7 @@ class Buffer:
             recorded = self._low_latency_status_host.copy()
             self._low_latency.status.fill(0)
             self._low_latency_status_host[:] = 0
-            kernel_status.raise_if_failed(recorded, self.rank, env.get("CUEP_TIMEOUT_S"))
+            kernel_status.raise_if_failed(recorded, self.rank, self._low_latency.timeout_ns / 1e9)
         if self._status_host.any():
             recorded = self._status_host.copy()
             self._status.fill(0)

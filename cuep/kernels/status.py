@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..errors import PeerTimeoutError
 
-STATUS_WORDS = 4
-TIMED_OUT, PEER, PHASE, OVERFLOW = 0, 1, 2, 3
-PHASE_NAMES = {1: "device barrier"}
+STATUS_WORDS = 5
+TIMED_OUT, PEER, PHASE, OVERFLOW, BAD_EXPERT_IDS = 0, 1, 2, 3, 4
+PHASE_NAMES = {1: "device barrier", 2: "low-latency dispatch (routing table)", 3: "low-latency dispatch (token data)",
+               4: "low-latency combine (top-k weights)", 5: "low-latency combine (partial sums)"}
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
@@ -15,6 +16,9 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
         raise ValueError(f"dispatch(): rank {rank} had {int(status_host[OVERFLOW])} tokens to receive, more than "
                          f"num_worst_tokens; its received arrays were cut short. Pass num_worst_tokens >= "
                          f"num_ranks * num_tokens")
+    if int(status_host[BAD_EXPERT_IDS]):
+        raise ValueError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: topk_idx held expert ids "
+                         f"outside [-1, num_experts); the kernel treated them as -1, so that call's result is wrong")
     if int(status_host[TIMED_OUT]):
         phase = PHASE_NAMES.get(int(status_host[PHASE]), f"phase {int(status_host[PHASE])}")
         raise PeerTimeoutError(rank, int(status_host[PEER]), phase, timeout_s)

@@ -1,0 +1,24 @@
+"""Low-latency dispatch/combine on 2 and 4 GPUs against cuep.reference (cases in workers/low_latency_worker.py)."""
+
+import pytest
+
+from .launch import run_or_skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_low_latency_matches_reference(num_ranks):
+    run_or_skip("low_latency_worker.py", num_ranks, expect=f"low-latency worker passed on {num_ranks} ranks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_low_latency_pressure_with_fresh_routing(num_ranks):
+    run_or_skip("low_latency_worker.py", num_ranks, "--pressure", "300",
+                expect=f"low-latency pressure: 300 calls checked; passed on {num_ranks} ranks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+def test_low_latency_fallback_and_aggressive_ptx_builds(variant):
+    run_or_skip("low_latency_worker.py", 2, env={variant: "1"}, expect="low-latency worker passed on 2 ranks")

@@ -1,0 +1,381 @@
+"""GPU worker for low-latency dispatch/combine against cuep.reference (run under mpirun).
+
+Every rank rebuilds every rank's inputs from one seed, so it can compute what it must receive and
+what its tokens must combine to. Moved data (FP8 bytes and scales, BF16 rows, counts, row order) is
+compared bit for bit; combined sums within the rounding the combine performs (one BF16 rounding of
+each rank's partial sum, then of the result).
+
+``--pressure N``: instead of the cases, N calls with fresh random routing and shapes, every result
+checked (the test suite runs a few hundred; run it long by hand to soak a machine).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import cupy
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+import cuep
+from common import random_topk, run_cases
+from cuep import fp8, reference
+
+comm = MPI.COMM_WORLD
+rank, num_ranks = comm.Get_rank(), comm.Get_size()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SEED = 11
+MAX_TOKENS = 128
+_case_counter = iter(range(1_000_000))
+
+
+def all_inputs(num_tokens, hidden, num_experts, num_topk, masked=0.1):
+    """Every rank's (x, topk_idx, topk_weights), reproducible on every rank."""
+    seed = next(_case_counter)
+    inputs = []
+    for s in range(num_ranks):
+        rng = np.random.default_rng([SEED, seed, s])
+        tokens = num_tokens(s) if callable(num_tokens) else num_tokens
+        x = rng.standard_normal((tokens, hidden)).astype(BF16)
+        topk = random_topk(rng, tokens, num_experts, num_topk, masked)
+        inputs.append((x, topk, rng.random((tokens, num_topk), dtype=np.float32)))
+    return inputs
+
+
+def bits(array):
+    array = np.asarray(array)
+    return array.view(np.uint16) if array.dtype == BF16 else array
+
+
+def check_received(received, recv_count, expected, use_fp8):
+    counts = recv_count.get()
+    np.testing.assert_array_equal(counts, expected.recv_count)
+    data, scales = received if use_fp8 else (received, None)
+    data = data.get()
+    for e, n in enumerate(counts):
+        np.testing.assert_array_equal(bits(data[e, :n]), bits(expected.recv_x[e, :n]), err_msg=f"local expert {e}")
+        if use_fp8:
+            np.testing.assert_array_equal(scales[e, :n].get(), expected.recv_scales[e, :n], err_msg=f"scales of {e}")
+
+
+def dispatch_and_check(buffer, inputs, num_experts, use_fp8=True, round_scale=False, use_ue8m0=False, hook=False,
+                       async_finish=False, stats=None):
+    x, topk, _ = inputs[rank]
+    received, recv_count, handle, event, recv_hook = buffer.low_latency_dispatch(
+        cupy.asarray(x), cupy.asarray(topk), MAX_TOKENS, num_experts, cumulative_local_expert_recv_stats=stats,
+        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+        return_recv_hook=hook)
+    assert (recv_hook is not None) == hook
+    if hook:
+        recv_hook()
+    if async_finish:
+        event.current_stream_wait()
+    expected = reference.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_experts, MAX_TOKENS,
+                                              use_fp8, round_scale, use_ue8m0)
+    check_received(received, recv_count, expected[rank], use_fp8)
+    return handle, expected
+
+
+def expert_outputs(expected, num_experts):
+    """What every rank's experts output: its received rows (dequantised) scaled per expert, in BF16."""
+    outputs = []
+    for r, result in enumerate(expected):
+        rows = result.recv_x
+        values = fp8.dequantize(rows, result.recv_scales) if rows.dtype == np.uint8 else rows.astype(np.float32)
+        scale = 1 + np.arange(len(values), dtype=np.float32)[:, None, None] / 8 + r
+        outputs.append((values * scale).astype(BF16))
+    return outputs
+
+
+def check_combined(combined, inputs, outputs, num_experts):
+    topks, weights = [i[1] for i in inputs], [i[2] for i in inputs]
+    want = reference.low_latency_combine(outputs, topks, weights, num_experts)[rank]
+    bound = reference.low_latency_combine([np.abs(o.astype(np.float32)) for o in outputs], topks,
+                                          [np.abs(w) for w in weights], num_experts)[rank]
+    got = combined.get().astype(np.float32)
+    # Each rank's partial is rounded to BF16 once, then the sum: at most 2^-8 of sum |w x| in all.
+    excess = np.abs(got - want) - (bound * 2.0 ** -8 + 1e-6)
+    assert (excess <= 0).all(), (np.abs(got - want).max(), float(excess.max()))
+
+
+def combine_and_check(buffer, inputs, expected, num_experts, handle, hook=False, async_finish=False, out=None,
+                      zero_copy=False):
+    outputs = expert_outputs(expected, num_experts)
+    x = cupy.asarray(outputs[rank])
+    if zero_copy:
+        target = buffer.get_next_low_latency_combine_buffer(handle)
+        target[...] = x
+        x = target
+    _, topk, weights = inputs[rank]
+    combined, event, recv_hook = buffer.low_latency_combine(x, cupy.asarray(topk), cupy.asarray(weights), handle,
+                                                            zero_copy=zero_copy, async_finish=async_finish,
+                                                            return_recv_hook=hook, out=out)
+    if hook:
+        recv_hook()
+    if async_finish:
+        event.current_stream_wait()
+    if out is not None:
+        assert combined is out
+    check_combined(combined, inputs, outputs, num_experts)
+
+
+def identity_check(buffer, x, topk, weights, num_experts, use_fp8):
+    """Dispatch, let every expert return its input, combine: token t must come back as sum_k w_k x_t
+    (x_t after the FP8 round trip). Returns the worst excess over the allowed error, and the rows
+    received and sent (their totals over ranks must agree)."""
+    received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, num_experts, use_fp8=use_fp8)
+    if use_fp8:
+        data, scales = received
+        expert_x = fp8.dequantize(data, cupy.ascontiguousarray(scales)).astype(BF16)
+        sent = fp8.dequantize(*fp8.quantize(x)).astype(BF16).astype(cupy.float32)
+    else:
+        expert_x, sent = received, x.astype(cupy.float32)
+    combined, _, _ = buffer.low_latency_combine(expert_x, topk, weights, handle)
+    weight_sum = cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
+    bound = cupy.abs(sent) * cupy.where(topk >= 0, cupy.abs(weights), 0).sum(axis=1, keepdims=True)
+    excess = cupy.abs(combined.astype(cupy.float32) - sent * weight_sum) - (bound * 2.0 ** -7 + 1e-5)
+    return excess.max() if excess.size else cupy.float32(-1), recv_count.sum(), (topk >= 0).sum()
+
+
+def random_routing_on_gpu(rng, tokens, num_experts, num_topk):
+    topk = cupy.argsort(rng.random((tokens, num_experts)), axis=1)[:, :num_topk].astype(cupy.int64)
+    return cupy.where(rng.random(topk.shape) < 0.1, -1, topk)
+
+
+def pressure(iterations: int) -> None:
+    buffer = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 7168, num_ranks, num_ranks),
+                         low_latency_mode=True)
+    rng = cupy.random.default_rng(1234 + rank)
+    host_rng = np.random.default_rng([SEED, 77])  # shapes are the same on every rank
+    for i in range(iterations):
+        hidden = int(host_rng.choice([2048, 7168]))
+        num_experts = num_ranks * int(host_rng.choice([4, 16, 64]))
+        num_topk = int(host_rng.choice([1, 8, 16]))
+        use_fp8 = bool(host_rng.integers(2))
+        tokens = int(rng.integers(0, MAX_TOKENS + 1).get())
+        x = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
+        topk = random_routing_on_gpu(rng, tokens, num_experts, min(num_topk, num_experts))
+        weights = rng.random(topk.shape, dtype=cupy.float32)
+        excess, received, sent = identity_check(buffer, x, topk, weights, num_experts, use_fp8)
+        received, sent = comm.allreduce(int(received)), comm.allreduce(int(sent))
+        assert received == sent, (i, received, sent)
+        assert float(excess) <= 0, (i, float(excess), hidden, num_experts, num_topk, use_fp8, tokens)
+    buffer.destroy()
+    if rank == 0:
+        print(f"[rank 0] low-latency pressure: {iterations} calls checked; passed on {num_ranks} ranks", flush=True)
+
+
+def main() -> None:
+    hidden_max = 7168
+    size = cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden_max, num_ranks, 64 * num_ranks)
+    buffer = cuep.Buffer(comm, 0, size, low_latency_mode=True)
+    experts = 64 * num_ranks
+    few_experts = 4 * num_ranks
+
+    def fp8_topk8_hidden_7168_uneven_tokens():
+        inputs = all_inputs(lambda s: MAX_TOKENS - 17 * s, 7168, experts, 8)
+        handle, expected = dispatch_and_check(buffer, inputs, experts)
+        combine_and_check(buffer, inputs, expected, experts, handle)
+
+    def fp8_round_scale_topk1_hidden_2048():
+        inputs = all_inputs(MAX_TOKENS, 2048, experts, 1)
+        handle, expected = dispatch_and_check(buffer, inputs, experts, round_scale=True)
+        combine_and_check(buffer, inputs, expected, experts, handle)
+
+    def fp8_ue8m0_topk16():
+        inputs = all_inputs(100, 2048, experts, 16)
+        handle, expected = dispatch_and_check(buffer, inputs, experts, round_scale=True, use_ue8m0=True)
+        combine_and_check(buffer, inputs, expected, experts, handle)
+
+    def bf16_zero_tokens_on_rank_1_out_and_zero_copy():
+        inputs = all_inputs(lambda s: 0 if s == 1 else 77, 2048, few_experts, 8, masked=0.3)
+        handle, expected = dispatch_and_check(buffer, inputs, few_experts, use_fp8=False)
+        out = cupy.empty((len(inputs[rank][0]), 2048), dtype=BF16)
+        combine_and_check(buffer, inputs, expected, few_experts, handle, out=out, zero_copy=True)
+
+    def hooks_two_micro_batches():
+        a, b = (all_inputs(MAX_TOKENS, 7168, experts, 8) for _ in range(2))
+        sent = []
+        for inputs in (a, b):
+            x, topk, _ = inputs[rank]
+            sent.append(buffer.low_latency_dispatch(cupy.asarray(x), cupy.asarray(topk), MAX_TOKENS, experts,
+                                                    return_recv_hook=True))
+        combines = []
+        for inputs, (received, recv_count, handle, _, hook) in zip((a, b), sent):
+            hook()
+            expected = reference.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], experts,
+                                                      MAX_TOKENS)
+            check_received(received, recv_count, expected[rank], True)
+            outputs = expert_outputs(expected, experts)
+            _, topk, weights = inputs[rank]
+            combined, _, combine_hook = buffer.low_latency_combine(cupy.asarray(outputs[rank]), cupy.asarray(topk),
+                                                                   cupy.asarray(weights), handle, return_recv_hook=True)
+            combines.append((inputs, outputs, combined, combine_hook))
+        for inputs, outputs, combined, combine_hook in combines:
+            combine_hook()
+            check_combined(combined, inputs, outputs, experts)
+            try:
+                combine_hook()
+            except cuep.CuepError:
+                pass
+            else:
+                raise AssertionError("a hook ran twice")
+
+    def async_finish_and_cumulative_stats():
+        stats = cupy.zeros(experts // num_ranks, dtype=cupy.int32)
+        total = np.zeros(experts // num_ranks, dtype=np.int64)
+        for _ in range(2):
+            inputs = all_inputs(90, 2048, experts, 8)
+            handle, expected = dispatch_and_check(buffer, inputs, experts, async_finish=True, stats=stats)
+            total += expected[rank].recv_count
+            combine_and_check(buffer, inputs, expected, experts, handle, async_finish=True)
+        np.testing.assert_array_equal(stats.get(), total)
+
+    def forced_put_path():
+        put_buffer = cuep.Buffer(comm, 0, size, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
+        for use_fp8 in (True, False):
+            inputs = all_inputs(MAX_TOKENS - 5, 7168, experts, 8)
+            handle, expected = dispatch_and_check(put_buffer, inputs, experts, use_fp8=use_fp8)
+            combine_and_check(put_buffer, inputs, expected, experts, handle)
+        put_buffer.destroy()
+
+    def cuda_graph_capture_then_1000_replays():
+        tokens, hidden, num_topk = MAX_TOKENS, 2048, 8
+        rng = cupy.random.default_rng(99 + rank)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            x = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
+            topk = random_routing_on_gpu(rng, tokens, experts, num_topk)
+            weights = rng.random(topk.shape, dtype=cupy.float32)
+
+            def step():
+                received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, experts,
+                                                                                 use_fp8=False)
+                combined, _, _ = buffer.low_latency_combine(received, topk, weights, handle)
+                return received, recv_count, handle, combined
+
+            step()
+            stream.synchronize()
+            stream.begin_capture()
+            captured = step()  # the graph writes into these arrays: they must outlive it
+            graph = stream.end_capture()
+            _, recv_count, _, combined = captured
+            worst = cupy.full((), -1.0, dtype=cupy.float32)
+            received_total = cupy.zeros((), dtype=cupy.int64)
+            sent_total = cupy.zeros((), dtype=cupy.int64)
+            for _ in range(1000):
+                x[...] = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
+                topk[...] = random_routing_on_gpu(rng, tokens, experts, num_topk)
+                weights[...] = rng.random(topk.shape, dtype=cupy.float32)
+                graph.launch(stream)
+                weight_sum = cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
+                bound = cupy.abs(x.astype(cupy.float32)) * cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
+                excess = cupy.abs(combined.astype(cupy.float32) - x.astype(cupy.float32) * weight_sum) - bound * 2.0 ** -7
+                cupy.maximum(worst, excess.max(), out=worst)
+                received_total += recv_count.sum()
+                sent_total += (topk >= 0).sum()
+            stream.synchronize()
+        assert float(worst) <= 1e-5, float(worst)
+        assert comm.allreduce(int(received_total)) == comm.allreduce(int(sent_total))
+
+    def thousand_calls_hold_no_memory():
+        inputs = all_inputs(64, 1024, few_experts, 4)
+        x, topk, weights = (cupy.asarray(a) for a in inputs[rank])
+        pool = cupy.get_default_memory_pool()
+
+        def step():
+            received, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
+            buffer.low_latency_combine(received, topk, weights, handle)
+        for _ in range(20):
+            step()
+        cupy.cuda.Device().synchronize()
+        before = pool.used_bytes()
+        for _ in range(1000):
+            step()
+        cupy.cuda.Device().synchronize()
+        assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
+
+    def bad_expert_id_is_reported_by_the_next_call():
+        inputs = all_inputs(16, 1024, few_experts, 4, masked=0.0)
+        x, topk, weights = (cupy.asarray(a) for a in inputs[rank])
+        topk[0, 0] = few_experts  # out of range: treated as -1 by the kernel, reported afterwards
+        buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
+        cupy.cuda.Device().synchronize()
+        try:
+            buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
+        except ValueError as exc:
+            assert "topk_idx" in str(exc), exc
+        else:
+            raise AssertionError("an out-of-range expert id was not reported")
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        buffer.clean_low_latency_buffer(MAX_TOKENS, 1024, few_experts)
+
+    def argument_errors_name_the_argument():
+        x = cupy.zeros((MAX_TOKENS + 1, 1024), dtype=BF16)
+        topk = cupy.zeros((MAX_TOKENS + 1, 4), dtype=cupy.int64)
+        for call, match in [
+            (lambda: buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts), "num_max_dispatch_tokens_per_rank"),
+            (lambda: buffer.low_latency_dispatch(cupy.zeros((4, 100), dtype=BF16), topk[:4], MAX_TOKENS, few_experts),
+             "hidden"),
+            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts, use_ue8m0=True), "use_ue8m0"),
+            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts + 1), "num_experts"),
+            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts, async_finish=True,
+                                                 return_recv_hook=True), "return_recv_hook"),
+            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], 1 << 20, few_experts), "num_max_dispatch_tokens_per_rank"),
+        ]:
+            try:
+                call()
+            except (ValueError, TypeError) as exc:
+                assert match in str(exc), (match, exc)
+            else:
+                raise AssertionError(f"no error for {match}")
+
+    def peer_that_skips_a_call_times_out():
+        os.environ["CUEP_TIMEOUT_S"] = "3"
+        try:
+            short = cuep.Buffer(comm, 0, size, low_latency_mode=True)
+        finally:
+            del os.environ["CUEP_TIMEOUT_S"]
+        inputs = all_inputs(32, 1024, few_experts, 4)
+        x, topk, _ = (cupy.asarray(a) for a in inputs[rank])
+        comm.Barrier()
+        if rank != 0:
+            short.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts)
+            cupy.cuda.Device().synchronize()  # the kernel gave up after 3 s instead of hanging
+            try:
+                short.barrier()
+            except cuep.PeerTimeoutError as exc:
+                assert exc.peer == 0 and exc.rank == rank, exc
+            else:
+                raise AssertionError("a dispatch without rank 0 did not time out")
+        comm.Barrier()
+        short.destroy()
+
+    run_cases(comm, [
+        ("fp8, top-8, hidden 7168, uneven token counts, -1 entries", fp8_topk8_hidden_7168_uneven_tokens),
+        ("fp8 round_scale, top-1, hidden 2048", fp8_round_scale_topk1_hidden_2048),
+        ("fp8 UE8M0, top-16", fp8_ue8m0_topk16),
+        ("bf16, 0 tokens on rank 1, combine into out= from the zero-copy buffer",
+         bf16_zero_tokens_on_rank_1_out_and_zero_copy),
+        ("hooks: two micro-batches in flight", hooks_two_micro_batches),
+        ("async_finish and cumulative stats", async_finish_and_cumulative_stats),
+        ("forced NVSHMEM put path", forced_put_path),
+        ("CUDA graph: capture once, 1000 replays with fresh inputs", cuda_graph_capture_then_1000_replays),
+        ("1000 calls without memory growth", thousand_calls_hold_no_memory),
+        ("an out-of-range expert id is reported", bad_expert_id_is_reported_by_the_next_call),
+        ("argument errors name the argument", argument_errors_name_the_argument),
+        ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
+    ])
+    buffer.destroy()
+    if rank == 0:
+        print(f"[rank 0] low-latency worker passed on {num_ranks} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--pressure":
+        pressure(int(sys.argv[2]))
+    else:
+        main()
