@@ -373,6 +373,13 @@ __device__ void dispatch_send(const DispatchArgs& a, uint64_t seq) {
     }
 }
 
+// Choice k of token t in source s's routing table (read after the table's flag was acquired; plain
+// loads: this launch had not read those lines before).
+__device__ __forceinline__ int routed_id(const DispatchArgs& a, int s, int t, int k) {
+    return static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords +
+                                      static_cast<int64_t>(t) * a.num_topk + k]);
+}
+
 // Copy the arrived token (s, t) into row `row` of local expert e (global id `expert`).
 __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, int s, int t, uint64_t seq,
                             uint64_t deadline_ns) {
@@ -388,7 +395,7 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     const int4* src = reinterpret_cast<const int4*>(message);
     int4* dst = reinterpret_cast<int4*>(a.recv_x + flat_row * data_bytes);
     for (int v = lane; v < num_vectors; v += kWarpSize)
-        st_na_global(dst + v, ld_volatile_global(src + v));
+        st_na_global(dst + v, ld_cg_global(src + v));
     if (a.use_fp8) {
         const float* scales = reinterpret_cast<const float*>(message + a.hidden);
         const int num_scales = a.hidden / kScaleBlock;
@@ -397,27 +404,20 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
             int32_t* out = static_cast<int32_t*>(a.recv_scales) + e * num_words * rows_per_expert + row;
             for (int w = lane; w < num_words; w += kWarpSize) {
                 uint32_t word = 0;
-                for (int i = 0; i < kScalesPerUe8m0Word; ++i) {
-                    const float scale = *reinterpret_cast<const volatile float*>(scales + w * kScalesPerUe8m0Word + i);
-                    word |= ((__float_as_uint(scale) >> 23) & 0xffu) << (8 * i);
-                }
+                for (int i = 0; i < kScalesPerUe8m0Word; ++i)
+                    word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
                 out[w * rows_per_expert] = static_cast<int32_t>(word);
             }
         } else {
             float* out = static_cast<float*>(a.recv_scales) + e * num_scales * rows_per_expert + row;
             for (int g = lane; g < num_scales; g += kWarpSize)
-                out[g * rows_per_expert] = *reinterpret_cast<const volatile float*>(scales + g);
+                out[g * rows_per_expert] = __ldcg(scales + g);
         }
     }
-    if (lane == 0) {
+    if (lane == 0)
         a.recv_src_info[flat_row] = t;
-        const uint32_t* ids = a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords +
-                              static_cast<int64_t>(t) * a.num_topk;
-        for (int k = 0; k < a.num_topk; ++k)
-            if (static_cast<int>(reinterpret_cast<const volatile uint32_t*>(ids)[k]) == expert)
-                a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + k] =
-                    static_cast<int32_t>(flat_row);
-    }
+    if (lane < a.num_topk && routed_id(a, s, t, lane) == expert)
+        a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + lane] = static_cast<int32_t>(flat_row);
 }
 
 __device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
@@ -434,9 +434,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t dead
 
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
         const bool arrived = wait_for_flag(a.routing_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting);
-        const int sent = arrived ? static_cast<int>(ld_volatile_global(
-                                       reinterpret_cast<const int32_t*>(a.routing + static_cast<int64_t>(s) * a.routing_words)))
-                                 : 0;
+        const int sent = arrived ? static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words]) : 0;
         source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = source_tokens[s];
@@ -450,8 +448,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t dead
         const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
         if (within / a.num_topk >= source_tokens[s])
             continue;
-        const int id = static_cast<int>(ld_volatile_global(reinterpret_cast<const int32_t*>(
-            a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords + within)));
+        const int id = routed_id(a, s, within / a.num_topk, within % a.num_topk);
         if (id < a.rank * L || id >= (a.rank + 1) * L)
             a.combine_rows[i] = -1;
     }
@@ -466,14 +463,11 @@ __device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t dead
             const int s = i / a.max_tokens, t = i % a.max_tokens;
             if (t >= source_tokens[s])
                 continue;
-            const volatile int32_t* ids = reinterpret_cast<const volatile int32_t*>(
-                a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords) + t * a.num_topk;
-            for (int k = 0; k < a.num_topk; ++k) {
-                if (ids[k] == expert) {
-                    atomicOr(bits + s * words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
-                    break;
-                }
-            }
+            bool chosen = false;
+            for (int k = 0; k < a.num_topk; ++k)
+                chosen |= routed_id(a, s, t, k) == expert;
+            if (chosen)
+                atomicOr(bits + s * words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
         }
         __syncthreads();
         if (warp == 0) {
@@ -556,27 +550,32 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
     __shared__ float weights[kMaxTopk];
     __shared__ int num_rows;
     __shared__ bool weights_arrived;
+    __shared__ int row_of_choice[kMaxTopk];
     __shared__ Destinations dst;
     const int64_t entry = (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
+    __syncthreads();  // the previous pair may have returned early: its readers must be done with the shared state
+    if (static_cast<int>(threadIdx.x) < a.num_topk)
+        row_of_choice[threadIdx.x] = a.combine_rows[entry + threadIdx.x];
+    __syncthreads();
     if (threadIdx.x == 0) {
         num_rows = 0;
         for (int k = 0; k < a.num_topk; ++k)
-            if (a.combine_rows[entry + k] >= 0)
-                rows[num_rows++] = a.combine_rows[entry + k];
+            if (row_of_choice[k] >= 0)
+                rows[num_rows++] = k;  // the choice for now; its row replaces it below
         weights_arrived = num_rows > 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s,
                                                         kPhaseLowLatencyWeights);
-        if (weights_arrived) {
-            const volatile float* w = reinterpret_cast<const volatile float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
-                                      static_cast<int64_t>(t) * a.num_topk;
-            for (int k = 0, j = 0; k < a.num_topk; ++k)
-                if (a.combine_rows[entry + k] >= 0)
-                    weights[j++] = w[k];
-        }
         uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
         dst.count = 1;
         dst.pe[0] = s;
         dst.direct[0] = direct_address(slot, s, a.rank, a.force_put);
         dst.any_put = dst.direct[0] == nullptr;
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < num_rows && weights_arrived) {
+        const int k = rows[threadIdx.x];
+        weights[threadIdx.x] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
+                                      static_cast<int64_t>(t) * a.num_topk + k);
+        rows[threadIdx.x] = row_of_choice[k];
     }
     __syncthreads();
     if (!weights_arrived)
@@ -624,16 +623,21 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
 
 __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ int ranks[kMaxTopk];
+    __shared__ int rank_of_choice[kMaxTopk];
     __shared__ int num_ranks_holding;
     const int experts_per_rank = a.num_experts / a.num_ranks;
     const int num_vectors = a.hidden / kBf16PerVector;
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        if (static_cast<int>(threadIdx.x) < a.num_topk) {
+            const int id = read_expert_id(a.topk_idx, a.ids_are_int64, static_cast<int64_t>(t) * a.num_topk + threadIdx.x,
+                                          a.num_experts, a.status);
+            rank_of_choice[threadIdx.x] = id >= 0 ? id / experts_per_rank : -1;
+        }
+        __syncthreads();
         if (threadIdx.x == 0) {
             num_ranks_holding = 0;
             for (int k = 0; k < a.num_topk; ++k) {
-                const int id = read_expert_id(a.topk_idx, a.ids_are_int64, static_cast<int64_t>(t) * a.num_topk + k,
-                                              a.num_experts, a.status);
-                const int r = id >= 0 ? id / experts_per_rank : -1;
+                const int r = rank_of_choice[k];
                 bool seen = r < 0;
                 for (int i = 0; i < num_ranks_holding && !seen; ++i)
                     seen = ranks[i] == r;
@@ -654,7 +658,7 @@ __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadli
                 const int4* partial = reinterpret_cast<const int4*>(
                     a.slots + (static_cast<int64_t>(ranks[i]) * a.max_tokens + t) * a.slot_bytes);
                 float f[kBf16PerVector];
-                bf16x8_to_floats(ld_volatile_global(partial + v), f);
+                bf16x8_to_floats(ld_cg_global(partial + v), f);
 #pragma unroll
                 for (int j = 0; j < kBf16PerVector; ++j)
                     sum[j] += f[j];

@@ -162,6 +162,25 @@ def bench_normal(args) -> None:
     buffer.destroy()
 
 
+class _Graphs:
+    """CUDA graphs captured on one stream; what each capture returned is kept (its graph writes there)."""
+
+    def __init__(self):
+        cupy = _deps.cupy()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.kept: list = []
+
+    def capture(self, call):
+        with self.stream:
+            self.stream.begin_capture()
+            self.kept.append(call())
+            graph = self.stream.end_capture()
+        return graph
+
+    def launch(self, graph) -> None:
+        graph.launch(self.stream)
+
+
 def bench_low_latency(args) -> None:
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
@@ -176,30 +195,50 @@ def bench_low_latency(args) -> None:
     expert_out = cupy.random.default_rng(5).standard_normal(
         (experts // num_ranks, num_ranks * tokens, hidden), dtype=cupy.float32).astype(bf16_dtype())
 
-    def dispatch(mark):
-        buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+    def dispatch():
+        return buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
 
-    def combine(mark):
-        buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+    def combine():
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+
+    def dispatch_send():
+        return buffer.low_latency_dispatch(x, topk_idx, tokens, experts, return_recv_hook=True)
+
+    def combine_send():
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=True)
 
     def both(mark):
-        _, _, new_handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+        received = dispatch()
         mark()
-        buffer.low_latency_combine(expert_out, topk_idx, weights, new_handle)
+        buffer.low_latency_combine(expert_out, topk_idx, weights, received[2])
 
-    def dispatch_hook(mark):
-        hook = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, return_recv_hook=True)[4]
-        mark()
-        hook()
+    def hooked(send):
+        def run(mark):
+            hook = send()[-1]
+            mark()
+            hook()
+        return run
 
-    def combine_hook(mark):
-        hook = buffer.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=True)[2]
-        mark()
-        hook()
-
-    runs = {"dispatch fp8": (dispatch, 1), "combine bf16": (combine, 1), "dispatch + combine": (both, 2),
-            "dispatch hook (send | recv)": (dispatch_hook, 2), "combine hook (send | recv)": (combine_hook, 2)}
+    runs = {"dispatch fp8": (lambda _: dispatch(), 1), "combine bf16": (lambda _: combine(), 1),
+            "dispatch + combine": (both, 2), "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
+            "combine hook (send | recv)": (hooked(combine_send), 2)}
     times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
+
+    # The same calls replayed from CUDA graphs (how decode engines run them): no Python in the loop.
+    graphs = _Graphs()
+    dispatch_graph, combine_graph = graphs.capture(dispatch), graphs.capture(combine)
+    send_graph = graphs.capture(dispatch_send)
+    recv_graph = graphs.capture(lambda: graphs.kept[-1][-1]())  # the hook of the send just captured
+    combine_send_graph = graphs.capture(combine_send)
+    combine_recv_graph = graphs.capture(lambda: graphs.kept[-1][-1]())
+    with graphs.stream:
+        times["graph: dispatch fp8"] = _times_us(lambda _: graphs.launch(dispatch_graph), args.warmup, args.iters)
+        times["graph: combine bf16"] = _times_us(lambda _: graphs.launch(combine_graph), args.warmup, args.iters)
+        for name, send_g, recv_g in (("graph: dispatch hook (send | recv)", send_graph, recv_graph),
+                                     ("graph: combine hook (send | recv)", combine_send_graph, combine_recv_graph)):
+            times[name] = _times_us(lambda mark, s=send_g, r=recv_g: (graphs.launch(s), mark(), graphs.launch(r)),
+                                    args.warmup, args.iters, 2)
+        graphs.stream.synchronize()
 
     experts_per_rank = experts // num_ranks
     owner = cupy.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)

@@ -154,7 +154,15 @@ class Buffer:
             timeout_ns=int(env.get("CUEP_TIMEOUT_S") * 1e9),
             seq_state=cupy.zeros(low_latency_kernel.SEQ_WORDS, dtype=cupy.uint64),
             status=cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32),
-            status_host_ptr=cupy.cuda.runtime.hostGetDevicePointer(status_host.ctypes.data, 0))
+            status_host_ptr=self._device_address_of_pinned(status_host.ctypes.data))
+
+    @staticmethod
+    def _device_address_of_pinned(host_ptr: int) -> int:
+        driver = _deps.cuda_driver()
+        err, address = driver.cuMemHostGetDevicePointer(host_ptr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise CuepError(f"cuep: pinned host memory is not visible to the GPU ({err})")
+        return int(address)
 
     def _core_stream(self, cupy_stream):
         """The cuda.core view of a CuPy stream, made once per stream."""

@@ -66,6 +66,10 @@ __device__ __forceinline__ uint64_t ld_volatile_global(const uint64_t* ptr) {
     return value;
 }
 
+// Load of data a peer wrote during this kernel, after an acquire of its flag: cached in L2 only, so no
+// line this SM cached earlier can be stale.
+__device__ __forceinline__ int4 ld_cg_global(const int4* ptr) { return __ldcg(ptr); }
+
 // Store that will not be read again by this SM: skip L1 allocation.
 __device__ __forceinline__ void st_na_global(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"

@@ -17,8 +17,10 @@ numbers (which only grow); data regions move with ``(max_tokens, hidden)`` and a
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .. import _deps
 from ..jit import KernelSpec, Library
@@ -165,6 +167,14 @@ class Context:
     status: Any                   # [STATUS_WORDS] int32 device array
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
 
+    functions: dict = field(default_factory=dict)
+
+    def function(self, entry: str):
+        """The driver handle of ``entry`` (a CUkernel, which launches as a CUfunction), looked up once."""
+        if entry not in self.functions:
+            self.functions[entry] = _deps.cuda_driver().CUfunction(int(self.library.kernel(entry).handle))
+        return self.functions[entry]
+
     def flags(self, half: int) -> tuple[int, int, int, int]:
         """Addresses of (routing, weights, dispatch token, combine token) flags of ``half``."""
         per_source = self.num_ranks * _FLAG_BYTES
@@ -208,17 +218,16 @@ class Launch:
     """One kernel with its argument struct, relaunchable with other phases (the receive hook)."""
 
     def __init__(self, ctx: Context, entry: str, args: ctypes.Structure, shared_bytes: int):
-        self.kernel = ctx.library.kernel(entry)
+        self.function = ctx.function(entry)
         self.grid, self.args, self.shared_bytes = ctx.num_sms, args, shared_bytes
 
     def __call__(self, stream, phases: int) -> None:
         driver = _deps.cuda_driver()
         self.args.phases = phases
-        function = driver.CUfunction(int(self.kernel.handle))
-        (err,) = driver.cuLaunchKernel(function, self.grid, 1, 1, NUM_THREADS, 1, 1, self.shared_bytes, stream.ptr,
-                                       ((self.args,), (None,)), 0)
+        (err,) = driver.cuLaunchKernel(self.function, self.grid, 1, 1, NUM_THREADS, 1, 1, self.shared_bytes,
+                                       stream.ptr, ((self.args,), (None,)), 0)
         if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuep: launching {self.kernel} failed: {err}")
+            raise RuntimeError(f"cuep: launching {self.function} failed: {err}")
 
 
 def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> HalfLayout:
@@ -233,6 +242,17 @@ def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_expert
     return layout
 
 
+def _carve(cupy, specs) -> dict[str, Any]:
+    """Arrays ``name -> (shape, dtype)`` as views of one allocation (each view keeps it alive)."""
+    offsets, total = [], 0
+    for _, shape, dtype in specs:
+        offsets.append(total)
+        total += _align(int(np.prod(shape)) * np.dtype(dtype).itemsize, _SLOT_ALIGN)
+    base = cupy.empty(total, dtype=cupy.uint8)
+    return {name: cupy.ndarray(shape, dtype=dtype, memptr=base.data + offset)
+            for (name, shape, dtype), offset in zip(specs, offsets)}
+
+
 def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats,
              use_fp8: bool, round_scale: bool, use_ue8m0: bool):
     """Allocate the outputs (on the current stream) and build the launch; returns
@@ -243,18 +263,22 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     num_local = num_experts // ctx.num_ranks
     rows = ctx.num_ranks * max_tokens
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
-    recv_x = cupy.empty((num_local, rows, hidden), dtype=cupy.uint8 if use_fp8 else x.dtype)
-    recv_scales = None
-    if use_fp8:  # column-major in the last two dims: each scale column is contiguous over rows
-        columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
-        dtype = cupy.int32 if use_ue8m0 else cupy.float32
-        recv_scales = cupy.empty((num_local, columns, rows), dtype=dtype).transpose(0, 2, 1)
-    recv_count = cupy.empty(num_local, dtype=cupy.int32)
-    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk,
-                    recv_src_info=cupy.empty((num_local, rows), dtype=cupy.int32),
-                    layout_range=cupy.empty((num_local, ctx.num_ranks), dtype=cupy.int64),
-                    combine_rows=cupy.empty((ctx.num_ranks, max_tokens, num_topk), dtype=cupy.int32),
-                    source_tokens=cupy.empty(ctx.num_ranks, dtype=cupy.int32))
+    columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
+    # One allocation for every output of the call (each allocation costs host time on the decode path).
+    arrays = _carve(cupy, [
+        ("recv_x", (num_local, rows, hidden), cupy.uint8 if use_fp8 else x.dtype),
+        ("recv_scales", (num_local, columns, rows) if use_fp8 else (0,), cupy.int32 if use_ue8m0 else cupy.float32),
+        ("recv_count", (num_local,), cupy.int32),
+        ("recv_src_info", (num_local, rows), cupy.int32),
+        ("layout_range", (num_local, ctx.num_ranks), cupy.int64),
+        ("combine_rows", (ctx.num_ranks, max_tokens, num_topk), cupy.int32),
+        ("source_tokens", (ctx.num_ranks,), cupy.int32)])
+    recv_x, recv_count = arrays["recv_x"], arrays["recv_count"]
+    # column-major in the last two dims: each scale column is contiguous over rows
+    recv_scales = arrays["recv_scales"].transpose(0, 2, 1) if use_fp8 else None
+    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, recv_src_info=arrays["recv_src_info"],
+                    layout_range=arrays["layout_range"], combine_rows=arrays["combine_rows"],
+                    source_tokens=arrays["source_tokens"])
     routing_flags, _, token_flags, _ = ctx.flags(half)
     data = ctx.data(half)
     a = DispatchArgs()
