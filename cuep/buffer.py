@@ -535,7 +535,8 @@ class Buffer:
     def _run_low_latency(self, launch: low_latency_kernel.Launch, async_finish: bool, return_recv_hook: bool,
                          keep: tuple) -> tuple[EventOverlap, Callable[[], None] | None]:
         """Launch on the current stream (or, with ``async_finish``, on the comm stream after it); with
-        ``return_recv_hook`` only the send phase runs now and the hook runs the receive."""
+        ``return_recv_hook`` only the send phase runs now and the hook runs the receive. ``keep``: the
+        call's arrays, held until the kernels that use them are done."""
         cupy = _deps.cupy()
         phases = low_latency_kernel.SEND_PHASE
         if not return_recv_hook:
@@ -559,7 +560,10 @@ class Buffer:
             if not pending:
                 raise CuepError("low-latency receive hook: this hook already ran; each hook runs once")
             self._check_alive("low-latency receive hook")
-            pending.pop()(cupy.cuda.get_current_stream(), low_latency_kernel.RECV_PHASE)
+            stream = cupy.cuda.get_current_stream()
+            pending.pop()(stream, low_latency_kernel.RECV_PHASE)
+            # The receive reads the call's arrays (top-k ids, handle) now, long after the call returned.
+            self._keep_alive(stream.record(), keep)
         return event, hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,

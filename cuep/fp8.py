@@ -110,7 +110,8 @@ def unpack_ue8m0(words):
     xp = _xp(words)
     unsigned = words.view(xp.uint32)
     exponents = xp.stack([(unsigned >> (8 * i)) & 0xFF for i in range(UE8M0_SCALES_PER_WORD)], axis=-1)
-    return (exponents.astype(xp.uint32) << 23).view(xp.float32).reshape(*words.shape[:-1], -1)
+    scales = (exponents.astype(xp.uint32) << 23).view(xp.float32)
+    return scales.reshape(*words.shape[:-1], words.shape[-1] * UE8M0_SCALES_PER_WORD)
 
 
 def dequantize(x_fp8, scales):
@@ -120,5 +121,5 @@ def dequantize(x_fp8, scales):
     if scales.dtype == xp.int32:
         scales = unpack_ue8m0(scales)
     values = decode_e4m3(x_fp8)
-    blocks = values.reshape(*values.shape[:-1], -1, SCALE_BLOCK)
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // SCALE_BLOCK, SCALE_BLOCK)
     return (blocks * scales[..., None]).reshape(values.shape)

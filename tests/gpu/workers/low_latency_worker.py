@@ -377,6 +377,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--pressure":
-        pressure(int(sys.argv[2]))
+        run_cases(comm, [("pressure", lambda: pressure(int(sys.argv[2])))])  # a failure aborts every rank
     else:
         main()
