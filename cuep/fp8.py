@@ -100,7 +100,8 @@ def pack_ue8m0(scales):
     """`[..., n]` power-of-two float32 scales (n a multiple of 4) -> `[..., n // 4]` int32 of exponent bytes."""
     xp = _xp(scales)
     exponents = ((scales.astype(xp.float32).view(xp.uint32) >> 23) & 0xFF).astype(xp.uint32)
-    grouped = exponents.reshape(*exponents.shape[:-1], -1, UE8M0_SCALES_PER_WORD)
+    grouped = exponents.reshape(*exponents.shape[:-1], exponents.shape[-1] // UE8M0_SCALES_PER_WORD,
+                                UE8M0_SCALES_PER_WORD)
     words = grouped[..., 0] | (grouped[..., 1] << 8) | (grouped[..., 2] << 16) | (grouped[..., 3] << 24)
     return words.view(xp.int32)
 
