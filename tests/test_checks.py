@@ -176,3 +176,34 @@ def test_buffer_without_gpu_says_so():
 def test_topk_idx_rows_must_match_the_tokens():
     with pytest.raises(ValueError, match=r"topk_idx must have shape \[16, num_topk\], got \(15, 8\)"):
         _checks.check_topk_idx("dispatch()", HostArray(np.zeros((15, 8), np.int64)), 64, num_tokens=16)
+
+
+def _ll_dispatch_check(x_shape=(4, 1024), topk_shape=(4, 8), max_tokens=128, num_experts=64, **options):
+    import ml_dtypes
+    x = np.zeros(x_shape, dtype=ml_dtypes.bfloat16)
+    topk = np.zeros(topk_shape, dtype=np.int64)
+    flags = {"use_fp8": True, "round_scale": False, "use_ue8m0": False, **options}
+    _checks.check_low_latency_dispatch("low_latency_dispatch()", x, topk, max_tokens, num_experts, 4, 32, 1024,
+                                       flags["use_fp8"], flags["round_scale"], flags["use_ue8m0"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"x_shape": (129, 1024), "topk_shape": (129, 8)}, "more than num_max_dispatch_tokens_per_rank=128"),
+    ({"max_tokens": 2048}, r"num_max_dispatch_tokens_per_rank must be in \[1, 1024\]"),
+    ({"x_shape": (4, 1000)}, "hidden size must be a positive multiple of 128"),
+    ({"x_shape": (4, 640), "use_ue8m0": True, "round_scale": True}, "multiple of 512 with use_ue8m0"),
+    ({"use_ue8m0": True}, "use_ue8m0=True needs use_fp8=True and round_scale=True"),
+    ({"use_fp8": False, "round_scale": True}, "round_scale=True needs use_fp8=True"),
+    ({"topk_shape": (4, 33)}, "at most 32 experts per token"),
+    ({"num_experts": 66}, "num_experts must be a positive multiple of the 4 ranks"),
+    ({"topk_shape": (5, 8)}, r"topk_idx must have shape \[4, num_topk\]"),
+])
+def test_low_latency_dispatch_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _ll_dispatch_check(**kwargs)
+
+
+def test_low_latency_hook_and_async_exclude_each_other():
+    with pytest.raises(ValueError, match="async_finish and return_recv_hook exclude each other"):
+        _checks.check_hook_options("low_latency_combine()", True, True)
+    _checks.check_hook_options("low_latency_combine()", False, True)

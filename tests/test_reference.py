@@ -1,9 +1,10 @@
 """cuep.reference against layouts worked out by hand."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
-from cuep import reference
+from cuep import fp8, reference
 
 
 def test_two_ranks_three_tokens_four_experts():
@@ -80,3 +81,36 @@ def test_dispatch_zeroes_weights_of_remote_experts():
                                 topk_weights=[np.array([[0.25, 0.75]], np.float32), np.zeros((0, 2), np.float32)])
     assert result[0].recv_topk_weights.tolist() == [[0.25, 0.0]]
     assert result[1].recv_topk_weights.tolist() == [[0.0, 0.75]]
+
+
+def test_low_latency_dispatch_orders_rows_by_source_rank_then_token():
+    xs = [np.arange(3 * 128, dtype=np.float32).reshape(3, 128) + 1000 * s for s in range(2)]
+    xs = [x.astype(ml_dtypes.bfloat16) for x in xs]
+    topk = [np.array([[0, 3], [1, -1], [0, 1]]), np.array([[3, 0], [-1, -1], [2, 3]])]
+    results = reference.low_latency_dispatch(xs, topk, num_experts=4, max_tokens=4, use_fp8=False)
+    rank0, rank1 = results
+    assert rank0.recv_count.tolist() == [3, 2] and rank1.recv_count.tolist() == [1, 3]
+    assert rank0.recv_src[0].tolist() == [[0, 0], [0, 2], [1, 0]]
+    assert rank1.recv_src[1].tolist() == [[0, 0], [1, 0], [1, 2]]
+    np.testing.assert_array_equal(rank0.recv_x[0, 2], xs[1][0])
+    assert rank0.recv_x.shape == (2, 8, 128) and not rank0.recv_x[0, 3:].astype(np.float32).any()
+
+
+def test_low_latency_dispatch_fp8_sends_each_token_quantised_once():
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(ml_dtypes.bfloat16)
+    topk = [np.array([[0, 1], [1, -1]])]
+    (result,) = reference.low_latency_dispatch([x], topk, num_experts=2, max_tokens=2, round_scale=True)
+    codes, scales = fp8.quantize(x, round_scale=True)
+    np.testing.assert_array_equal(result.recv_x[1, :2], codes)
+    np.testing.assert_array_equal(result.recv_scales[1, :2], scales)
+
+
+def test_low_latency_combine_weights_each_choice():
+    topk = [np.array([[0, 1], [1, -1]])]
+    weights = [np.array([[0.5, 2.0], [3.0, 7.0]], np.float32)]
+    outputs = [np.zeros((2, 2, 128), np.float32)]
+    outputs[0][0, 0] = 1.0  # expert 0, its row for token 0
+    outputs[0][1, 0] = 10.0  # expert 1: token 0 first, then token 1
+    outputs[0][1, 1] = 100.0
+    (combined,) = reference.low_latency_combine(outputs, topk, weights, num_experts=2)
+    assert combined[:, 0].tolist() == [0.5 * 1 + 2 * 10, 3 * 100]

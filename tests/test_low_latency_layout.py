@@ -1,0 +1,55 @@
+"""Low-latency launch module: the ctypes argument structs mirror the C++ ones, and the buffer layout
+arithmetic (no GPU needed)."""
+
+import re
+
+import pytest
+
+from cuep.jit.compiler import source_root
+from cuep.kernels import low_latency
+
+
+def c_struct_fields(name: str) -> list[str]:
+    source = (source_root() / "low_latency.cu").read_text()
+    body = re.search(r"struct %s \{(.*?)\n\};" % name, source, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for declaration in body.split(";"):
+        declaration = declaration.strip()
+        if not declaration or "(" in declaration:  # member functions, none here
+            continue
+        names = declaration.split(None, 1)[1] if " " in declaration else declaration
+        fields += [n.strip().lstrip("*") for n in names.replace("*", " *").split(",") if n.strip()]
+    return [f.split()[-1].lstrip("*") for f in fields]
+
+
+@pytest.mark.parametrize("name, mirror", [("DispatchArgs", low_latency.DispatchArgs),
+                                          ("CombineArgs", low_latency.CombineArgs)])
+def test_ctypes_structs_mirror_the_kernel_arguments(name, mirror):
+    assert [f for f, _ in mirror._fields_] == c_struct_fields(name)
+
+
+def test_layout_regions_do_not_overlap_and_fit_the_hint():
+    layout = low_latency.half_layout(128, 7168, 4)
+    offsets = sorted((getattr(layout, f), f) for f in ("routing", "dispatch_slots", "weights", "combine_slots",
+                                                        "routing_staging", "dispatch_staging", "weight_staging",
+                                                        "combine_staging"))
+    assert offsets[0][0] == 0
+    assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
+    assert layout.routing_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    hint = low_latency.size_hint(128, 7168, 4)
+    assert low_latency.half_data_bytes(hint, 4) >= layout.end
+    assert low_latency.half_data_bytes(hint - 8192, 4) < layout.end  # the hint is tight to a page
+    # per-rank slots, not per-expert: the whole buffer stays far below DeepEP's ~GB hint
+    assert hint < 64 << 20
+
+
+def test_flags_sit_at_fixed_offsets_whatever_the_shape():
+    assert low_latency.flags_bytes(4) == low_latency.flags_bytes(4)
+    small, large = low_latency.size_hint(8, 256, 4), low_latency.size_hint(1024, 7168, 4)
+    assert small > low_latency.flags_bytes(4) and large > small
+    assert low_latency.flags_bytes(4) % 4096 == 0
+
+
+def test_dispatch_shared_memory_stays_within_the_default_limit():
+    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= low_latency.MAX_SHARED_BYTES
