@@ -643,7 +643,7 @@ class Buffer:
         Arguments:
             x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16`, the
                 expert outputs in the dispatch's row layout.
-            topk_idx: `[num_tokens, num_topk]`, the dispatch's routing (entries set to `-1` since are skipped).
+            topk_idx: `[num_tokens, num_topk]`, the dispatch's routing; entries set to `-1` since then are skipped.
             topk_weights: `[num_tokens, num_topk]` `float32`.
             handle: the handle of the matching :meth:`low_latency_dispatch`.
             zero_copy: accepted for DeepEP compatibility: cuep reads ``x`` in place whatever it is, so this
