@@ -257,35 +257,48 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
                      : static_cast<int64_t>(a.hidden) * 2;
 }
 
-// The ranks holding token t's experts (each once), and where to store for each.
-__device__ void find_destinations(const DispatchArgs& a, int t, Destinations& dst) {
+// Block-wide: the ranks holding token t's experts, each once, in choice order, written to `ranks`
+// (kMaxTopk entries of shared memory); returns how many. Ends with a barrier.
+__device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
+                                   int num_ranks, const Status& status, int* ranks) {
     __shared__ int rank_of_choice[kMaxTopk];
-    const int experts_per_rank = a.num_experts / a.num_ranks;
-    if (static_cast<int>(threadIdx.x) < a.num_topk) {
-        const int id = read_expert_id(a.topk_idx, a.ids_are_int64, static_cast<int64_t>(t) * a.num_topk + threadIdx.x,
-                                      a.num_experts, a.status);
+    __shared__ int count;
+    const int experts_per_rank = num_experts / num_ranks;
+    if (static_cast<int>(threadIdx.x) < num_topk) {
+        const int id = read_expert_id(topk_idx, ids_are_int64, static_cast<int64_t>(t) * num_topk + threadIdx.x,
+                                      num_experts, status);
         rank_of_choice[threadIdx.x] = id >= 0 ? id / experts_per_rank : -1;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        dst.count = 0;
-        for (int k = 0; k < a.num_topk; ++k) {
+        count = 0;
+        for (int k = 0; k < num_topk; ++k) {
             const int r = rank_of_choice[k];
             bool seen = r < 0;
-            for (int i = 0; i < dst.count && !seen; ++i)
-                seen = dst.pe[i] == r;
+            for (int i = 0; i < count && !seen; ++i)
+                seen = ranks[i] == r;
             if (!seen)
-                dst.pe[dst.count++] = r;
+                ranks[count++] = r;
         }
-        dst.any_put = false;
     }
     __syncthreads();
+    return count;
+}
+
+// The ranks holding token t's experts (each once), and where to store for each.
+__device__ void find_destinations(const DispatchArgs& a, int t, Destinations& dst) {
+    if (threadIdx.x == 0)
+        dst.any_put = false;  // ordered before the writers below by the helper's barriers
+    const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
+                                          a.status, dst.pe);
     uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
-    if (static_cast<int>(threadIdx.x) < dst.count) {
+    if (static_cast<int>(threadIdx.x) < count) {
         dst.direct[threadIdx.x] = direct_address(slot, dst.pe[threadIdx.x], a.rank, a.force_put);
         if (dst.direct[threadIdx.x] == nullptr)
             dst.any_put = true;  // benign race: every writer stores true
     }
+    if (threadIdx.x == 0)
+        dst.count = count;
     __syncthreads();
 }
 
@@ -623,29 +636,10 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
 
 __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ int ranks[kMaxTopk];
-    __shared__ int rank_of_choice[kMaxTopk];
-    __shared__ int num_ranks_holding;
-    const int experts_per_rank = a.num_experts / a.num_ranks;
     const int num_vectors = a.hidden / kBf16PerVector;
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        if (static_cast<int>(threadIdx.x) < a.num_topk) {
-            const int id = read_expert_id(a.topk_idx, a.ids_are_int64, static_cast<int64_t>(t) * a.num_topk + threadIdx.x,
-                                          a.num_experts, a.status);
-            rank_of_choice[threadIdx.x] = id >= 0 ? id / experts_per_rank : -1;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            num_ranks_holding = 0;
-            for (int k = 0; k < a.num_topk; ++k) {
-                const int r = rank_of_choice[k];
-                bool seen = r < 0;
-                for (int i = 0; i < num_ranks_holding && !seen; ++i)
-                    seen = ranks[i] == r;
-                if (!seen)
-                    ranks[num_ranks_holding++] = r;
-            }
-        }
-        __syncthreads();
+        const int num_ranks_holding = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
+                                                          a.num_ranks, a.status, ranks);
         if (static_cast<int>(threadIdx.x) < num_ranks_holding) {
             const int r = ranks[threadIdx.x];
             wait_for_flag(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, seq, deadline_ns, a.status, r,

@@ -94,9 +94,7 @@ class Buffer:
         self._data = nvshmem_world.allocate(data_bytes) if data_bytes else None
         self._destroyed = False
         self._status = cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32)
-        self._status_host = np.frombuffer(cupy.cuda.alloc_pinned_memory(self._status.nbytes), np.int32,
-                                          kernel_status.STATUS_WORDS)
-        self._status_host[:] = 0
+        self._status_host = self._pinned_status_words()
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._load_kernels()
         self._intranode = self._intranode_context() if self.num_nvl_bytes else None
@@ -142,10 +140,7 @@ class Buffer:
         cupy = _deps.cupy()
         region = int(self._data.handle) + self._low_latency_offset
         cupy.cuda.runtime.memset(region, 0, self.num_rdma_bytes)  # flags start below every call number
-        status_host = np.frombuffer(cupy.cuda.alloc_pinned_memory(self._status.nbytes), np.int32,
-                                    kernel_status.STATUS_WORDS)
-        status_host[:] = 0
-        self._low_latency_status_host = status_host
+        status_host = self._low_latency_status_host = self._pinned_status_words()
         return low_latency_kernel.Context(
             library=self._low_latency_library, rank=self.rank, num_ranks=self.group_size, region_ptr=region,
             region_bytes=self.num_rdma_bytes,
@@ -155,6 +150,14 @@ class Buffer:
             seq_state=cupy.zeros(low_latency_kernel.SEQ_WORDS, dtype=cupy.uint64),
             status=cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32),
             status_host_ptr=self._device_address_of_pinned(status_host.ctypes.data))
+
+    @staticmethod
+    def _pinned_status_words() -> np.ndarray:
+        """Zeroed status words in pinned host memory (kernels' status lands there without a host wait)."""
+        words = np.frombuffer(_deps.cupy().cuda.alloc_pinned_memory(kernel_status.STATUS_WORDS * 4), np.int32,
+                              kernel_status.STATUS_WORDS)
+        words[:] = 0
+        return words
 
     @staticmethod
     def _device_address_of_pinned(host_ptr: int) -> int:
@@ -184,16 +187,18 @@ class Buffer:
         ids), once.
 
         ``timeout_s``: the bound the waits ran with, for the message (default ``CUEP_TIMEOUT_S``)."""
-        if self._low_latency is not None and self._low_latency_status_host.any():
-            recorded = self._low_latency_status_host.copy()
-            self._low_latency.status.fill(0)
-            self._low_latency_status_host[:] = 0
-            kernel_status.raise_if_failed(recorded, self.rank, self._low_latency.timeout_ns / 1e9)
-        if self._status_host.any():
-            recorded = self._status_host.copy()
-            self._status.fill(0)
-            self._status_host[:] = 0
-            timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s
+        if self._low_latency is not None:
+            self._raise_recorded(self._low_latency_status_host, self._low_latency.status,
+                                 self._low_latency.timeout_ns / 1e9)
+        self._raise_recorded(self._status_host, self._status,
+                             env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s)
+
+    def _raise_recorded(self, status_host, status, timeout_s: float) -> None:
+        """Clear one set of status words (host mirror and device) and raise what they recorded."""
+        if status_host.any():
+            recorded = status_host.copy()
+            status.fill(0)
+            status_host[:] = 0
             kernel_status.raise_if_failed(recorded, self.rank, timeout_s)
 
     def _enqueue_barrier(self, stream, timeout_s: float) -> None:

@@ -17,6 +17,20 @@ def random_topk(rng: np.random.Generator, num_tokens: int, num_experts: int, num
     return topk
 
 
+def assert_no_memory_growth(step, calls: int = 1000, warmup: int = 20, slack_bytes: int = 1 << 20) -> None:
+    """Run ``step`` ``calls`` times after ``warmup``; the memory pool may not grow by more than ``slack_bytes``."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    for _ in range(warmup):
+        step()
+    cupy.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    for _ in range(calls):
+        step()
+    cupy.cuda.Device().synchronize()
+    assert pool.used_bytes() <= before + slack_bytes, (before, pool.used_bytes())
+
+
 def run_cases(comm, cases) -> None:
     """Run ``(name, fn)`` pairs in order; on any failure print it and abort every rank."""
     rank = comm.Get_rank()

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
-from common import random_topk, run_cases
+from common import assert_no_memory_growth, random_topk, run_cases
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
@@ -182,22 +182,13 @@ def main() -> None:
         inputs = all_inputs(64, 256, experts, 8)
         x, _, topk, weights = inputs[rank]
         x, topk, weights = cupy.asarray(x), cupy.asarray(topk), cupy.asarray(weights)
-        pool = cupy.get_default_memory_pool()
-
         def step():
             per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
             recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                               num_tokens_per_expert=per_expert, topk_idx=topk,
                                                               topk_weights=weights)
             buffer.combine(recv_x, handle, topk_weights=recv_w)
-        for _ in range(20):
-            step()
-        cupy.cuda.Device().synchronize()
-        before = pool.used_bytes()
-        for _ in range(1000):
-            step()
-        cupy.cuda.Device().synchronize()
-        assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
+        assert_no_memory_growth(step)
 
     def cuda_graph_capture_then_replay_with_new_inputs():
         tokens, hidden, num_topk = 256, 1024, 8

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cuep
-from common import random_topk, run_cases
+from common import assert_no_memory_growth, random_topk, run_cases
 from cuep import fp8, reference
 
 comm = MPI.COMM_WORLD
@@ -284,19 +284,10 @@ def main() -> None:
     def thousand_calls_hold_no_memory():
         inputs = all_inputs(64, 1024, few_experts, 4)
         x, topk, weights = (cupy.asarray(a) for a in inputs[rank])
-        pool = cupy.get_default_memory_pool()
-
         def step():
             received, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
             buffer.low_latency_combine(received, topk, weights, handle)
-        for _ in range(20):
-            step()
-        cupy.cuda.Device().synchronize()
-        before = pool.used_bytes()
-        for _ in range(1000):
-            step()
-        cupy.cuda.Device().synchronize()
-        assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
+        assert_no_memory_growth(step)
 
     def bad_expert_id_is_reported_by_the_next_call():
         inputs = all_inputs(16, 1024, few_experts, 4, masked=0.0)
