@@ -49,6 +49,16 @@ constexpr int kLanesPerScaleBlock = kScaleBlock / kBf16PerVector;
 constexpr int kScalesPerUe8m0Word = 4;   // UE8M0 exponents packed in one int32
 constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-zero block
 constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0, ids[T_max][K]]
+// Loads a thread issues before its first store. Every loop below that moves data loads a batch, then
+// stores it: stores are ordered after earlier loads, so a loop that alternated them would wait out
+// one memory latency per element. Sized to the 128 registers a thread has at 512 threads (more spills).
+constexpr int kCopyBatch = 12;           // receive copy: 16-byte vectors per lane (FP8 7168: 14)
+constexpr int kSendBatch = 4;            // dispatch send: block-wide strides of a token (BF16 7168: 2)
+constexpr int kGroupThreads = 128;       // combine send: one warp group per (source, token) pair
+constexpr int kGroupsPerBlock = kNumThreads / kGroupThreads;
+constexpr int kPartialBatch = 7;         // combine send: vectors per thread summed at once (7168: 7)
+constexpr int kSumBatch = 2;             // combine receive: block-wide strides summed at once (7168: 2)
+constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
 
 constexpr int kSendPhase = 1;            // mirrors SEND_PHASE / RECV_PHASE in the launch module
 constexpr int kRecvPhase = 2;
@@ -154,10 +164,9 @@ __device__ void publish_table(uint32_t* table, uint32_t* staging, int count, Val
         target[i] = value(i);
     __syncthreads();
     if (direct != nullptr) {
-        if (threadIdx.x == 0) {
-            __threadfence_system();
+        // A release after the barrier covers every thread's stores (release is cumulative).
+        if (threadIdx.x == 0)
             st_release_sys_global(direct_address(flag, pe, rank, false), seq);
-        }
     } else {
         nvshmemx_putmem_signal_nbi_block(table, staging, static_cast<size_t>(count) * sizeof(uint32_t), flag, seq,
                                          NVSHMEM_SIGNAL_SET, pe);
@@ -178,10 +187,8 @@ struct Destinations {
 __device__ void raise_message_flags(const Destinations& dst, uint8_t* slot, const uint8_t* staged, int64_t bytes,
                                     uint64_t* flag, uint64_t seq, int rank) {
     __syncthreads();
-    if (static_cast<int>(threadIdx.x) < dst.count && dst.direct[threadIdx.x] != nullptr) {
-        __threadfence_system();
+    if (static_cast<int>(threadIdx.x) < dst.count && dst.direct[threadIdx.x] != nullptr)
         st_release_sys_global(direct_address(flag, dst.pe[threadIdx.x], rank, false), seq);
-    }
     if (dst.any_put) {
         for (int i = 0; i < dst.count; ++i)
             if (dst.direct[i] == nullptr)
@@ -216,6 +223,23 @@ __device__ __forceinline__ float power_of_two_at_least(float value) {
     if (bits & 0x7fffffu)
         bits = (bits & 0x7f800000u) + 0x800000u;
     return __uint_as_float(bits);
+}
+
+// Elements [0, count) moved by `store(i, load(i))`, this thread taking first, first + step, ...: it
+// loads kCopyBatch of them before storing any (see kCopyBatch).
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void batched_copy(int first, int step, int count, const Load& load, const Store& store) {
+    for (int base = first; base < count; base += kCopyBatch * step) {
+        T values[kCopyBatch];
+#pragma unroll
+        for (int i = 0; i < kCopyBatch; ++i)
+            if (base + i * step < count)
+                values[i] = load(base + i * step);
+#pragma unroll
+        for (int i = 0; i < kCopyBatch; ++i)
+            if (base + i * step < count)
+                store(base + i * step, values[i]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,116 +281,142 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
                      : static_cast<int64_t>(a.hidden) * 2;
 }
 
-// Block-wide: the ranks holding token t's experts, each once, in choice order, written to `ranks`
-// (kMaxTopk entries of shared memory); returns how many. Ends with a barrier.
+// Warp 0: the ranks holding token t's experts, each once, in choice order, written to `ranks`
+// (kMaxTopk entries of shared memory); returns how many (to warp 0). The caller syncs before others read.
 __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
                                    int num_ranks, const Status& status, int* ranks) {
-    __shared__ int rank_of_choice[kMaxTopk];
-    __shared__ int count;
-    const int experts_per_rank = num_experts / num_ranks;
-    if (static_cast<int>(threadIdx.x) < num_topk) {
-        const int id = read_expert_id(topk_idx, ids_are_int64, static_cast<int64_t>(t) * num_topk + threadIdx.x,
-                                      num_experts, status);
-        rank_of_choice[threadIdx.x] = id >= 0 ? id / experts_per_rank : -1;
+    const int lane = threadIdx.x % kWarpSize;
+    int r = -1;
+    if (lane < num_topk) {
+        const int id = read_expert_id(topk_idx, ids_are_int64, static_cast<int64_t>(t) * num_topk + lane, num_experts,
+                                      status);
+        r = id >= 0 ? id / (num_experts / num_ranks) : -1;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        count = 0;
-        for (int k = 0; k < num_topk; ++k) {
-            const int r = rank_of_choice[k];
-            bool seen = r < 0;
-            for (int i = 0; i < count && !seen; ++i)
-                seen = ranks[i] == r;
-            if (!seen)
-                ranks[count++] = r;
+    const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
+    const bool first = r >= 0 && __ffs(same_rank) - 1 == lane;
+    const uint32_t firsts = __ballot_sync(kFullWarpMask, first);
+    if (first)
+        ranks[__popc(firsts & ((1u << lane) - 1))] = r;
+    return __popc(firsts);
+}
+
+// The ranks holding token t's experts (each once), and where to store for each. Ends with a barrier.
+__device__ void find_destinations(const DispatchArgs& a, int t, Destinations& dst) {
+    if (threadIdx.x < kWarpSize) {
+        const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
+                                              a.status, dst.pe);
+        __syncwarp();
+        uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
+        const bool mine = static_cast<int>(threadIdx.x) < count;
+        if (mine)
+            dst.direct[threadIdx.x] = direct_address(slot, dst.pe[threadIdx.x], a.rank, a.force_put);
+        const bool put = mine && dst.direct[threadIdx.x] == nullptr;
+        const uint32_t puts = __ballot_sync(kFullWarpMask, put);
+        if (threadIdx.x == 0) {
+            dst.count = count;
+            dst.any_put = puts != 0;
         }
     }
     __syncthreads();
-    return count;
 }
 
-// The ranks holding token t's experts (each once), and where to store for each.
-__device__ void find_destinations(const DispatchArgs& a, int t, Destinations& dst) {
-    if (threadIdx.x == 0)
-        dst.any_put = false;  // ordered before the writers below by the helper's barriers
-    const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
-                                          a.status, dst.pe);
-    uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
-    if (static_cast<int>(threadIdx.x) < count) {
-        dst.direct[threadIdx.x] = direct_address(slot, dst.pe[threadIdx.x], a.rank, a.force_put);
-        if (dst.direct[threadIdx.x] == nullptr)
-            dst.any_put = true;  // benign race: every writer stores true
-    }
-    if (threadIdx.x == 0)
-        dst.count = count;
-    __syncthreads();
-}
-
-// Block-wide: quantise (or copy) token t once and store it to every destination.
-__device__ void send_token(const DispatchArgs& a, int t, const Destinations& dst) {
-    const int lane = threadIdx.x % kWarpSize;
+// Block-wide: this thread's vectors of token t in round `round` (kSendBatch block-wide strides),
+// lanes past the end loading zeros so that every lane takes part in the scale shuffles.
+__device__ __forceinline__ void load_token_round(const DispatchArgs& a, int t, int round, int4 (&raw)[kSendBatch]) {
     const int num_vectors = a.hidden / kBf16PerVector;
     const int4* row = a.x + static_cast<int64_t>(t) * num_vectors;
-    uint8_t* staged = dst.any_put ? a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes : nullptr;
-    // Warps step through whole warps of vectors so that every lane takes part in the shuffles.
-    for (int base = threadIdx.x - lane; base < num_vectors; base += blockDim.x) {
-        const int v = base + lane;
-        const bool active = v < num_vectors;
-        const int4 raw = active ? ld_nc_global(row + v) : make_int4(0, 0, 0, 0);
-        if (!a.use_fp8) {
-            if (active) {
-                for (int i = 0; i < dst.count; ++i)
-                    if (dst.direct[i] != nullptr)
-                        st_na_global(reinterpret_cast<int4*>(dst.direct[i]) + v, raw);
-                if (staged != nullptr)
-                    reinterpret_cast<int4*>(staged)[v] = raw;
-            }
-            continue;
-        }
-        float f[kBf16PerVector];
-        bf16x8_to_floats(raw, f);
-        float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kBf16PerVector; ++i)
-            amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-        for (int offset = kLanesPerScaleBlock / 2; offset > 0; offset /= 2)
-            amax = fmaxf(amax, __shfl_xor_sync(kFullWarpMask, amax, offset));
-        amax = fmaxf(amax, kMinAmax);
-        float scale_inv = __fdiv_rn(amax, kE4m3Max);
-        float scale = __fdiv_rn(kE4m3Max, amax);
-        if (a.round_scale) {
-            scale_inv = power_of_two_at_least(scale_inv);
-            scale = __frcp_rn(scale_inv);
-        }
-        uint2 packed;
-        packed.x = e4m3x2_from_floats(__fmul_rn(f[0], scale), __fmul_rn(f[1], scale)) |
-                   (e4m3x2_from_floats(__fmul_rn(f[2], scale), __fmul_rn(f[3], scale)) << 16);
-        packed.y = e4m3x2_from_floats(__fmul_rn(f[4], scale), __fmul_rn(f[5], scale)) |
-                   (e4m3x2_from_floats(__fmul_rn(f[6], scale), __fmul_rn(f[7], scale)) << 16);
+    for (int i = 0; i < kSendBatch; ++i) {
+        const int v = (round * kSendBatch + i) * blockDim.x + threadIdx.x;
+        raw[i] = v < num_vectors ? ld_nc_global(row + v) : make_int4(0, 0, 0, 0);
+    }
+}
+
+// Store one vector of token t (loaded as `raw`, vector index v) to every destination, FP8-quantised or as is.
+__device__ __forceinline__ void store_token_vector(const DispatchArgs& a, const Destinations& dst, uint8_t* staged,
+                                                   int v, const int4& raw) {
+    const int lane = threadIdx.x % kWarpSize;
+    const bool active = v < a.hidden / kBf16PerVector;
+    if (!a.use_fp8) {
         if (!active)
+            return;
+        for (int i = 0; i < dst.count; ++i)
+            if (dst.direct[i] != nullptr)
+                st_na_global(reinterpret_cast<int4*>(dst.direct[i]) + v, raw);
+        if (staged != nullptr)
+            reinterpret_cast<int4*>(staged)[v] = raw;
+        return;
+    }
+    float f[kBf16PerVector];
+    bf16x8_to_floats(raw, f);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kBf16PerVector; ++i)
+        amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+    for (int offset = kLanesPerScaleBlock / 2; offset > 0; offset /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(kFullWarpMask, amax, offset));
+    amax = fmaxf(amax, kMinAmax);
+    float scale_inv = __fdiv_rn(amax, kE4m3Max);
+    float scale = __fdiv_rn(kE4m3Max, amax);
+    if (a.round_scale) {
+        scale_inv = power_of_two_at_least(scale_inv);
+        scale = __frcp_rn(scale_inv);
+    }
+    uint2 packed;
+    packed.x = e4m3x2_from_floats(__fmul_rn(f[0], scale), __fmul_rn(f[1], scale)) |
+               (e4m3x2_from_floats(__fmul_rn(f[2], scale), __fmul_rn(f[3], scale)) << 16);
+    packed.y = e4m3x2_from_floats(__fmul_rn(f[4], scale), __fmul_rn(f[5], scale)) |
+               (e4m3x2_from_floats(__fmul_rn(f[6], scale), __fmul_rn(f[7], scale)) << 16);
+    if (!active)
+        return;
+    const bool writes_scale = lane % kLanesPerScaleBlock == 0;
+    const int64_t scale_offset = a.hidden + static_cast<int64_t>(v / kLanesPerScaleBlock) * sizeof(float);
+    for (int i = 0; i < dst.count; ++i) {
+        if (dst.direct[i] == nullptr)
             continue;
-        const bool writes_scale = lane % kLanesPerScaleBlock == 0;
-        const int64_t scale_offset = a.hidden + static_cast<int64_t>(v / kLanesPerScaleBlock) * sizeof(float);
-        for (int i = 0; i < dst.count; ++i) {
-            if (dst.direct[i] == nullptr)
-                continue;
-            st_na_global(reinterpret_cast<uint2*>(dst.direct[i]) + v, packed);
-            if (writes_scale)
-                *reinterpret_cast<float*>(dst.direct[i] + scale_offset) = scale_inv;
-        }
-        if (staged != nullptr) {
-            reinterpret_cast<uint2*>(staged)[v] = packed;
-            if (writes_scale)
-                *reinterpret_cast<float*>(staged + scale_offset) = scale_inv;
+        st_na_global(reinterpret_cast<uint2*>(dst.direct[i]) + v, packed);
+        if (writes_scale)
+            *reinterpret_cast<float*>(dst.direct[i] + scale_offset) = scale_inv;
+    }
+    if (staged != nullptr) {
+        reinterpret_cast<uint2*>(staged)[v] = packed;
+        if (writes_scale)
+            *reinterpret_cast<float*>(staged + scale_offset) = scale_inv;
+    }
+}
+
+// Block-wide: send token t to every rank holding one of its experts. The first round of x is loaded
+// before the destinations are looked up, so the two latencies overlap.
+__device__ void send_token(const DispatchArgs& a, int t, Destinations& dst, uint64_t seq) {
+    const int num_vectors = a.hidden / kBf16PerVector;
+    const int round_vectors = kSendBatch * blockDim.x;
+    const int num_rounds = (num_vectors + round_vectors - 1) / round_vectors;
+    int4 raw[kSendBatch];
+    load_token_round(a, t, 0, raw);
+    find_destinations(a, t, dst);
+    uint8_t* staged = dst.any_put ? a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes : nullptr;
+    for (int round = 0; round < num_rounds; ++round) {
+        if (round > 0)
+            load_token_round(a, t, round, raw);
+#pragma unroll
+        for (int i = 0; i < kSendBatch; ++i) {
+            const int v = (round * kSendBatch + i) * blockDim.x + threadIdx.x;
+            if (v - static_cast<int>(threadIdx.x % kWarpSize) < num_vectors)  // warp-uniform: whole warps shuffle
+                store_token_vector(a, dst, staged, v, raw[i]);
         }
     }
+    uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
+    raise_message_flags(dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
+                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
 }
 
 __device__ void dispatch_send(const DispatchArgs& a, uint64_t seq) {
     __shared__ Destinations dst;
+    // Routing tables first (every receiver waits for all of them), from the last blocks, which have
+    // no token when the grid outnumbers the tokens.
     const int table_words = kRoutingHeaderWords + a.num_tokens * a.num_topk;
-    for (int pe = blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
+    for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         auto word = [&](int i) -> uint32_t {
             if (i >= kRoutingHeaderWords)
                 return static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64, i - kRoutingHeaderWords,
@@ -377,13 +427,8 @@ __device__ void dispatch_send(const DispatchArgs& a, uint64_t seq) {
                       a.routing_staging + static_cast<int64_t>(pe) * a.routing_words, table_words, word,
                       a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
     }
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        find_destinations(a, t, dst);
-        send_token(a, t, dst);
-        uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
-        raise_message_flags(dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
-                            a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
-    }
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
+        send_token(a, t, dst, seq);
 }
 
 // Choice k of token t in source s's routing table (read after the table's flag was acquired; plain
@@ -407,24 +452,27 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     const int num_vectors = static_cast<int>(data_bytes / kBytesPerVector);
     const int4* src = reinterpret_cast<const int4*>(message);
     int4* dst = reinterpret_cast<int4*>(a.recv_x + flat_row * data_bytes);
-    for (int v = lane; v < num_vectors; v += kWarpSize)
-        st_na_global(dst + v, ld_cg_global(src + v));
+    batched_copy<int4>(lane, kWarpSize, num_vectors, [&](int v) { return ld_cg_global(src + v); },
+                       [&](int v, const int4& value) { st_na_global(dst + v, value); });
     if (a.use_fp8) {
         const float* scales = reinterpret_cast<const float*>(message + a.hidden);
         const int num_scales = a.hidden / kScaleBlock;
         if (a.use_ue8m0) {
             const int num_words = num_scales / kScalesPerUe8m0Word;
             int32_t* out = static_cast<int32_t*>(a.recv_scales) + e * num_words * rows_per_expert + row;
-            for (int w = lane; w < num_words; w += kWarpSize) {
+            auto packed_word = [&](int w) {
                 uint32_t word = 0;
+#pragma unroll
                 for (int i = 0; i < kScalesPerUe8m0Word; ++i)
                     word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
-                out[w * rows_per_expert] = static_cast<int32_t>(word);
-            }
+                return static_cast<int32_t>(word);
+            };
+            batched_copy<int32_t>(lane, kWarpSize, num_words, packed_word,
+                                  [&](int w, int32_t word) { out[w * rows_per_expert] = word; });
         } else {
             float* out = static_cast<float*>(a.recv_scales) + e * num_scales * rows_per_expert + row;
-            for (int g = lane; g < num_scales; g += kWarpSize)
-                out[g * rows_per_expert] = __ldcg(scales + g);
+            batched_copy<float>(lane, kWarpSize, num_scales, [&](int g) { return __ldcg(scales + g); },
+                                [&](int g, float scale) { out[g * rows_per_expert] = scale; });
         }
     }
     if (lane == 0)
@@ -477,6 +525,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t dead
             if (t >= source_tokens[s])
                 continue;
             bool chosen = false;
+#pragma unroll 8
             for (int k = 0; k < a.num_topk; ++k)
                 chosen |= routed_id(a, s, t, k) == expert;
             if (chosen)
@@ -557,67 +606,101 @@ struct CombineArgs {
     Status status;
 };
 
-// Partial of pair (source s, token t): the weighted sum of this rank's experts' rows for it.
-__device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns) {
-    __shared__ int rows[kMaxTopk];
-    __shared__ float weights[kMaxTopk];
-    __shared__ int num_rows;
-    __shared__ bool weights_arrived;
-    __shared__ int row_of_choice[kMaxTopk];
-    __shared__ Destinations dst;
+// Barrier of one warp group (named barriers 1..kGroupsPerBlock; 0 is __syncthreads).
+__device__ __forceinline__ void sync_group(int group) {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(kGroupThreads) : "memory");
+}
+
+// What a warp group knows about its pair: this rank's rows holding the token's experts and their weights.
+struct PairRows {
+    int rows[kMaxTopk];
+    float weights[kMaxTopk];
+    int count;
+    bool ready;  // false: nothing to send, or the source's weights never came
+};
+
+// Warp 0 of a group: the pair's rows (in choice order) and, once the source published them, their weights.
+__device__ void gather_pair_rows(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
+                                 PairRows& pair) {
+    const int lane = threadIdx.x % kWarpSize;
     const int64_t entry = (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
-    __syncthreads();  // the previous pair may have returned early: its readers must be done with the shared state
-    if (static_cast<int>(threadIdx.x) < a.num_topk)
-        row_of_choice[threadIdx.x] = a.combine_rows[entry + threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        num_rows = 0;
-        for (int k = 0; k < a.num_topk; ++k)
-            if (row_of_choice[k] >= 0)
-                rows[num_rows++] = k;  // the choice for now; its row replaces it below
-        weights_arrived = num_rows > 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s,
-                                                        kPhaseLowLatencyWeights);
-        uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
-        dst.count = 1;
-        dst.pe[0] = s;
-        dst.direct[0] = direct_address(slot, s, a.rank, a.force_put);
-        dst.any_put = dst.direct[0] == nullptr;
+    const int row = lane < a.num_topk ? __ldg(a.combine_rows + entry + lane) : -1;
+    const uint32_t held = __ballot_sync(kFullWarpMask, row >= 0);
+    const int slot = __popc(held & ((1u << lane) - 1));
+    bool ready = false;
+    if (lane == 0)
+        ready = held != 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
+    __syncwarp();  // orders lane 0's acquire before the other lanes' weight loads
+    ready = __shfl_sync(kFullWarpMask, ready, 0);
+    if (ready && row >= 0) {
+        pair.rows[slot] = row;
+        pair.weights[slot] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
+                                    static_cast<int64_t>(t) * a.num_topk + lane);
     }
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < num_rows && weights_arrived) {
-        const int k = rows[threadIdx.x];
-        weights[threadIdx.x] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
-                                      static_cast<int64_t>(t) * a.num_topk + k);
-        rows[threadIdx.x] = row_of_choice[k];
+    if (lane == 0) {
+        pair.count = __popc(held);
+        pair.ready = ready;
     }
-    __syncthreads();
-    if (!weights_arrived)
+}
+
+// Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
+// for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag.
+__device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, int group,
+                             PairRows& pair) {
+    const int thread = threadIdx.x % kGroupThreads;
+    if (thread < kWarpSize)
+        gather_pair_rows(a, s, t, seq, deadline_ns, pair);
+    sync_group(group);
+    if (!pair.ready) {
+        sync_group(group);  // every thread read `pair` before the next pair overwrites it
         return;
-    const int num_vectors = a.hidden / kBf16PerVector;
-    int4* out = reinterpret_cast<int4*>(dst.direct[0] != nullptr
-                                            ? dst.direct[0]
-                                            : a.slot_staging + (static_cast<int64_t>(s) * a.max_tokens + t) * a.slot_bytes);
-    for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
-        float sum[kBf16PerVector] = {};
-        for (int j = 0; j < num_rows; ++j) {
-            float f[kBf16PerVector];
-            bf16x8_to_floats(ld_nc_global(a.x + static_cast<int64_t>(rows[j]) * num_vectors + v), f);
-#pragma unroll
-            for (int i = 0; i < kBf16PerVector; ++i)
-                sum[i] = fmaf(weights[j], f[i], sum[i]);
-        }
-        st_na_global(out + v, floats_to_bf16x8(sum));
     }
-    raise_message_flags(dst, a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes,
-                        a.slot_staging + (static_cast<int64_t>(s) * a.max_tokens + t) * a.slot_bytes,
-                        static_cast<int64_t>(a.hidden) * 2,
-                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
+    uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
+    uint8_t* staged = a.slot_staging + (static_cast<int64_t>(s) * a.max_tokens + t) * a.slot_bytes;
+    uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
+    int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct : staged);
+    const int num_vectors = a.hidden / kBf16PerVector;
+    for (int first = thread; first < num_vectors; first += kPartialBatch * kGroupThreads) {
+        float sum[kPartialBatch][kBf16PerVector] = {};
+        for (int j = 0; j < pair.count; ++j) {
+            const int4* row = a.x + static_cast<int64_t>(pair.rows[j]) * num_vectors;
+            const float weight = pair.weights[j];
+            int4 raw[kPartialBatch];
+#pragma unroll
+            for (int i = 0; i < kPartialBatch; ++i)
+                if (first + i * kGroupThreads < num_vectors)
+                    raw[i] = ld_nc_global(row + first + i * kGroupThreads);
+#pragma unroll
+            for (int i = 0; i < kPartialBatch; ++i) {
+                float f[kBf16PerVector];
+                bf16x8_to_floats(raw[i], f);
+#pragma unroll
+                for (int c = 0; c < kBf16PerVector; ++c)
+                    sum[i][c] = fmaf(weight, f[c], sum[i][c]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kPartialBatch; ++i)
+            if (first + i * kGroupThreads < num_vectors)
+                st_na_global(out + first + i * kGroupThreads, floats_to_bf16x8(sum[i]));
+    }
+    sync_group(group);
+    uint64_t* flag = a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t;
+    if (direct != nullptr) {
+        if (thread == 0)  // after the group barrier: the release covers the whole group's stores
+            st_release_sys_global(direct_address(flag, s, a.rank, false), seq);
+    } else if (thread < kWarpSize) {
+        nvshmemx_putmem_signal_nbi_warp(slot, staged, static_cast<size_t>(a.hidden) * 2, flag, seq,
+                                        NVSHMEM_SIGNAL_SET, s);
+    }
 }
 
 __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    // Publish this rank's weights (zero where the id is -1) to every rank first: they wait on them.
+    __shared__ PairRows pairs[kGroupsPerBlock];
+    // This rank's weights (zero where the id is -1) go to every rank first: the others wait on them.
+    // They go from the last blocks, which have no pair when the groups outnumber the pairs.
     const int count = a.num_tokens * a.num_topk;
-    for (int pe = blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
+    for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         auto word = [&](int i) -> uint32_t {
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
             return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
@@ -626,41 +709,70 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
                       a.weight_staging + static_cast<int64_t>(pe) * a.weight_words, count, word,
                       a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
     }
-    // Pairs interleave sources, so neighbouring blocks write to different ranks.
-    for (int i = blockIdx.x; i < a.num_ranks * a.max_tokens; i += gridDim.x) {
+    // One pair per warp group; pairs interleave sources, so neighbouring groups write to different ranks.
+    const int group = threadIdx.x / kGroupThreads;
+    const int num_groups = gridDim.x * kGroupsPerBlock;
+    for (int i = blockIdx.x * kGroupsPerBlock + group; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
-        if (t < a.source_tokens[s])
-            send_partial(a, s, t, seq, deadline_ns);
+        if (t < __ldg(a.source_tokens + s))
+            send_partial(a, s, t, seq, deadline_ns, group, pairs[group]);
     }
+    __syncthreads();
+}
+
+// Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts.
+__device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
+    __shared__ int ranks[kMaxTopk];
+    __shared__ int num_ranks_holding;
+    if (threadIdx.x < kWarpSize) {
+        const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
+                                              a.num_ranks, a.status, ranks);
+        __syncwarp();
+        if (static_cast<int>(threadIdx.x) < count)
+            wait_for_flag(a.token_flags + static_cast<int64_t>(ranks[threadIdx.x]) * a.flag_stride + t, seq,
+                          deadline_ns, a.status, ranks[threadIdx.x], kPhaseLowLatencyPartial);
+        if (threadIdx.x == 0)
+            num_ranks_holding = count;
+    }
+    __syncthreads();
+    const int num_vectors = a.hidden / kBf16PerVector;
+    const int count = num_ranks_holding;
+    for (int first = threadIdx.x; first < num_vectors; first += kSumBatch * blockDim.x) {
+        float sum[kSumBatch][kBf16PerVector] = {};
+        for (int base = 0; base < count; base += kPartialsAtOnce) {
+            int4 raw[kPartialsAtOnce][kSumBatch];
+#pragma unroll
+            for (int i = 0; i < kPartialsAtOnce; ++i) {
+                const int4* partial = reinterpret_cast<const int4*>(
+                    a.slots + (static_cast<int64_t>(ranks[min(base + i, count - 1)]) * a.max_tokens + t) * a.slot_bytes);
+#pragma unroll
+                for (int j = 0; j < kSumBatch; ++j) {
+                    const int v = first + j * blockDim.x;
+                    raw[i][j] = base + i < count && v < num_vectors ? ld_cg_global(partial + v) : make_int4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kPartialsAtOnce; ++i)
+#pragma unroll
+                for (int j = 0; j < kSumBatch; ++j) {
+                    float f[kBf16PerVector];
+                    bf16x8_to_floats(raw[i][j], f);
+#pragma unroll
+                    for (int c = 0; c < kBf16PerVector; ++c)
+                        sum[j][c] += f[c];
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < kSumBatch; ++j)
+            if (first + j * blockDim.x < num_vectors)
+                a.combined_x[static_cast<int64_t>(t) * num_vectors + first + j * blockDim.x] = floats_to_bf16x8(sum[j]);
+    }
+    __syncthreads();
 }
 
 __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    __shared__ int ranks[kMaxTopk];
-    const int num_vectors = a.hidden / kBf16PerVector;
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        const int num_ranks_holding = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
-                                                          a.num_ranks, a.status, ranks);
-        if (static_cast<int>(threadIdx.x) < num_ranks_holding) {
-            const int r = ranks[threadIdx.x];
-            wait_for_flag(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, seq, deadline_ns, a.status, r,
-                          kPhaseLowLatencyPartial);
-        }
-        __syncthreads();
-        for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
-            float sum[kBf16PerVector] = {};
-            for (int i = 0; i < num_ranks_holding; ++i) {
-                const int4* partial = reinterpret_cast<const int4*>(
-                    a.slots + (static_cast<int64_t>(ranks[i]) * a.max_tokens + t) * a.slot_bytes);
-                float f[kBf16PerVector];
-                bf16x8_to_floats(ld_cg_global(partial + v), f);
-#pragma unroll
-                for (int j = 0; j < kBf16PerVector; ++j)
-                    sum[j] += f[j];
-            }
-            a.combined_x[static_cast<int64_t>(t) * num_vectors + v] = floats_to_bf16x8(sum);
-        }
-        __syncthreads();
-    }
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
+        combine_token(a, t, seq, deadline_ns);
 }
 
 }  // namespace cuep
