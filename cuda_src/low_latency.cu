@@ -52,7 +52,7 @@ constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0,
 // Loads a thread issues before its first store. Every loop below that moves data loads a batch, then
 // stores it: stores are ordered after earlier loads, so a loop that alternated them would wait out
 // one memory latency per element. Sized to the 128 registers a thread has at 512 threads (more spills).
-constexpr int kCopyBatch = 12;           // receive copy: 16-byte vectors per lane (FP8 7168: 14)
+constexpr int kCopyBatch = 8;            // receive copy: 16-byte vectors per lane (FP8 7168: 14, two batches)
 constexpr int kSendBatch = 4;            // dispatch send: block-wide strides of a token (BF16 7168: 2)
 constexpr int kGroupThreads = 128;       // combine send: one warp group per (source, token) pair
 constexpr int kGroupsPerBlock = kNumThreads / kGroupThreads;
@@ -386,9 +386,9 @@ __device__ __forceinline__ void store_token_vector(const DispatchArgs& a, const 
     }
 }
 
-// Block-wide: send token t to every rank holding one of its experts. The first round of x is loaded
-// before the destinations are looked up, so the two latencies overlap.
-__device__ void send_token(const DispatchArgs& a, int t, Destinations& dst, uint64_t seq) {
+// Block-wide: write token t to every rank holding one of its experts (raise_token_flags publishes it).
+// The first round of x is loaded before the destinations are looked up, so the two latencies overlap.
+__device__ void send_token(const DispatchArgs& a, int t, Destinations& dst) {
     const int num_vectors = a.hidden / kBf16PerVector;
     const int round_vectors = kSendBatch * blockDim.x;
     const int num_rounds = (num_vectors + round_vectors - 1) / round_vectors;
@@ -406,13 +406,17 @@ __device__ void send_token(const DispatchArgs& a, int t, Destinations& dst, uint
                 store_token_vector(a, dst, staged, v, raw[i]);
         }
     }
+}
+
+// Raise token t's flag on every destination (after send_token wrote it there). Block-wide.
+__device__ void raise_token_flags(const DispatchArgs& a, int t, const Destinations& dst, uint64_t seq) {
     uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
     raise_message_flags(dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
                         a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
 }
 
-__device__ void dispatch_send(const DispatchArgs& a, uint64_t seq) {
-    __shared__ Destinations dst;
+// Send this block's tokens; the flags of token `deferred` (-1: none) are left to the caller.
+__device__ void dispatch_send(const DispatchArgs& a, uint64_t seq, Destinations& dst, int deferred) {
     // Routing tables first (every receiver waits for all of them), from the last blocks, which have
     // no token when the grid outnumbers the tokens.
     const int table_words = kRoutingHeaderWords + a.num_tokens * a.num_topk;
@@ -427,8 +431,11 @@ __device__ void dispatch_send(const DispatchArgs& a, uint64_t seq) {
                       a.routing_staging + static_cast<int64_t>(pe) * a.routing_words, table_words, word,
                       a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
     }
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
-        send_token(a, t, dst, seq);
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+        send_token(a, t, dst);
+        if (t != deferred)
+            raise_token_flags(a, t, dst, seq);
+    }
 }
 
 // Choice k of token t in source s's routing table (read after the table's flag was acquired; plain
@@ -444,6 +451,7 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     const int lane = threadIdx.x % kWarpSize;
     const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
     const int64_t flat_row = e * rows_per_expert + row;
+    const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
     if (!wait_for_flag(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
                        kPhaseLowLatencyToken))
         return;
@@ -477,105 +485,159 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     }
     if (lane == 0)
         a.recv_src_info[flat_row] = t;
-    if (lane < a.num_topk && routed_id(a, s, t, lane) == expert)
+    if (chooses_expert)
         a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + lane] = static_cast<int32_t>(flat_row);
 }
 
-__device__ void dispatch_recv(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    extern __shared__ int32_t shared[];
-    const int R = a.num_ranks, L = a.num_experts / R;
-    const int words_per_source = (a.max_tokens + kWarpSize - 1) / kWarpSize;
-    const int num_words = R * words_per_source;
-    int32_t* source_tokens = shared;                                                   // [R]
-    uint32_t* bits = reinterpret_cast<uint32_t*>(shared + R);                          // [R][words]
-    int32_t* word_base = shared + R + num_words;                                       // [R][words]
-    __shared__ int32_t total_rows;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int num_warps = blockDim.x / kWarpSize;
+// The receive's shared state (dynamic shared memory): each source's token count, and one unit's
+// layout: a bit per (source, token) naming the unit's expert, and the first row of each bitmap word.
+struct ReceiveState {
+    int32_t* source_tokens;  // [R]
+    uint32_t* bits;          // [R][words_per_source]
+    int32_t* word_base;      // [R][words_per_source]
+    int words_per_source, num_words;
+};
 
-    for (int s = threadIdx.x; s < R; s += blockDim.x) {
+__device__ ReceiveState receive_state(const DispatchArgs& a) {
+    extern __shared__ int32_t shared[];
+    ReceiveState r;
+    r.words_per_source = (a.max_tokens + kWarpSize - 1) / kWarpSize;
+    r.num_words = a.num_ranks * r.words_per_source;
+    r.source_tokens = shared;
+    r.bits = reinterpret_cast<uint32_t*>(shared + a.num_ranks);
+    r.word_base = shared + a.num_ranks + r.num_words;
+    return r;
+}
+
+// Wait for every source's routing table and keep its token count. Ends with a barrier.
+__device__ void read_source_tokens(const DispatchArgs& a, const ReceiveState& r, uint64_t seq, uint64_t deadline_ns) {
+    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
         const bool arrived = wait_for_flag(a.routing_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting);
         const int sent = arrived ? static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words]) : 0;
-        source_tokens[s] = max(0, min(sent, a.max_tokens));
+        r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
-            a.source_tokens[s] = source_tokens[s];
+            a.source_tokens[s] = r.source_tokens[s];
     }
     __syncthreads();
+}
 
-    // Entries naming another rank's expert (or none) have no row here.
+// Rows of local expert e: which (source, token) pairs name it, one bit each, then rows in (source,
+// token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a barrier.
+__device__ void lay_out_unit(const DispatchArgs& a, const ReceiveState& r, int e, int part) {
+    __shared__ int32_t total_rows;
+    const int R = a.num_ranks, expert = a.rank * (a.num_experts / R) + e;
+    const int lane = threadIdx.x % kWarpSize;
+    for (int i = threadIdx.x; i < r.num_words; i += blockDim.x)
+        r.bits[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * a.max_tokens; i += blockDim.x) {
+        const int s = i / a.max_tokens, t = i % a.max_tokens;
+        if (t >= r.source_tokens[s])
+            continue;
+        bool chosen = false;
+#pragma unroll 8
+        for (int k = 0; k < a.num_topk; ++k)
+            chosen |= routed_id(a, s, t, k) == expert;
+        if (chosen)
+            atomicOr(r.bits + s * r.words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
+    }
+    __syncthreads();
+    if (threadIdx.x < kWarpSize) {
+        int carry = 0;
+        for (int first = 0; first < r.num_words; first += kWarpSize) {
+            const int i = first + lane;
+            const int count = i < r.num_words ? __popc(r.bits[i]) : 0;
+            int inclusive = count;
+#pragma unroll
+            for (int d = 1; d < kWarpSize; d *= 2) {
+                const int below = __shfl_up_sync(kFullWarpMask, inclusive, d);
+                if (lane >= d)
+                    inclusive += below;
+            }
+            if (i < r.num_words)
+                r.word_base[i] = carry + inclusive - count;
+            carry += __shfl_sync(kFullWarpMask, inclusive, kWarpSize - 1);
+        }
+        if (lane == 0)
+            total_rows = carry;
+    }
+    __syncthreads();
+    if (part == 0) {
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+            const int first = r.word_base[s * r.words_per_source];
+            const int end = s + 1 < R ? r.word_base[(s + 1) * r.words_per_source] : total_rows;
+            a.layout_range[static_cast<int64_t>(e) * R + s] = (static_cast<int64_t>(first) << 32) | (end - first);
+        }
+        if (threadIdx.x == 0) {
+            a.recv_count[e] = total_rows;
+            if (a.cumulative_stats != nullptr)
+                atomicAdd(a.cumulative_stats + e, total_rows);
+        }
+    }
+}
+
+// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a barrier.
+__device__ void copy_unit_rows(const DispatchArgs& a, const ReceiveState& r, int e, int part, uint64_t seq,
+                               uint64_t deadline_ns) {
+    const int expert = a.rank * (a.num_experts / a.num_ranks) + e;
+    const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+    for (int i = warp; i < r.num_words; i += num_warps) {
+        const uint32_t word = r.bits[i];
+        for (uint32_t left = word; left != 0; left &= left - 1) {
+            const int bit = __ffs(left) - 1;
+            const int row = r.word_base[i] + __popc(word & ((1u << bit) - 1));
+            if (row % a.num_parts == part)
+                receive_row(a, e, expert, row, i / r.words_per_source, (i % r.words_per_source) * kWarpSize + bit,
+                            seq, deadline_ns);
+        }
+    }
+    __syncthreads();
+}
+
+// combine_rows entries naming another rank's expert (or none) have no row here: -1.
+__device__ void mark_foreign_choices(const DispatchArgs& a, const ReceiveState& r) {
+    const int L = a.num_experts / a.num_ranks;
     const int entries_per_source = a.max_tokens * a.num_topk;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-         i < static_cast<int64_t>(R) * entries_per_source; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+         i < static_cast<int64_t>(a.num_ranks) * entries_per_source; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
-        if (within / a.num_topk >= source_tokens[s])
+        if (within / a.num_topk >= r.source_tokens[s])
             continue;
         const int id = routed_id(a, s, within / a.num_topk, within % a.num_topk);
         if (id < a.rank * L || id >= (a.rank + 1) * L)
             a.combine_rows[i] = -1;
     }
+}
 
-    for (int unit = blockIdx.x; unit < L * a.num_parts; unit += gridDim.x) {
-        const int e = unit / a.num_parts, part = unit % a.num_parts, expert = a.rank * L + e;
-        // Which (source, token) pairs name this expert: one bit each, then rows in (source, token) order.
-        for (int i = threadIdx.x; i < num_words; i += blockDim.x)
-            bits[i] = 0;
-        __syncthreads();
-        for (int i = threadIdx.x; i < R * a.max_tokens; i += blockDim.x) {
-            const int s = i / a.max_tokens, t = i % a.max_tokens;
-            if (t >= source_tokens[s])
-                continue;
-            bool chosen = false;
-#pragma unroll 8
-            for (int k = 0; k < a.num_topk; ++k)
-                chosen |= routed_id(a, s, t, k) == expert;
-            if (chosen)
-                atomicOr(bits + s * words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
-        }
-        __syncthreads();
-        if (warp == 0) {
-            int carry = 0;
-            for (int first = 0; first < num_words; first += kWarpSize) {
-                const int i = first + lane;
-                const int count = i < num_words ? __popc(bits[i]) : 0;
-                int inclusive = count;
-#pragma unroll
-                for (int d = 1; d < kWarpSize; d *= 2) {
-                    const int below = __shfl_up_sync(kFullWarpMask, inclusive, d);
-                    if (lane >= d)
-                        inclusive += below;
-                }
-                if (i < num_words)
-                    word_base[i] = carry + inclusive - count;
-                carry += __shfl_sync(kFullWarpMask, inclusive, kWarpSize - 1);
-            }
-            if (lane == 0)
-                total_rows = carry;
-        }
-        __syncthreads();
-        if (part == 0) {
-            for (int s = threadIdx.x; s < R; s += blockDim.x) {
-                const int first = word_base[s * words_per_source];
-                const int end = s + 1 < R ? word_base[(s + 1) * words_per_source] : total_rows;
-                a.layout_range[static_cast<int64_t>(e) * R + s] = (static_cast<int64_t>(first) << 32) | (end - first);
-            }
-            if (threadIdx.x == 0) {
-                a.recv_count[e] = total_rows;
-                if (a.cumulative_stats != nullptr)
-                    atomicAdd(a.cumulative_stats + e, total_rows);
-            }
-        }
-        for (int i = warp; i < num_words; i += num_warps) {
-            const uint32_t word = bits[i];
-            for (uint32_t left = word; left != 0; left &= left - 1) {
-                const int bit = __ffs(left) - 1;
-                const int row = word_base[i] + __popc(word & ((1u << bit) - 1));
-                if (row % a.num_parts == part)
-                    receive_row(a, e, expert, row, i / words_per_source, (i % words_per_source) * kWarpSize + bit, seq,
-                                deadline_ns);
-            }
-        }
-        __syncthreads();
+// The last token this block sends, or -1.
+__device__ __forceinline__ int last_token_of_block(int num_tokens) {
+    const int first = blockIdx.x;
+    return first < num_tokens ? first + (num_tokens - 1 - first) / static_cast<int>(gridDim.x) * gridDim.x : -1;
+}
+
+// The dispatch launch. With both phases, a block raises its last token's flags only after it laid out
+// its first unit: the release waits for the token's stores to land anyway, so the layout's chain of
+// loads runs while they drain instead of after.
+__device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+    __shared__ Destinations dst;
+    const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
+    const int deferred = sends && receives ? last_token_of_block(a.num_tokens) : -1;
+    if (sends)
+        dispatch_send(a, seq, dst, deferred);
+    if (!receives)
+        return;
+    const ReceiveState r = receive_state(a);
+    read_source_tokens(a, r, seq, deadline_ns);
+    const int num_units = a.num_experts / a.num_ranks * a.num_parts;
+    for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        lay_out_unit(a, r, unit / a.num_parts, unit % a.num_parts);
+        if (unit == static_cast<int>(blockIdx.x) && deferred >= 0)
+            raise_token_flags(a, deferred, dst, seq);
+        copy_unit_rows(a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
     }
+    if (deferred >= 0 && static_cast<int>(blockIdx.x) >= num_units)
+        raise_token_flags(a, deferred, dst, seq);
+    mark_foreign_choices(a, r);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -614,42 +676,69 @@ __device__ __forceinline__ void sync_group(int group) {
 // What a warp group knows about its pair: this rank's rows holding the token's experts and their weights.
 struct PairRows {
     int rows[kMaxTopk];
+    int choices[kMaxTopk];  // top-k slot of each row
     float weights[kMaxTopk];
     int count;
     bool ready;  // false: nothing to send, or the source's weights never came
 };
 
-// Warp 0 of a group: the pair's rows (in choice order) and, once the source published them, their weights.
-__device__ void gather_pair_rows(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
-                                 PairRows& pair) {
+// Warp 0 of a group: this rank's rows for pair (s, t), in choice order.
+__device__ void gather_pair_rows(const CombineArgs& a, int s, int t, PairRows& pair) {
     const int lane = threadIdx.x % kWarpSize;
     const int64_t entry = (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
     const int row = lane < a.num_topk ? __ldg(a.combine_rows + entry + lane) : -1;
     const uint32_t held = __ballot_sync(kFullWarpMask, row >= 0);
-    const int slot = __popc(held & ((1u << lane) - 1));
+    if (row >= 0) {
+        const int slot = __popc(held & ((1u << lane) - 1));
+        pair.rows[slot] = row;
+        pair.choices[slot] = lane;
+    }
+    if (lane == 0)
+        pair.count = __popc(held);
+}
+
+// Warp 0 of a group, after gather_pair_rows and a group barrier: wait for source s's weights, then
+// read those of the pair's rows.
+__device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
+                                    PairRows& pair) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int count = pair.count;
     bool ready = false;
     if (lane == 0)
-        ready = held != 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
+        ready = count > 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
     __syncwarp();  // orders lane 0's acquire before the other lanes' weight loads
     ready = __shfl_sync(kFullWarpMask, ready, 0);
-    if (ready && row >= 0) {
-        pair.rows[slot] = row;
-        pair.weights[slot] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
-                                    static_cast<int64_t>(t) * a.num_topk + lane);
-    }
-    if (lane == 0) {
-        pair.count = __popc(held);
+    if (ready && lane < count)
+        pair.weights[lane] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
+                                    static_cast<int64_t>(t) * a.num_topk + pair.choices[lane]);
+    if (lane == 0)
         pair.ready = ready;
-    }
+}
+
+// This thread's vectors of one stride of expert-output row `row` (kPartialBatch, kGroupThreads apart from `first`).
+__device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, int first, int4 (&raw)[kPartialBatch]) {
+    const int num_vectors = a.hidden / kBf16PerVector;
+    const int4* x = a.x + static_cast<int64_t>(row) * num_vectors;
+#pragma unroll
+    for (int i = 0; i < kPartialBatch; ++i)
+        if (first + i * kGroupThreads < num_vectors)
+            raw[i] = ld_nc_global(x + first + i * kGroupThreads);
 }
 
 // Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
-// for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag.
+// for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag. The first row's loads
+// are in flight while the weights are awaited.
 __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, int group,
                              PairRows& pair) {
     const int thread = threadIdx.x % kGroupThreads;
     if (thread < kWarpSize)
-        gather_pair_rows(a, s, t, seq, deadline_ns, pair);
+        gather_pair_rows(a, s, t, pair);
+    sync_group(group);
+    int4 raw[kPartialBatch];
+    if (pair.count > 0)
+        load_row_stride(a, pair.rows[0], thread, raw);
+    if (thread < kWarpSize)
+        gather_pair_weights(a, s, t, seq, deadline_ns, pair);
     sync_group(group);
     if (!pair.ready) {
         sync_group(group);  // every thread read `pair` before the next pair overwrites it
@@ -663,13 +752,9 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
     for (int first = thread; first < num_vectors; first += kPartialBatch * kGroupThreads) {
         float sum[kPartialBatch][kBf16PerVector] = {};
         for (int j = 0; j < pair.count; ++j) {
-            const int4* row = a.x + static_cast<int64_t>(pair.rows[j]) * num_vectors;
+            if (j > 0 || first != thread)
+                load_row_stride(a, pair.rows[j], first, raw);
             const float weight = pair.weights[j];
-            int4 raw[kPartialBatch];
-#pragma unroll
-            for (int i = 0; i < kPartialBatch; ++i)
-                if (first + i * kGroupThreads < num_vectors)
-                    raw[i] = ld_nc_global(row + first + i * kGroupThreads);
 #pragma unroll
             for (int i = 0; i < kPartialBatch; ++i) {
                 float f[kBf16PerVector];
@@ -780,10 +865,7 @@ __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadli
 extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_dispatch(const cuep::DispatchArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
-    if (args.phases & cuep::kSendPhase)
-        cuep::dispatch_send(args, seq);
-    if (args.phases & cuep::kRecvPhase)
-        cuep::dispatch_recv(args, seq, deadline_ns);
+    cuep::dispatch(args, seq, deadline_ns);
     cuep::finish_send_launch(args.seq_state, args.phases, args.half, seq);
 }
 
