@@ -101,9 +101,7 @@ struct Status {
     __device__ bool timed_out() const { return ld_volatile_global(device + kStatusTimedOut) != 0; }
 
     __device__ void record_timeout(int32_t peer, int32_t phase) const {
-        if (atomicCAS(device + kStatusTimedOut, 0, 1) == 0) {
-            device[kStatusPeer] = peer;
-            device[kStatusPhase] = phase;
+        if (cuep::record_timeout(device, peer, phase)) {  // the first timeout is mirrored for the host
             host[kStatusPeer] = peer;
             host[kStatusPhase] = phase;
             __threadfence_system();
@@ -172,6 +170,12 @@ __device__ void publish_table(uint32_t* table, uint32_t* staging, int count, Val
                                          NVSHMEM_SIGNAL_SET, pe);
     }
     __syncthreads();
+}
+
+// Slot of token t from `source` in a [num_ranks][max_tokens][slot_bytes] message region.
+template <typename Byte>
+__device__ __forceinline__ Byte* message_slot(Byte* slots, int source, int t, int max_tokens, int64_t slot_bytes) {
+    return slots + (static_cast<int64_t>(source) * max_tokens + t) * slot_bytes;
 }
 
 // A message (a dispatched token, or a combined partial) of `bytes` bytes sits at `slot` (a symmetric
@@ -306,7 +310,7 @@ __device__ void find_destinations(const DispatchArgs& a, int t, Destinations& ds
         const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
                                               a.status, dst.pe);
         __syncwarp();
-        uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
+        uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
         const bool mine = static_cast<int>(threadIdx.x) < count;
         if (mine)
             dst.direct[threadIdx.x] = direct_address(slot, dst.pe[threadIdx.x], a.rank, a.force_put);
@@ -410,7 +414,7 @@ __device__ void send_token(const DispatchArgs& a, int t, Destinations& dst) {
 
 // Raise token t's flag on every destination (after send_token wrote it there). Block-wide.
 __device__ void raise_token_flags(const DispatchArgs& a, int t, const Destinations& dst, uint64_t seq) {
-    uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
+    uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
     raise_message_flags(dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
                         a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
 }
@@ -455,7 +459,7 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     if (!wait_for_flag(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
                        kPhaseLowLatencyToken))
         return;
-    const uint8_t* message = a.slots + (static_cast<int64_t>(s) * a.max_tokens + t) * a.slot_bytes;
+    const uint8_t* message = message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
     const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
     const int num_vectors = static_cast<int>(data_bytes / kBytesPerVector);
     const int4* src = reinterpret_cast<const int4*>(message);
@@ -621,7 +625,7 @@ __device__ __forceinline__ int last_token_of_block(int num_tokens) {
 __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst;
     const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
-    const int deferred = sends && receives ? last_token_of_block(a.num_tokens) : -1;
+    int deferred = sends && receives ? last_token_of_block(a.num_tokens) : -1;
     if (sends)
         dispatch_send(a, seq, dst, deferred);
     if (!receives)
@@ -631,11 +635,13 @@ __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_
     const int num_units = a.num_experts / a.num_ranks * a.num_parts;
     for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
         lay_out_unit(a, r, unit / a.num_parts, unit % a.num_parts);
-        if (unit == static_cast<int>(blockIdx.x) && deferred >= 0)
+        if (deferred >= 0) {
             raise_token_flags(a, deferred, dst, seq);
+            deferred = -1;
+        }
         copy_unit_rows(a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
     }
-    if (deferred >= 0 && static_cast<int>(blockIdx.x) >= num_units)
+    if (deferred >= 0)  // a block without a unit
         raise_token_flags(a, deferred, dst, seq);
     mark_foreign_choices(a, r);
 }
@@ -744,8 +750,8 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
         sync_group(group);  // every thread read `pair` before the next pair overwrites it
         return;
     }
-    uint8_t* slot = a.slots + (static_cast<int64_t>(a.rank) * a.max_tokens + t) * a.slot_bytes;
-    uint8_t* staged = a.slot_staging + (static_cast<int64_t>(s) * a.max_tokens + t) * a.slot_bytes;
+    uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
+    uint8_t* staged = message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
     uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
     int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct : staged);
     const int num_vectors = a.hidden / kBf16PerVector;
@@ -802,7 +808,6 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
         if (t < __ldg(a.source_tokens + s))
             send_partial(a, s, t, seq, deadline_ns, group, pairs[group]);
     }
-    __syncthreads();
 }
 
 // Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts.
@@ -829,7 +834,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
 #pragma unroll
             for (int i = 0; i < kPartialsAtOnce; ++i) {
                 const int4* partial = reinterpret_cast<const int4*>(
-                    a.slots + (static_cast<int64_t>(ranks[min(base + i, count - 1)]) * a.max_tokens + t) * a.slot_bytes);
+                    message_slot(a.slots, ranks[min(base + i, count - 1)], t, a.max_tokens, a.slot_bytes));
 #pragma unroll
                 for (int j = 0; j < kSumBatch; ++j) {
                     const int v = first + j * blockDim.x;

@@ -16,13 +16,15 @@ __device__ __forceinline__ bool wait_at_least_until(const uint64_t* flag, uint64
     return true;
 }
 
-// First timed-out wait of a launch wins the record; later ones keep the first culprit.
-__device__ __forceinline__ void record_timeout(int32_t* status, int32_t peer, int32_t phase) {
-    if (atomicCAS(status + kStatusTimedOut, 0, 1) == 0) {
-        status[kStatusPeer] = peer;
-        status[kStatusPhase] = phase;
-        __threadfence_system();
-    }
+// First timed-out wait of a launch wins the record; later ones keep the first culprit. Returns
+// whether this call won.
+__device__ __forceinline__ bool record_timeout(int32_t* status, int32_t peer, int32_t phase) {
+    if (atomicCAS(status + kStatusTimedOut, 0, 1) != 0)
+        return false;
+    status[kStatusPeer] = peer;
+    status[kStatusPhase] = phase;
+    __threadfence_system();
+    return true;
 }
 
 }  // namespace cuep
