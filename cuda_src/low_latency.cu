@@ -37,6 +37,7 @@
 #include <cuep/fp8.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
+#include <cuep/trace.cuh>
 
 namespace cuep {
 
@@ -45,7 +46,13 @@ constexpr int kMaxTopk = 32;             // mirrors MAX_TOPK in cuep/kernels/low
 constexpr int kBf16PerVector = 8;        // one 16-byte vector of bf16
 constexpr int kBytesPerVector = 16;
 constexpr int kScaleBlock = 128;         // channels per FP8 scale
-constexpr int kLanesPerScaleBlock = kScaleBlock / kBf16PerVector;
+// The FP8 send quantises a unit of two vectors (16 channels) per lane into one 16-byte store, so a
+// warp covers four whole scale blocks and stores their scales as one 16-byte vector too: NVLink
+// carries full vectors only, no 8- or 4-byte stragglers.
+constexpr int kVectorsPerUnit = 2;
+constexpr int kChannelsPerUnit = kVectorsPerUnit * kBf16PerVector;
+constexpr int kLanesPerScaleBlock = kScaleBlock / kChannelsPerUnit;
+constexpr int kScaleBlocksPerWarp = kWarpSize / kLanesPerScaleBlock;
 constexpr int kScalesPerUe8m0Word = 4;   // UE8M0 exponents packed in one int32
 constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-zero block
 constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0, ids[T_max][K]]
@@ -53,7 +60,8 @@ constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0,
 // stores it: stores are ordered after earlier loads, so a loop that alternated them would wait out
 // one memory latency per element. Sized to the 128 registers a thread has at 512 threads (more spills).
 constexpr int kCopyBatch = 8;            // receive copy: 16-byte vectors per lane (FP8 7168: 14, two batches)
-constexpr int kSendBatch = 4;            // dispatch send: block-wide strides of a token (BF16 7168: 2)
+constexpr int kTableBatch = 16;          // routing / weight tables: words per thread (T=128, top-8: 9)
+constexpr int kSendBatch = 4;            // dispatch send: 16-byte vectors of x per thread (7168: one round)
 constexpr int kGroupThreads = 128;       // combine send: one warp group per (source, token) pair
 constexpr int kGroupsPerBlock = kNumThreads / kGroupThreads;
 constexpr int kPartialBatch = 7;         // combine send: vectors per thread summed at once (7168: 7)
@@ -63,10 +71,33 @@ constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded bef
 constexpr int kSendPhase = 1;            // mirrors SEND_PHASE / RECV_PHASE in the launch module
 constexpr int kRecvPhase = 2;
 
+// Trace points (trace.cuh; cuep/bench.py names them). Dispatch:
+constexpr int kTraceStart = 0;
+constexpr int kTraceTablePublished = 1;   // this block's routing (or weight) tables went out
+constexpr int kTraceTokensStored = 2;     // this block's token stores issued (before their flags)
+constexpr int kTraceSendDone = 3;
+constexpr int kTraceTablesRead = 4;       // every source's routing table arrived
+constexpr int kTraceLaidOut = 5;          // the block's (last) unit laid out
+constexpr int kTraceLastRowFlag = 7;      // latest token flag a row of this block waited for
+constexpr int kTraceRowsCopied = 8;
+constexpr int kTraceEnd = 9;
+// Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
+constexpr int kTraceWeightsReady = 2;     // latest pair whose rows and source weights were ready
+constexpr int kTracePartialStored = 3;    // latest partial stored (before its flag)
+constexpr int kTracePartialFlagged = 4;
+constexpr int kTracePartialsArrived = 5;  // latest token whose partials had all arrived
+constexpr int kTraceTokensSummed = 6;
+
+// Named barriers of the fused dispatch's two teams (0 is the whole block's).
+constexpr int kSenderBarrier = 1;
+constexpr int kReceiverBarrier = 2;
+
 // Words of the per-Buffer sequence state (device memory, not symmetric).
 constexpr int kSeqLatest = 0;            // number of the newest call sent
 constexpr int kSeqOfHalf = 1;            // [2]: number of the newest call sent on each half
 constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running send launch that finished
+constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
+constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all landed
 
 // ---------------------------------------------------------------------------------------------
 // Launch bookkeeping
@@ -90,6 +121,21 @@ __device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phas
             seq_state[kSeqBlocksDone + half] = 0;
             seq_state[kSeqLatest] = seq;
             seq_state[kSeqOfHalf + half] = seq;
+        }
+    }
+}
+
+// A dispatch's token data waits until its routing tables have landed. Every receiver needs every table
+// before it can lay out a single row, and whatever is stored once the tokens flood the links queues
+// behind them, flags included (measured: tables landing ~10 us into a 21 us dispatch); sent first,
+// they land in a few microseconds and the receivers' layout overlaps the flood. By a team's leader,
+// after the team published one table (its flag's release has completed, so the table has landed).
+__device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, int num_ranks, uint64_t seq) {
+    {
+        auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
+        if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
+            *done = 0;
+            atomicMax(reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesSent), seq);
         }
     }
 }
@@ -150,26 +196,56 @@ __device__ __forceinline__ T* direct_address(T* symmetric, int pe, int rank, boo
     return force_put ? nullptr : static_cast<T*>(nvshmem_ptr(symmetric, pe));
 }
 
-// Block-wide: write `count` words, word i = value(i), into `table` (this rank's slot, a symmetric
+// Elements [0, count) moved by `store(i, load(i))`, this thread taking first, first + step, ...: it
+// loads `Batch` of them before storing any (see kCopyBatch).
+template <typename T, int Batch = kCopyBatch, typename Load, typename Store>
+__device__ __forceinline__ void batched_copy(int first, int step, int count, const Load& load, const Store& store) {
+    for (int base = first; base < count; base += Batch * step) {
+        T values[Batch];
+#pragma unroll
+        for (int i = 0; i < Batch; ++i)
+            if (base + i * step < count)
+                values[i] = load(base + i * step);
+#pragma unroll
+        for (int i = 0; i < Batch; ++i)
+            if (base + i * step < count)
+                store(base + i * step, values[i]);
+    }
+}
+
+// Whole warps of a block that work together, with their own named barrier: the whole block (barrier
+// 0, as __syncthreads), or, in a fused dispatch, the sending half and the receiving half, so that the
+// receivers lay out rows while the senders' stores still wait for the links.
+struct Team {
+    int first, size, barrier;
+
+    __device__ int thread() const { return static_cast<int>(threadIdx.x) - first; }
+    __device__ bool leader() const { return thread() == 0; }
+    __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(size) : "memory"); }
+};
+
+__device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(blockDim.x), 0}; }
+
+// Team-wide: write `count` words, word i = value(i), into `table` (this rank's slot, a symmetric
 // address) on `pe`, then raise `flag` on `pe` to `seq`. `staging`: this rank's symmetric scratch
 // for the put path.
 template <typename Value>
-__device__ void publish_table(uint32_t* table, uint32_t* staging, int count, Value value, uint64_t* flag,
-                              uint64_t seq, int pe, int rank, bool force_put) {
+__device__ void publish_table(const Team& team, uint32_t* table, uint32_t* staging, int count, Value value,
+                              uint64_t* flag, uint64_t seq, int pe, int rank, bool force_put) {
     uint32_t* direct = direct_address(table, pe, rank, force_put);
     uint32_t* target = direct != nullptr ? direct : staging;
-    for (int i = threadIdx.x; i < count; i += blockDim.x)
-        target[i] = value(i);
-    __syncthreads();
+    batched_copy<uint32_t, kTableBatch>(team.thread(), team.size, count, value,
+                                        [&](int i, uint32_t word) { target[i] = word; });
+    team.sync();
     if (direct != nullptr) {
         // A release after the barrier covers every thread's stores (release is cumulative).
-        if (threadIdx.x == 0)
+        if (team.leader())
             st_release_sys_global(direct_address(flag, pe, rank, false), seq);
-    } else {
-        nvshmemx_putmem_signal_nbi_block(table, staging, static_cast<size_t>(count) * sizeof(uint32_t), flag, seq,
-                                         NVSHMEM_SIGNAL_SET, pe);
+    } else if (team.thread() < kWarpSize) {
+        nvshmemx_putmem_signal_nbi_warp(table, staging, static_cast<size_t>(count) * sizeof(uint32_t), flag, seq,
+                                        NVSHMEM_SIGNAL_SET, pe);
     }
-    __syncthreads();
+    team.sync();
 }
 
 // Slot of token t from `source` in a [num_ranks][max_tokens][slot_bytes] message region.
@@ -188,17 +264,24 @@ struct Destinations {
     bool any_put;
 };
 
-__device__ void raise_message_flags(const Destinations& dst, uint8_t* slot, const uint8_t* staged, int64_t bytes,
-                                    uint64_t* flag, uint64_t seq, int rank) {
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < dst.count && dst.direct[threadIdx.x] != nullptr)
-        st_release_sys_global(direct_address(flag, dst.pe[threadIdx.x], rank, false), seq);
+//
+// A direct destination's flag is a release store from one lane of the team's last warp: a release
+// waits until the message's stores have landed, and only that warp waits, while the rest of the team
+// goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
+// that warp still reads). Put destinations get a put-with-signal from the team's first warp.
+__device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
+                                    int64_t bytes, uint64_t* flag, uint64_t seq, int rank) {
+    team.sync();
+    const int i = team.thread() - (team.size - kWarpSize);
+    if (i >= 0 && i < dst.count && dst.direct[i] != nullptr)
+        st_release_sys_global(direct_address(flag, dst.pe[i], rank, false), seq);
     if (dst.any_put) {
-        for (int i = 0; i < dst.count; ++i)
-            if (dst.direct[i] == nullptr)
-                nvshmemx_putmem_signal_nbi_block(slot, staged, bytes, flag, seq, NVSHMEM_SIGNAL_SET, dst.pe[i]);
+        if (team.thread() < kWarpSize)
+            for (int d = 0; d < dst.count; ++d)
+                if (dst.direct[d] == nullptr)
+                    nvshmemx_putmem_signal_nbi_warp(slot, staged, bytes, flag, seq, NVSHMEM_SIGNAL_SET, dst.pe[d]);
+        team.sync();  // every thread read `dst` before the buffer comes round again
     }
-    __syncthreads();
 }
 
 __device__ __forceinline__ void bf16x8_to_floats(const int4& v, float (&f)[kBf16PerVector]) {
@@ -227,23 +310,6 @@ __device__ __forceinline__ float power_of_two_at_least(float value) {
     if (bits & 0x7fffffu)
         bits = (bits & 0x7f800000u) + 0x800000u;
     return __uint_as_float(bits);
-}
-
-// Elements [0, count) moved by `store(i, load(i))`, this thread taking first, first + step, ...: it
-// loads kCopyBatch of them before storing any (see kCopyBatch).
-template <typename T, typename Load, typename Store>
-__device__ __forceinline__ void batched_copy(int first, int step, int count, const Load& load, const Store& store) {
-    for (int base = first; base < count; base += kCopyBatch * step) {
-        T values[kCopyBatch];
-#pragma unroll
-        for (int i = 0; i < kCopyBatch; ++i)
-            if (base + i * step < count)
-                values[i] = load(base + i * step);
-#pragma unroll
-        for (int i = 0; i < kCopyBatch; ++i)
-            if (base + i * step < count)
-                store(base + i * step, values[i]);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -278,6 +344,7 @@ struct DispatchArgs {
     uint64_t* seq_state;
     uint64_t timeout_ns;
     Status status;
+    uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
 __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
@@ -285,10 +352,14 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
                      : static_cast<int64_t>(a.hidden) * 2;
 }
 
-// Warp 0: the ranks holding token t's experts, each once, in choice order, written to `ranks`
-// (kMaxTopk entries of shared memory); returns how many (to warp 0). The caller syncs before others read.
+// A warp: the ranks holding token t's experts, each once, in choice order, written to `ranks`
+// (kMaxTopk entries of shared memory); returns how many. With `weights` (the caller's top-k weights),
+// also writes the factor each rank's combined partial takes at the source to `partial_weights`: the
+// choice's weight where the rank holds one of the token's experts (it sent that row unweighted), 1
+// where it holds several (it summed them weighted). The caller syncs before others read.
 __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
-                                   int num_ranks, const Status& status, int* ranks) {
+                                   int num_ranks, const Status& status, int* ranks, const float* weights = nullptr,
+                                   float* partial_weights = nullptr) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
     if (lane < num_topk) {
@@ -299,63 +370,75 @@ __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int
     const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
     const bool first = r >= 0 && __ffs(same_rank) - 1 == lane;
     const uint32_t firsts = __ballot_sync(kFullWarpMask, first);
-    if (first)
-        ranks[__popc(firsts & ((1u << lane) - 1))] = r;
+    if (first) {
+        const int slot = __popc(firsts & ((1u << lane) - 1));
+        ranks[slot] = r;
+        if (weights != nullptr)
+            partial_weights[slot] = __popc(same_rank) == 1 ? weights[static_cast<int64_t>(t) * num_topk + lane] : 1.0f;
+    }
     return __popc(firsts);
 }
 
-// The ranks holding token t's experts (each once), and where to store for each. Ends with a barrier.
-__device__ void find_destinations(const DispatchArgs& a, int t, Destinations& dst) {
-    if (threadIdx.x < kWarpSize) {
+// The ranks holding token t's experts (each once), and where to store for each. Ends with a team barrier.
+__device__ void find_destinations(const Team& team, const DispatchArgs& a, int t, Destinations& dst) {
+    if (team.thread() < kWarpSize) {
         const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
                                               a.status, dst.pe);
         __syncwarp();
         uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
-        const bool mine = static_cast<int>(threadIdx.x) < count;
+        const int lane = team.thread();
+        const bool mine = lane < count;
         if (mine)
-            dst.direct[threadIdx.x] = direct_address(slot, dst.pe[threadIdx.x], a.rank, a.force_put);
-        const bool put = mine && dst.direct[threadIdx.x] == nullptr;
+            dst.direct[lane] = direct_address(slot, dst.pe[lane], a.rank, a.force_put);
+        const bool put = mine && dst.direct[lane] == nullptr;
         const uint32_t puts = __ballot_sync(kFullWarpMask, put);
-        if (threadIdx.x == 0) {
+        if (lane == 0) {
             dst.count = count;
             dst.any_put = puts != 0;
         }
     }
-    __syncthreads();
+    team.sync();
 }
 
-// Block-wide: this thread's vectors of token t in round `round` (kSendBatch block-wide strides),
-// lanes past the end loading zeros so that every lane takes part in the scale shuffles.
-__device__ __forceinline__ void load_token_round(const DispatchArgs& a, int t, int round, int4 (&raw)[kSendBatch]) {
+// Vector i of this thread's round `round` of a token: kSendBatch block-wide strides of vectors (BF16),
+// or kSendBatch / kVectorsPerUnit strides of units (FP8), each unit two neighbouring vectors.
+__device__ __forceinline__ int send_vector(const Team& team, const DispatchArgs& a, int round, int i) {
+    if (!a.use_fp8)
+        return (round * kSendBatch + i) * team.size + team.thread();
+    const int unit = (round * kSendBatch + i) / kVectorsPerUnit * team.size + team.thread();
+    return unit * kVectorsPerUnit + i % kVectorsPerUnit;
+}
+
+// Block-wide: this thread's vectors of token t in round `round`, lanes past the end loading zeros so
+// that every lane takes part in the scale shuffles.
+__device__ __forceinline__ void load_token_round(const Team& team, const DispatchArgs& a, int t, int round,
+                                                 int4 (&raw)[kSendBatch]) {
     const int num_vectors = a.hidden / kBf16PerVector;
     const int4* row = a.x + static_cast<int64_t>(t) * num_vectors;
 #pragma unroll
     for (int i = 0; i < kSendBatch; ++i) {
-        const int v = (round * kSendBatch + i) * blockDim.x + threadIdx.x;
+        const int v = send_vector(team, a, round, i);
         raw[i] = v < num_vectors ? ld_nc_global(row + v) : make_int4(0, 0, 0, 0);
     }
 }
 
-// Store one vector of token t (loaded as `raw`, vector index v) to every destination, FP8-quantised or as is.
-__device__ __forceinline__ void store_token_vector(const DispatchArgs& a, const Destinations& dst, uint8_t* staged,
-                                                   int v, const int4& raw) {
+// Four floats times `scale` as four e4m3 bytes, the first in the low byte.
+__device__ __forceinline__ int e4m3x4(const float* f, float scale) {
+    return static_cast<int>(e4m3x2_from_floats(__fmul_rn(f[0], scale), __fmul_rn(f[1], scale)) |
+                            (e4m3x2_from_floats(__fmul_rn(f[2], scale), __fmul_rn(f[3], scale)) << 16));
+}
+
+// Whole warps: quantise unit u of a token (vectors `low`, `high`) to e4m3 with its block's scale and
+// store it to every destination; lane 0 stores the scales of the warp's four blocks.
+__device__ __forceinline__ void store_fp8_unit(const DispatchArgs& a, const Destinations& dst, uint8_t* staged, int u,
+                                               const int4& low, const int4& high) {
     const int lane = threadIdx.x % kWarpSize;
-    const bool active = v < a.hidden / kBf16PerVector;
-    if (!a.use_fp8) {
-        if (!active)
-            return;
-        for (int i = 0; i < dst.count; ++i)
-            if (dst.direct[i] != nullptr)
-                st_na_global(reinterpret_cast<int4*>(dst.direct[i]) + v, raw);
-        if (staged != nullptr)
-            reinterpret_cast<int4*>(staged)[v] = raw;
-        return;
-    }
-    float f[kBf16PerVector];
-    bf16x8_to_floats(raw, f);
+    float f[kChannelsPerUnit];
+    bf16x8_to_floats(low, *reinterpret_cast<float(*)[kBf16PerVector]>(f));
+    bf16x8_to_floats(high, *reinterpret_cast<float(*)[kBf16PerVector]>(f + kBf16PerVector));
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kBf16PerVector; ++i)
+    for (int i = 0; i < kChannelsPerUnit; ++i)
         amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
     for (int offset = kLanesPerScaleBlock / 2; offset > 0; offset /= 2)
@@ -367,62 +450,89 @@ __device__ __forceinline__ void store_token_vector(const DispatchArgs& a, const 
         scale_inv = power_of_two_at_least(scale_inv);
         scale = __frcp_rn(scale_inv);
     }
-    uint2 packed;
-    packed.x = e4m3x2_from_floats(__fmul_rn(f[0], scale), __fmul_rn(f[1], scale)) |
-               (e4m3x2_from_floats(__fmul_rn(f[2], scale), __fmul_rn(f[3], scale)) << 16);
-    packed.y = e4m3x2_from_floats(__fmul_rn(f[4], scale), __fmul_rn(f[5], scale)) |
-               (e4m3x2_from_floats(__fmul_rn(f[6], scale), __fmul_rn(f[7], scale)) << 16);
-    if (!active)
-        return;
-    const bool writes_scale = lane % kLanesPerScaleBlock == 0;
-    const int64_t scale_offset = a.hidden + static_cast<int64_t>(v / kLanesPerScaleBlock) * sizeof(float);
-    for (int i = 0; i < dst.count; ++i) {
-        if (dst.direct[i] == nullptr)
-            continue;
-        st_na_global(reinterpret_cast<uint2*>(dst.direct[i]) + v, packed);
-        if (writes_scale)
-            *reinterpret_cast<float*>(dst.direct[i] + scale_offset) = scale_inv;
-    }
-    if (staged != nullptr) {
-        reinterpret_cast<uint2*>(staged)[v] = packed;
-        if (writes_scale)
-            *reinterpret_cast<float*>(staged + scale_offset) = scale_inv;
-    }
+    const int4 packed = make_int4(e4m3x4(f, scale), e4m3x4(f + 4, scale), e4m3x4(f + 8, scale), e4m3x4(f + 12, scale));
+    int4 warp_scales;
+    warp_scales.x = __float_as_int(__shfl_sync(kFullWarpMask, scale_inv, 0 * kLanesPerScaleBlock));
+    warp_scales.y = __float_as_int(__shfl_sync(kFullWarpMask, scale_inv, 1 * kLanesPerScaleBlock));
+    warp_scales.z = __float_as_int(__shfl_sync(kFullWarpMask, scale_inv, 2 * kLanesPerScaleBlock));
+    warp_scales.w = __float_as_int(__shfl_sync(kFullWarpMask, scale_inv, 3 * kLanesPerScaleBlock));
+    const int num_blocks = a.hidden / kScaleBlock;
+    const int first_block = (u - lane) / kLanesPerScaleBlock;
+    const bool active = u < a.hidden / kChannelsPerUnit;
+    const bool stores_warp_scales = lane == 0 && first_block + kScaleBlocksPerWarp <= num_blocks;
+    const bool stores_own_scale = first_block + kScaleBlocksPerWarp > num_blocks && active && lane % kLanesPerScaleBlock == 0;
+    auto store = [&](uint8_t* message) {
+        if (active)
+            st_na_global(reinterpret_cast<int4*>(message) + u, packed);
+        if (stores_warp_scales)
+            st_na_global(reinterpret_cast<int4*>(message + a.hidden) + first_block / kScaleBlocksPerWarp, warp_scales);
+        if (stores_own_scale)  // a partial warp at the end of a hidden size not a multiple of 512
+            reinterpret_cast<float*>(message + a.hidden)[u / kLanesPerScaleBlock] = scale_inv;
+    };
+    for (int i = 0; i < dst.count; ++i)
+        if (dst.direct[i] != nullptr)
+            store(dst.direct[i]);
+    if (staged != nullptr)
+        store(staged);
 }
 
 // Block-wide: write token t to every rank holding one of its experts (raise_token_flags publishes it).
 // The first round of x is loaded before the destinations are looked up, so the two latencies overlap.
-__device__ void send_token(const DispatchArgs& a, int t, Destinations& dst) {
+// `tables_of`: a call number whose routing tables must have gone out before the first store, or 0.
+__device__ void send_token(const Team& team, const DispatchArgs& a, int t, Destinations& dst, uint64_t tables_of,
+                           uint64_t deadline_ns) {
     const int num_vectors = a.hidden / kBf16PerVector;
-    const int round_vectors = kSendBatch * blockDim.x;
+    const int round_vectors = kSendBatch * team.size;
     const int num_rounds = (num_vectors + round_vectors - 1) / round_vectors;
+    const int lane = threadIdx.x % kWarpSize;
     int4 raw[kSendBatch];
-    load_token_round(a, t, 0, raw);
-    find_destinations(a, t, dst);
+    load_token_round(team, a, t, 0, raw);
+    find_destinations(team, a, t, dst);
+    if (tables_of != 0) {
+        if (team.leader())
+            wait_for_flag(a.seq_state + kSeqTablesSent, tables_of, deadline_ns, a.status, a.rank,
+                          kPhaseLowLatencyRouting);
+        team.sync();
+    }
     uint8_t* staged = dst.any_put ? a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes : nullptr;
     for (int round = 0; round < num_rounds; ++round) {
         if (round > 0)
-            load_token_round(a, t, round, raw);
+            load_token_round(team, a, t, round, raw);
+        if (a.use_fp8) {
+#pragma unroll
+            for (int i = 0; i < kSendBatch; i += kVectorsPerUnit) {
+                const int u = send_vector(team, a, round, i) / kVectorsPerUnit;
+                if (u - lane < a.hidden / kChannelsPerUnit)  // warp-uniform: whole warps shuffle
+                    store_fp8_unit(a, dst, staged, u, raw[i], raw[i + 1]);
+            }
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < kSendBatch; ++i) {
-            const int v = (round * kSendBatch + i) * blockDim.x + threadIdx.x;
-            if (v - static_cast<int>(threadIdx.x % kWarpSize) < num_vectors)  // warp-uniform: whole warps shuffle
-                store_token_vector(a, dst, staged, v, raw[i]);
+            const int v = send_vector(team, a, round, i);
+            if (v >= num_vectors)
+                continue;
+            for (int d = 0; d < dst.count; ++d)
+                if (dst.direct[d] != nullptr)
+                    st_na_global(reinterpret_cast<int4*>(dst.direct[d]) + v, raw[i]);
+            if (staged != nullptr)
+                reinterpret_cast<int4*>(staged)[v] = raw[i];
         }
     }
 }
 
-// Raise token t's flag on every destination (after send_token wrote it there). Block-wide.
-__device__ void raise_token_flags(const DispatchArgs& a, int t, const Destinations& dst, uint64_t seq) {
+// Raise token t's flag on every destination (after send_token wrote it there). Team-wide.
+__device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t, const Destinations& dst,
+                                  uint64_t seq) {
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
-    raise_message_flags(dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
+    raise_message_flags(team, dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
                         a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
 }
 
-// Send this block's tokens; the flags of token `deferred` (-1: none) are left to the caller.
-__device__ void dispatch_send(const DispatchArgs& a, uint64_t seq, Destinations& dst, int deferred) {
-    // Routing tables first (every receiver waits for all of them), from the last blocks, which have
-    // no token when the grid outnumbers the tokens.
+// Send this block's tokens, after the routing tables (from the last blocks, which have no token
+// when the grid outnumbers the tokens; every receiver waits for all the tables).
+__device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+    __shared__ Destinations dst[2];  // alternating, see raise_message_flags
     const int table_words = kRoutingHeaderWords + a.num_tokens * a.num_topk;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         auto word = [&](int i) -> uint32_t {
@@ -431,14 +541,20 @@ __device__ void dispatch_send(const DispatchArgs& a, uint64_t seq, Destinations&
                                                             a.num_experts, a.status));
             return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
         };
-        publish_table(a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
+        publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
                       a.routing_staging + static_cast<int64_t>(pe) * a.routing_words, table_words, word,
                       a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
+        if (team.leader()) {
+            count_table_sent(a.seq_state, a.half, a.num_ranks, seq);
+            trace_mark(a.trace, kTraceTablePublished);
+        }
     }
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-        send_token(a, t, dst);
-        if (t != deferred)
-            raise_token_flags(a, t, dst, seq);
+    int parity = 0;
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, parity ^= 1) {
+        send_token(team, a, t, dst[parity], t == static_cast<int>(blockIdx.x) ? seq : 0, deadline_ns);
+        if (team.leader())
+            trace_mark(a.trace, kTraceTokensStored);
+        raise_token_flags(team, a, t, dst[parity], seq);
     }
 }
 
@@ -459,6 +575,8 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     if (!wait_for_flag(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
                        kPhaseLowLatencyToken))
         return;
+    if (lane == 0)
+        trace_latest(a.trace, kTraceLastRowFlag);
     const uint8_t* message = message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
     const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
     const int num_vectors = static_cast<int>(data_bytes / kBytesPerVector);
@@ -513,28 +631,29 @@ __device__ ReceiveState receive_state(const DispatchArgs& a) {
     return r;
 }
 
-// Wait for every source's routing table and keep its token count. Ends with a barrier.
-__device__ void read_source_tokens(const DispatchArgs& a, const ReceiveState& r, uint64_t seq, uint64_t deadline_ns) {
-    for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+// Wait for every source's routing table and keep its token count. Ends with a team barrier.
+__device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+                                   uint64_t deadline_ns) {
+    for (int s = team.thread(); s < a.num_ranks; s += team.size) {
         const bool arrived = wait_for_flag(a.routing_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting);
         const int sent = arrived ? static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words]) : 0;
         r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = r.source_tokens[s];
     }
-    __syncthreads();
+    team.sync();
 }
 
 // Rows of local expert e: which (source, token) pairs name it, one bit each, then rows in (source,
-// token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a barrier.
-__device__ void lay_out_unit(const DispatchArgs& a, const ReceiveState& r, int e, int part) {
+// token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a team barrier.
+__device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part) {
     __shared__ int32_t total_rows;
     const int R = a.num_ranks, expert = a.rank * (a.num_experts / R) + e;
     const int lane = threadIdx.x % kWarpSize;
-    for (int i = threadIdx.x; i < r.num_words; i += blockDim.x)
+    for (int i = team.thread(); i < r.num_words; i += team.size)
         r.bits[i] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < R * a.max_tokens; i += blockDim.x) {
+    team.sync();
+    for (int i = team.thread(); i < R * a.max_tokens; i += team.size) {
         const int s = i / a.max_tokens, t = i % a.max_tokens;
         if (t >= r.source_tokens[s])
             continue;
@@ -545,8 +664,8 @@ __device__ void lay_out_unit(const DispatchArgs& a, const ReceiveState& r, int e
         if (chosen)
             atomicOr(r.bits + s * r.words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
     }
-    __syncthreads();
-    if (threadIdx.x < kWarpSize) {
+    team.sync();
+    if (team.thread() < kWarpSize) {
         int carry = 0;
         for (int first = 0; first < r.num_words; first += kWarpSize) {
             const int i = first + lane;
@@ -565,14 +684,14 @@ __device__ void lay_out_unit(const DispatchArgs& a, const ReceiveState& r, int e
         if (lane == 0)
             total_rows = carry;
     }
-    __syncthreads();
+    team.sync();
     if (part == 0) {
-        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+        for (int s = team.thread(); s < R; s += team.size) {
             const int first = r.word_base[s * r.words_per_source];
             const int end = s + 1 < R ? r.word_base[(s + 1) * r.words_per_source] : total_rows;
             a.layout_range[static_cast<int64_t>(e) * R + s] = (static_cast<int64_t>(first) << 32) | (end - first);
         }
-        if (threadIdx.x == 0) {
+        if (team.leader()) {
             a.recv_count[e] = total_rows;
             if (a.cumulative_stats != nullptr)
                 atomicAdd(a.cumulative_stats + e, total_rows);
@@ -580,11 +699,11 @@ __device__ void lay_out_unit(const DispatchArgs& a, const ReceiveState& r, int e
     }
 }
 
-// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a barrier.
-__device__ void copy_unit_rows(const DispatchArgs& a, const ReceiveState& r, int e, int part, uint64_t seq,
-                               uint64_t deadline_ns) {
+// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a team barrier.
+__device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
+                               uint64_t seq, uint64_t deadline_ns) {
     const int expert = a.rank * (a.num_experts / a.num_ranks) + e;
-    const int warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+    const int warp = team.thread() / kWarpSize, num_warps = team.size / kWarpSize;
     for (int i = warp; i < r.num_words; i += num_warps) {
         const uint32_t word = r.bits[i];
         for (uint32_t left = word; left != 0; left &= left - 1) {
@@ -595,15 +714,16 @@ __device__ void copy_unit_rows(const DispatchArgs& a, const ReceiveState& r, int
                             seq, deadline_ns);
         }
     }
-    __syncthreads();
+    team.sync();
 }
 
-// combine_rows entries naming another rank's expert (or none) have no row here: -1.
-__device__ void mark_foreign_choices(const DispatchArgs& a, const ReceiveState& r) {
+// combine_rows entries naming another rank's expert (or none) have no row here: -1. From the last
+// blocks first, which have no receive unit when the grid outnumbers the units.
+__device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r) {
     const int L = a.num_experts / a.num_ranks;
     const int entries_per_source = a.max_tokens * a.num_topk;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-         i < static_cast<int64_t>(a.num_ranks) * entries_per_source; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    for (int64_t i = (gridDim.x - 1 - blockIdx.x) * static_cast<int64_t>(team.size) + team.thread();
+         i < static_cast<int64_t>(a.num_ranks) * entries_per_source; i += static_cast<int64_t>(gridDim.x) * team.size) {
         const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
         if (within / a.num_topk >= r.source_tokens[s])
             continue;
@@ -613,37 +733,40 @@ __device__ void mark_foreign_choices(const DispatchArgs& a, const ReceiveState& 
     }
 }
 
-// The last token this block sends, or -1.
-__device__ __forceinline__ int last_token_of_block(int num_tokens) {
-    const int first = blockIdx.x;
-    return first < num_tokens ? first + (num_tokens - 1 - first) / static_cast<int>(gridDim.x) * gridDim.x : -1;
-}
-
-// The dispatch launch. With both phases, a block raises its last token's flags only after it laid out
-// its first unit: the release waits for the token's stores to land anyway, so the layout's chain of
-// loads runs while they drain instead of after.
-__device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    __shared__ Destinations dst;
-    const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
-    int deferred = sends && receives ? last_token_of_block(a.num_tokens) : -1;
-    if (sends)
-        dispatch_send(a, seq, dst, deferred);
-    if (!receives)
-        return;
+// Lay out and copy each receive unit of this block as its tokens arrive.
+__device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const ReceiveState r = receive_state(a);
-    read_source_tokens(a, r, seq, deadline_ns);
+    read_source_tokens(team, a, r, seq, deadline_ns);
+    if (team.leader())
+        trace_mark(a.trace, kTraceTablesRead);
+    mark_foreign_choices(team, a, r);
     const int num_units = a.num_experts / a.num_ranks * a.num_parts;
     for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        lay_out_unit(a, r, unit / a.num_parts, unit % a.num_parts);
-        if (deferred >= 0) {
-            raise_token_flags(a, deferred, dst, seq);
-            deferred = -1;
-        }
-        copy_unit_rows(a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
+        lay_out_unit(team, a, r, unit / a.num_parts, unit % a.num_parts);
+        if (team.leader())
+            trace_mark(a.trace, kTraceLaidOut);
+        copy_unit_rows(team, a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
+        if (team.leader())
+            trace_mark(a.trace, kTraceRowsCopied);
     }
-    if (deferred >= 0)  // a block without a unit
-        raise_token_flags(a, deferred, dst, seq);
-    mark_foreign_choices(a, r);
+}
+
+// The dispatch launch. With both phases, the first half of the block sends and the second half
+// receives: a sender warp waits for the links (stores, then the release of each token's flags), and
+// the receivers would otherwise wait for it at every barrier.
+__device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+    const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
+    const bool split = sends && receives;
+    const int half = static_cast<int>(blockDim.x) / 2;
+    const bool sender = !split || static_cast<int>(threadIdx.x) < half;
+    if (sends && sender) {
+        const Team team = split ? Team{0, half, kSenderBarrier} : whole_block();
+        dispatch_send(team, a, seq, deadline_ns);
+        if (team.leader())
+            trace_mark(a.trace, kTraceSendDone);
+    }
+    if (receives && (!split || !sender))
+        dispatch_recv(split ? Team{half, half, kReceiverBarrier} : whole_block(), a, seq, deadline_ns);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -672,6 +795,7 @@ struct CombineArgs {
     uint64_t* seq_state;
     uint64_t timeout_ns;
     Status status;
+    uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
 // Barrier of one warp group (named barriers 1..kGroupsPerBlock; 0 is __syncthreads).
@@ -709,14 +833,18 @@ __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t
                                     PairRows& pair) {
     const int lane = threadIdx.x % kWarpSize;
     const int count = pair.count;
-    bool ready = false;
-    if (lane == 0)
-        ready = count > 0 && wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
+    // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
+    // partial needs nothing from the source, so it leaves at once, before the weights can arrive.
+    bool ready = count == 1;
+    if (lane == 0 && count > 1)
+        ready = wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
     __syncwarp();  // orders lane 0's acquire before the other lanes' weight loads
     ready = __shfl_sync(kFullWarpMask, ready, 0);
     if (ready && lane < count)
-        pair.weights[lane] = __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
-                                    static_cast<int64_t>(t) * a.num_topk + pair.choices[lane]);
+        pair.weights[lane] = count == 1 ? 1.0f
+                                        : __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) *
+                                                                                a.weight_words) +
+                                                 static_cast<int64_t>(t) * a.num_topk + pair.choices[lane]);
     if (lane == 0)
         pair.ready = ready;
 }
@@ -746,6 +874,8 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
     if (thread < kWarpSize)
         gather_pair_weights(a, s, t, seq, deadline_ns, pair);
     sync_group(group);
+    if (thread == 0)
+        trace_latest(a.trace, kTraceWeightsReady);
     if (!pair.ready) {
         sync_group(group);  // every thread read `pair` before the next pair overwrites it
         return;
@@ -776,6 +906,8 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
                 st_na_global(out + first + i * kGroupThreads, floats_to_bf16x8(sum[i]));
     }
     sync_group(group);
+    if (thread == 0)
+        trace_latest(a.trace, kTracePartialStored);
     uint64_t* flag = a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t;
     if (direct != nullptr) {
         if (thread == 0)  // after the group barrier: the release covers the whole group's stores
@@ -784,6 +916,8 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
         nvshmemx_putmem_signal_nbi_warp(slot, staged, static_cast<size_t>(a.hidden) * 2, flag, seq,
                                         NVSHMEM_SIGNAL_SET, s);
     }
+    if (thread == 0)
+        trace_latest(a.trace, kTracePartialFlagged);
 }
 
 __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
@@ -796,9 +930,10 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
             return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
         };
-        publish_table(a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
+        publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
                       a.weight_staging + static_cast<int64_t>(pe) * a.weight_words, count, word,
                       a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
+        trace_block(a.trace, kTraceTablePublished);
     }
     // One pair per warp group; pairs interleave sources, so neighbouring groups write to different ranks.
     const int group = threadIdx.x / kGroupThreads;
@@ -813,10 +948,11 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
 // Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts.
 __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
     __shared__ int ranks[kMaxTopk];
+    __shared__ float partial_weights[kMaxTopk];
     __shared__ int num_ranks_holding;
     if (threadIdx.x < kWarpSize) {
         const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
-                                              a.num_ranks, a.status, ranks);
+                                              a.num_ranks, a.status, ranks, a.topk_weights, partial_weights);
         __syncwarp();
         if (static_cast<int>(threadIdx.x) < count)
             wait_for_flag(a.token_flags + static_cast<int64_t>(ranks[threadIdx.x]) * a.flag_stride + t, seq,
@@ -825,6 +961,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
             num_ranks_holding = count;
     }
     __syncthreads();
+    trace_block(a.trace, kTracePartialsArrived);
     const int num_vectors = a.hidden / kBf16PerVector;
     const int count = num_ranks_holding;
     for (int first = threadIdx.x; first < num_vectors; first += kSumBatch * blockDim.x) {
@@ -842,15 +979,17 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
                 }
             }
 #pragma unroll
-            for (int i = 0; i < kPartialsAtOnce; ++i)
+            for (int i = 0; i < kPartialsAtOnce; ++i) {
+                const float weight = partial_weights[min(base + i, count - 1)];
 #pragma unroll
                 for (int j = 0; j < kSumBatch; ++j) {
                     float f[kBf16PerVector];
                     bf16x8_to_floats(raw[i][j], f);
 #pragma unroll
                     for (int c = 0; c < kBf16PerVector; ++c)
-                        sum[j][c] += f[c];
+                        sum[j][c] = fmaf(weight, f[c], sum[j][c]);
                 }
+            }
         }
 #pragma unroll
         for (int j = 0; j < kSumBatch; ++j)
@@ -863,6 +1002,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
 __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
         combine_token(a, t, seq, deadline_ns);
+    trace_block(a.trace, kTraceTokensSummed);
 }
 
 }  // namespace cuep
@@ -870,16 +1010,22 @@ __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadli
 extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_dispatch(const cuep::DispatchArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
+    cuep::trace_block(args.trace, cuep::kTraceStart);
     cuep::dispatch(args, seq, deadline_ns);
+    if constexpr (cuep::kTrace)
+        __syncthreads();  // the end is the last team's
+    cuep::trace_block(args.trace, cuep::kTraceEnd);
     cuep::finish_send_launch(args.seq_state, args.phases, args.half, seq);
 }
 
 extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_combine(const cuep::CombineArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
+    cuep::trace_block(args.trace, cuep::kTraceStart);
     if (args.phases & cuep::kSendPhase)
         cuep::combine_send(args, seq, deadline_ns);
     if (args.phases & cuep::kRecvPhase)
         cuep::combine_recv(args, seq, deadline_ns);
+    cuep::trace_block(args.trace, cuep::kTraceEnd);
     cuep::finish_send_launch(args.seq_state, args.phases, args.half, seq);
 }

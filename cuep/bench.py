@@ -9,6 +9,7 @@ calls after ``--warmup``; every rank reports, rank 0 prints the mean over ranks 
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 
@@ -16,6 +17,13 @@ from . import _deps
 
 TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 BACK_TO_BACK = 20  # low-latency graph replays timed as one run
+TRACE_SAMPLES = 50
+# Trace points of cuda_src/low_latency.cu (kTrace*), in the order a block passes them.
+DISPATCH_TRACE = {0: "start", 1: "routing tables published", 2: "token stores issued", 3: "send done",
+                  4: "routing tables arrived", 5: "unit laid out", 7: "last row's token flag seen",
+                  8: "rows copied", 9: "end"}
+COMBINE_TRACE = {0: "start", 1: "weight tables published", 2: "pair rows and weights ready", 3: "partial stored",
+                 4: "partial flag raised", 5: "token's partials arrived", 6: "tokens summed", 9: "end"}
 
 
 def _times_us(fn, warmup: int, iters: int, phases: int = 1) -> np.ndarray:
@@ -182,6 +190,36 @@ class _Graphs:
         graph.launch(self.stream)
 
 
+def _trace_launch(trace, graphs: "_Graphs", graph, points: dict[int, str]) -> np.ndarray:
+    """``[points, 3]``: the earliest, median and latest block reaching each point, in us after the
+    launch's first block started; medians over TRACE_SAMPLES launches, each the last of BACK_TO_BACK
+    replays (so it runs as in a decode loop). Points no block reached are NaN."""
+    samples = []
+    for _ in range(TRACE_SAMPLES):
+        with graphs.stream:
+            for _ in range(BACK_TO_BACK - 1):
+                graphs.launch(graph)
+            trace.fill(0)
+            graphs.launch(graph)
+            stamps = trace.get().astype(np.int64)
+        start = stamps[:, 0][stamps[:, 0] > 0].min()
+        row = np.full((len(points), 3), np.nan)
+        for i, point in enumerate(points):
+            reached = stamps[:, point][stamps[:, point] > 0]
+            if reached.size:
+                row[i] = np.array([reached.min(), np.median(reached), reached.max()]) - start
+        samples.append(row / 1e3)
+    return np.median(np.stack(samples), axis=0)
+
+
+def _print_trace(name: str, points: dict[int, str], per_rank: list[np.ndarray]) -> None:
+    print(f"trace: {name} (us after the first block started; mean over ranks of medians over {TRACE_SAMPLES} launches)")
+    print(f"  {'point':32s} {'first block':>12s} {'median':>8s} {'last block':>11s}")
+    mean = np.nanmean(np.stack(per_rank), axis=0)
+    for (_, label), (first, median, last) in zip(points.items(), mean):
+        print(f"  {label:32s} {first:12.2f} {median:8.2f} {last:11.2f}")
+
+
 def bench_low_latency(args) -> None:
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
@@ -249,6 +287,11 @@ def bench_low_latency(args) -> None:
             times[name] = _times_us(lambda mark, s=send_g, r=recv_g: (graphs.launch(s), mark(), graphs.launch(r)),
                                     args.warmup, args.iters, 2)
         graphs.stream.synchronize()
+    traces = {}
+    if args.trace:
+        trace = buffer._low_latency.trace
+        traces = {"dispatch": _trace_launch(trace, graphs, dispatch_graph, DISPATCH_TRACE),
+                  "combine": _trace_launch(trace, graphs, combine_graph, COMBINE_TRACE)}
 
     experts_per_rank = experts // num_ranks
     owner = cupy.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)
@@ -263,6 +306,7 @@ def bench_low_latency(args) -> None:
     selections = int((topk_idx >= 0).sum())
     dispatch_bytes, combine_bytes = selections * (hidden + hidden // 128 * 4 + 16), selections * hidden * 2
     gathered = comm.gather(times, root=0)
+    gathered_traces = comm.gather(traces, root=0)
     buffer.destroy()
     if rank != 0:
         return
@@ -278,6 +322,10 @@ def bench_low_latency(args) -> None:
             moved = combine_bytes if ("combine" in name and "+" not in name) or label == "combine" else dispatch_bytes
             gbps = f"{moved / median / 1e3:7.1f}" if "hook" not in name and "empty" not in name else "      -"
             print(f"{name:30s} {label:>6s} {median:10.1f} {p99:8.1f} {p99 / median:8.2f} {gbps}")
+    if args.trace:
+        print("(times above are of the CUEP_TRACE build)")
+        _print_trace("dispatch fp8", DISPATCH_TRACE, [g["dispatch"] for g in gathered_traces])
+        _print_trace("combine bf16", COMBINE_TRACE, [g["combine"] for g in gathered_traces])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true",
                         help=f"search SM counts {TUNE_SMS} and print the best Config per operation")
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
+    parser.add_argument("--trace", action="store_true",
+                        help="low latency: build the kernels with CUEP_TRACE and print when blocks reach each phase")
     args = parser.parse_args(argv)
     low_latency = args.mode == "low_latency"
+    if args.trace:
+        if not low_latency:
+            parser.error("--trace applies to --mode low_latency")
+        os.environ["CUEP_TRACE"] = "1"
     args.tokens = args.tokens or (128 if low_latency else 4096)
     args.iters = args.iters or (1000 if low_latency else 30)
     if args.tune:

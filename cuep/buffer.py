@@ -141,15 +141,18 @@ class Buffer:
         region = int(self._data.handle) + self._low_latency_offset
         cupy.cuda.runtime.memset(region, 0, self.num_rdma_bytes)  # flags start below every call number
         status_host = self._low_latency_status_host = self._pinned_status_words()
+        num_sms = self._device.attributes["MultiProcessorCount"]
         return low_latency_kernel.Context(
             library=self._low_latency_library, rank=self.rank, num_ranks=self.group_size, region_ptr=region,
             region_bytes=self.num_rdma_bytes,
-            num_sms=self._device.attributes["MultiProcessorCount"],
+            num_sms=num_sms,
             force_put=not self.allow_nvlink_for_low_latency_mode,
             timeout_ns=int(env.get("CUEP_TIMEOUT_S") * 1e9),
             seq_state=cupy.zeros(low_latency_kernel.SEQ_WORDS, dtype=cupy.uint64),
             status=cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32),
-            status_host_ptr=self._device_address_of_pinned(status_host.ctypes.data))
+            status_host_ptr=self._device_address_of_pinned(status_host.ctypes.data),
+            trace=(cupy.zeros((num_sms, low_latency_kernel.TRACE_POINTS), dtype=cupy.uint64)
+                   if env.get("CUEP_TRACE") else None))
 
     @staticmethod
     def _pinned_status_words() -> np.ndarray:

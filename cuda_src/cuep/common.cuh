@@ -27,6 +27,11 @@ constexpr bool kEnableSM90Features = CUEP_ENABLE_SM90_FEATURES != 0;
 constexpr bool kAggressivePtx = CUEP_AGGRESSIVE_PTX != 0;
 // FP8 e4m3 conversion in software, for archs without FP8 hardware (before sm_89).
 constexpr bool kSoftwareFp8 = CUEP_SOFTWARE_FP8 != 0;
+// Phase timestamps per block (trace.cuh); a family's own constant, absent (off) unless asked for.
+#ifndef CUEP_TRACE
+#define CUEP_TRACE 0
+#endif
+constexpr bool kTrace = CUEP_TRACE != 0;
 
 constexpr int kWarpSize = 32;
 constexpr uint32_t kFullWarpMask = 0xffffffffu;

@@ -22,25 +22,29 @@ from typing import Any
 
 import numpy as np
 
-from .. import _deps
+from .. import _deps, env
 from ..jit import KernelSpec, Library
 
 NUM_THREADS = 512
 MAX_TOPK = 32                   # mirrors kMaxTopk
 MAX_TOKENS_PER_RANK = 1024      # flags per (half, source): the largest num_max_dispatch_tokens_per_rank
 SEND_PHASE, RECV_PHASE = 1, 2   # mirror kSendPhase / kRecvPhase
-SEQ_WORDS = 5                   # latest call, call of each half, finished blocks of each half
+SEQ_WORDS = 8                   # latest call, call of each half, finished blocks and tables of each half,
+                                # newest call whose routing tables went out
 ROUTING_HEADER_WORDS = 4
 SCALE_BLOCK = 128
 UE8M0_SCALES_PER_WORD = 4
 MAX_SHARED_BYTES = 48 * 1024    # without opting in to more
+TRACE_POINTS = 16               # mirrors kTracePoints (cuda_src/cuep/trace.cuh)
 _FLAG_BYTES = 8
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
 _REGION_ALIGN = 4096
 
 
 def spec(arch: str, **features) -> KernelSpec:
-    return KernelSpec.create("low_latency", arch, uses_nvshmem=True, **features)
+    """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace)."""
+    defines = {"trace": 1} if env.get("CUEP_TRACE") else None
+    return KernelSpec.create("low_latency", arch, defines, uses_nvshmem=True, **features)
 
 
 def _align(nbytes: int, alignment: int) -> int:
@@ -128,6 +132,7 @@ class DispatchArgs(ctypes.Structure):
         ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
         ("num_parts", ctypes.c_int),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", _Status),
+        ("trace", ctypes.c_void_p),
     ]
 
 
@@ -148,6 +153,7 @@ class CombineArgs(ctypes.Structure):
         ("weight_staging", ctypes.c_void_p), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", _Status),
+        ("trace", ctypes.c_void_p),
     ]
 
 
@@ -166,6 +172,7 @@ class Context:
     seq_state: Any                # [SEQ_WORDS] uint64 device array
     status: Any                   # [STATUS_WORDS] int32 device array
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
+    trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
 
     functions: dict = field(default_factory=dict)
 
@@ -212,6 +219,7 @@ def _common(ctx: Context, args, half: int, phases: int) -> None:
     args.flag_stride = MAX_TOKENS_PER_RANK
     args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
     args.status = _Status(ctx.status.data.ptr, ctx.status_host_ptr)
+    args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
 
 
 class Launch:
