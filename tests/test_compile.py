@@ -82,3 +82,14 @@ def test_compile_error_names_spec_and_keeps_source(cache_dir, tmp_path, monkeypa
     assert "layout" in message and "source kept at" in message
     kept = cache_dir / "v1" / "failed"
     assert any(p.name == "source.cu" for p in kept.rglob("*"))
+
+
+def test_trace_switch_builds_the_stamping_variant(monkeypatch):
+    plain = FAMILIES["low_latency"].spec("sm_90")
+    monkeypatch.setenv("CUEP_TRACE", "1")
+    traced = FAMILIES["low_latency"].spec("sm_90")
+    assert ("trace", "1") in traced.defines and traced.name != plain.name
+    nvshmem = toolchain.nvshmem()
+    stamps = [compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem, keep_ptx=True).ptx
+              .count("%globaltimer") for spec in (plain, traced)]
+    assert stamps[1] > stamps[0]  # the plain build reads the timer for deadlines only
