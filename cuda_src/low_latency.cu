@@ -264,7 +264,6 @@ struct Destinations {
     bool any_put;
 };
 
-//
 // A direct destination's flag is a release store from one lane of the team's last warp: a release
 // waits until the message's stores have landed, and only that warp waits, while the rest of the team
 // goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
@@ -409,7 +408,7 @@ __device__ __forceinline__ int send_vector(const Team& team, const DispatchArgs&
     return unit * kVectorsPerUnit + i % kVectorsPerUnit;
 }
 
-// Block-wide: this thread's vectors of token t in round `round`, lanes past the end loading zeros so
+// Team-wide: this thread's vectors of token t in round `round`, lanes past the end loading zeros so
 // that every lane takes part in the scale shuffles.
 __device__ __forceinline__ void load_token_round(const Team& team, const DispatchArgs& a, int t, int round,
                                                  int4 (&raw)[kSendBatch]) {
@@ -460,7 +459,8 @@ __device__ __forceinline__ void store_fp8_unit(const DispatchArgs& a, const Dest
     const int first_block = (u - lane) / kLanesPerScaleBlock;
     const bool active = u < a.hidden / kChannelsPerUnit;
     const bool stores_warp_scales = lane == 0 && first_block + kScaleBlocksPerWarp <= num_blocks;
-    const bool stores_own_scale = first_block + kScaleBlocksPerWarp > num_blocks && active && lane % kLanesPerScaleBlock == 0;
+    const bool stores_own_scale =
+        first_block + kScaleBlocksPerWarp > num_blocks && active && lane % kLanesPerScaleBlock == 0;
     auto store = [&](uint8_t* message) {
         if (active)
             st_na_global(reinterpret_cast<int4*>(message) + u, packed);

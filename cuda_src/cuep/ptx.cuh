@@ -76,10 +76,6 @@ __device__ __forceinline__ void st_na_global(int4* ptr, const int4& v) {
                  :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-__device__ __forceinline__ void st_na_global(uint2* ptr, const uint2& v) {
-    asm volatile("st.global.L1::no_allocate.v2.u32 [%0], {%1, %2};" :: "l"(ptr), "r"(v.x), "r"(v.y) : "memory");
-}
-
 // Load of data read once by this kernel. The aggressive form skips L1 and prefetches 256 bytes into
 // L2; it is only valid for memory no one writes during the kernel, so it stays opt-in.
 template <typename T>
