@@ -131,12 +131,10 @@ __device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phas
 // they land in a few microseconds and the receivers' layout overlaps the flood. By a team's leader,
 // after the team published one table (its flag's release has completed, so the table has landed).
 __device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, int num_ranks, uint64_t seq) {
-    {
-        auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
-        if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
-            *done = 0;
-            atomicMax(reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesSent), seq);
-        }
+    auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
+    if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
+        *done = 0;
+        atomicMax(reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesSent), seq);
     }
 }
 
@@ -798,10 +796,8 @@ struct CombineArgs {
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
-// Barrier of one warp group (named barriers 1..kGroupsPerBlock; 0 is __syncthreads).
-__device__ __forceinline__ void sync_group(int group) {
-    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(kGroupThreads) : "memory");
-}
+// Warp group `group` of the combine send, with named barrier group + 1 (0 is the whole block's).
+__device__ __forceinline__ Team warp_group(int group) { return Team{group * kGroupThreads, kGroupThreads, group + 1}; }
 
 // What a warp group knows about its pair: this rank's rows holding the token's experts and their weights.
 struct PairRows {
@@ -840,11 +836,10 @@ __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t
         ready = wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
     __syncwarp();  // orders lane 0's acquire before the other lanes' weight loads
     ready = __shfl_sync(kFullWarpMask, ready, 0);
+    const float* token_weights = reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
+                                 static_cast<int64_t>(t) * a.num_topk;
     if (ready && lane < count)
-        pair.weights[lane] = count == 1 ? 1.0f
-                                        : __ldcg(reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) *
-                                                                                a.weight_words) +
-                                                 static_cast<int64_t>(t) * a.num_topk + pair.choices[lane]);
+        pair.weights[lane] = count == 1 ? 1.0f : __ldcg(token_weights + pair.choices[lane]);
     if (lane == 0)
         pair.ready = ready;
 }
@@ -862,22 +857,22 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
 // Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
 // for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag. The first row's loads
 // are in flight while the weights are awaited.
-__device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, int group,
+__device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
                              PairRows& pair) {
-    const int thread = threadIdx.x % kGroupThreads;
+    const int thread = group.thread();
     if (thread < kWarpSize)
         gather_pair_rows(a, s, t, pair);
-    sync_group(group);
+    group.sync();
     int4 raw[kPartialBatch];
     if (pair.count > 0)
         load_row_stride(a, pair.rows[0], thread, raw);
     if (thread < kWarpSize)
         gather_pair_weights(a, s, t, seq, deadline_ns, pair);
-    sync_group(group);
+    group.sync();
     if (thread == 0)
         trace_latest(a.trace, kTraceWeightsReady);
     if (!pair.ready) {
-        sync_group(group);  // every thread read `pair` before the next pair overwrites it
+        group.sync();  // every thread read `pair` before the next pair overwrites it
         return;
     }
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
@@ -905,7 +900,7 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
             if (first + i * kGroupThreads < num_vectors)
                 st_na_global(out + first + i * kGroupThreads, floats_to_bf16x8(sum[i]));
     }
-    sync_group(group);
+    group.sync();
     if (thread == 0)
         trace_latest(a.trace, kTracePartialStored);
     uint64_t* flag = a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t;
@@ -941,7 +936,7 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
     for (int i = blockIdx.x * kGroupsPerBlock + group; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
         if (t < __ldg(a.source_tokens + s))
-            send_partial(a, s, t, seq, deadline_ns, group, pairs[group]);
+            send_partial(a, s, t, seq, deadline_ns, warp_group(group), pairs[group]);
     }
 }
 

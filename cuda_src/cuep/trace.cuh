@@ -10,18 +10,10 @@ namespace cuep {
 
 constexpr int kTracePoints = 16;  // mirrors TRACE_POINTS in cuep/kernels/low_latency.py
 
-// The timer, read where it stands: the memory clobber keeps the read from being hoisted above the
-// barrier or wait before it (globaltimer_ns() may move, which is fine for deadlines).
-__device__ __forceinline__ uint64_t trace_now() {
-    uint64_t now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)::"memory");
-    return now;
-}
-
 // The calling thread stamps its block's `point` (after a barrier, when the block or team got there).
 __device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
     if constexpr (kTrace)
-        trace[blockIdx.x * kTracePoints + point] = trace_now();
+        trace[blockIdx.x * kTracePoints + point] = globaltimer_ns();
 }
 
 // Thread 0 stamps its block's `point`.
@@ -35,7 +27,7 @@ __device__ __forceinline__ void trace_block(uint64_t* trace, int point) {
 __device__ __forceinline__ void trace_latest(uint64_t* trace, int point) {
     if constexpr (kTrace)
         atomicMax(reinterpret_cast<unsigned long long*>(trace + blockIdx.x * kTracePoints + point),
-                  static_cast<unsigned long long>(trace_now()));
+                  static_cast<unsigned long long>(globaltimer_ns()));
 }
 
 }  // namespace cuep
