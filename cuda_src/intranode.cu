@@ -5,24 +5,37 @@
 // regions after it sit at the same offset on every rank:
 //
 //   [0, kMetaBytes)      SenderMeta: the sender's token count, where its staged arrays start,
-//                        send_count[dst] and the per-expert counts from its layout
+//                        send_count[dst] and the per-expert counts from its layout; at its end,
+//                        SenderControl: the flags of the dispatch protocol below
 //   [kMetaBytes, ...)    dispatch: staged x rows, scales, top-k ids, weights, send lists
 //                        combine:  landing rows, one per (token, rank that holds a copy)
 //
-// Dispatch (pull): (1) stage: each sender copies its tokens into its own buffer and scans
-// is_token_in_rank into per-destination send lists; (2) barrier; (3) notify: each receiver reads
-// every sender's meta and builds its receive plan (rank prefix, per-expert counts, where to read);
-// (4) pull: each receiver copies exactly its rows from the senders' buffers into fresh arrays;
-// (5) barrier, after which senders may reuse their buffers. Every byte crosses NVLink once.
+// Dispatches are numbered (epochs 1, 2, ..., counted on the device, equal on every rank). A sender
+// may overwrite its staging area for epoch e only once every receiver has finished pulling epoch
+// e - 1 from it (SenderControl::done), so no barrier is needed after a pull.
 //
-// Combine (push): (1) barrier, so every source's buffer is free; (2) push: each rank writes the
-// rows it received back into the landing region of the source rank, at the slot the dispatch
-// plan assigned; (3) barrier; (4) reduce: each source sums, in FP32, the copies of each of its
-// tokens, adds the optional biases, and writes the result. Barriers are barrier.cu's kernel.
+// Cached dispatch (one kernel, cuep_intranode_dispatch with stage = 1): a few warps of every block
+// stage this rank's tokens into its buffer, counting the tokens staged per chunk; the other warps
+// pull this rank's rows from every sender as soon as the chunk holding each row is counted full.
+// The first rows move after one token's staging time instead of after staging, a barrier and a
+// notify pass.
+//
+// Non-cached dispatch: (1) stage (cuep_intranode_stage): copy tokens, scan is_token_in_rank into
+// per-destination send lists; (2) barrier; (3) notify: each receiver reads every sender's meta and
+// builds its receive plan (rank prefix, per-expert counts, landing offsets); the host may wait for
+// the count here to size the outputs; (4) pull (cuep_intranode_dispatch with stage = 0). Every
+// byte crosses NVLink once.
+//
+// Combine (push): (1) barrier, so every source's buffer is free (it also orders every pull of the
+// dispatch before it); (2) push: each rank writes the rows it received back into the landing region
+// of the source rank, at the slot the dispatch plan assigned; (3) barrier; (4) reduce: each source
+// sums, in FP32, the copies of each of its tokens, adds the optional biases, and writes the result.
+// Barriers are barrier.cu's kernel.
 #include <cuda_bf16.h>
 
 #include <cuep/common.cuh>
 #include <cuep/ptx.cuh>
+#include <cuep/sync.cuh>
 
 namespace cuep {
 
@@ -31,6 +44,7 @@ constexpr int kWarpsPerBlock = kNumThreads / kWarpSize;
 constexpr int kMaxRanks = 8;          // one NVLink domain; the notify block maps one thread per rank
 constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight per copy step
 constexpr int kBf16PerVector = 8;     // 16 bytes of bf16
+constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
 // Written by a sender's stage kernel at the start of its buffer, read remotely by receivers.
 // Offsets are in bytes from the buffer's start; the host computes them (cuep/kernels/intranode.py).
@@ -42,19 +56,71 @@ struct SenderMeta {
 };
 constexpr int64_t kMetaBytes = 64 * 1024;  // mirrors META_BYTES in cuep/kernels/intranode.py
 
-// Receive plan of one source rank, built by notify, used by pull.
+// Staging progress is counted per chunk of consecutive tokens, at least kMinChunkTokens long, so
+// that at most kMaxChunks counters serve any token count.
+constexpr int kMaxChunks = 1024;
+constexpr int kMinChunkTokens = 16;
+
+// The dispatch protocol's flags, at the end of the meta region (zeroed when the Buffer is made).
+struct SenderControl {
+    uint64_t meta_epoch;              // newest epoch whose SenderMeta header this sender has published
+    uint64_t done[kMaxRanks];         // done[r]: newest epoch receiver r has finished pulling from here
+    uint32_t staged[2][kMaxChunks];   // tokens staged per chunk, for the epochs of each parity
+};
+constexpr int64_t kControlBytes = 16 * 1024;  // mirrors CONTROL_BYTES
+constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
+static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its share of the meta region");
+
+// Per-rank dispatch state on the device: the last finished epoch and the blocks of the running
+// dispatch kernel that are done (the last one signals the senders and bumps the epoch).
+constexpr int kStateEpoch = 0;
+constexpr int kStateBlocksDone = 1;
+
+// Warps of each fused-dispatch block that stage tokens before they join the pull. Staging reads
+// and writes local HBM, an order of magnitude faster than the NVLink pull it feeds, so a quarter
+// of the warps stays well ahead of the receivers.
+constexpr int kStagerWarps = 4;
+
+__device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
+    return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
+}
+
+__device__ __forceinline__ int chunk_tokens(int64_t num_tokens) {
+    return max(kMinChunkTokens, static_cast<int>((num_tokens + kMaxChunks - 1) / kMaxChunks));
+}
+
+// What a receiver needs of one sender, read from the sender's meta at the start of a pull.
 struct SourcePlan {
     const uint8_t* x;
     const float* scales;
     const int64_t* topk_idx;
     const float* topk_weights;
-    const int32_t* send_list;  // the source's list of token indices for this rank
+    const int32_t* send_list;     // the source's list of token indices for this rank
+    const uint32_t* staged;       // the source's staging counters for this epoch
+    int64_t num_tokens;
+    int chunk_tokens;
+};
+
+// A sender's tokens and where this rank stages them.
+struct StageArgs {
+    const uint8_t* x;
+    int64_t hidden_bytes;
+    const float* scales;
+    int64_t scale_token_stride, scale_channel_stride;
+    int num_scales;
+    const int64_t* topk_idx;
+    const float* topk_weights;
+    int num_topk;
+    int num_tokens;
+    uint8_t* buffer;
+    int64_t scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
 };
 
 // Received rows come grouped by source rank. Walking them in order would send every warp of every
 // rank to the same source at once, leaving the other links idle; instead each warp starts on a
 // different source (staggered by rank and warp) and claims kRowsPerClaim rows at a time from
-// per-source counters, moving on to the next source when one is exhausted.
+// per-source counters, moving on to the next source when one is exhausted. `copy_row` returns
+// false to stop this warp (a wait timed out).
 constexpr int kRowsPerClaim = 2;
 
 template <typename CopyRow>
@@ -76,31 +142,108 @@ __device__ __forceinline__ void for_each_row_spread_over_sources(int32_t* next_r
         }
         const int last = min(first + kRowsPerClaim, segment);
         for (int j = first; j < last; ++j)
-            copy_row(source, rank_prefix[source] + j, j, lane);
+            if (!copy_row(source, rank_prefix[source] + j, j, lane))
+                return;
     }
 }
 
-// One warp copies `num_bytes` (a multiple of 16) from src to dst, kCopyUnroll vectors per lane in flight.
+// One warp copies `num_bytes` (a multiple of 16) from src to dst, kCopyUnroll vectors per lane in
+// flight. kReadOnly: nothing writes src during this kernel, so the read-once load path may be used.
+template <bool kReadOnly = true>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t num_bytes, int lane) {
     auto* out = static_cast<int4*>(dst);
     const auto* in = static_cast<const int4*>(src);
+    const auto load = [](const int4* ptr) {
+        if constexpr (kReadOnly)
+            return ld_nc_global(ptr);
+        else
+            return ld_volatile_global(ptr);
+    };
     const int num_vectors = static_cast<int>(num_bytes / sizeof(int4));
     int i = lane;
     for (; i + (kCopyUnroll - 1) * kWarpSize < num_vectors; i += kCopyUnroll * kWarpSize) {
         int4 v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            v[u] = ld_nc_global(in + i + u * kWarpSize);
+            v[u] = load(in + i + u * kWarpSize);
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
             st_na_global(out + i + u * kWarpSize, v[u]);
     }
     for (; i < num_vectors; i += kWarpSize)
-        st_na_global(out + i, ld_nc_global(in + i));
+        st_na_global(out + i, load(in + i));
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest copy rows.
+// Sender side: wait for the buffer, publish the meta header, stage tokens.
+
+// Every block that writes into this rank's buffer first waits until each receiver has finished
+// pulling the previous epoch from it. Returns false (after recording the peer) on a timeout.
+__device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
+                                       int32_t* status) {
+    bool timed_out = false;
+    const int receiver = threadIdx.x;
+    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], epoch - 1, deadline_ns)) {
+        record_timeout(status, receiver, kPhaseIntranodeReuse);
+        timed_out = true;
+    }
+    return !__syncthreads_or(timed_out);
+}
+
+// Block 0 of each epoch's first kernel: the header receivers read, then its epoch. It also clears
+// the other parity's staging counters, which the next epoch uses and nobody reads before this
+// epoch's header is out.
+__device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_per_expert, int num_experts,
+                             uint64_t epoch) {
+    auto* meta = reinterpret_cast<SenderMeta*>(args.buffer);
+    SenderControl* control = control_of(args.buffer);
+    for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
+        control->staged[(epoch + 1) % 2][c] = 0;
+    if (threadIdx.x == 0) {
+        meta->num_tokens = args.num_tokens;
+        meta->x_offset = kMetaBytes;
+        meta->scales_offset = args.scales_offset;
+        meta->topk_idx_offset = args.topk_idx_offset;
+        meta->topk_weights_offset = args.topk_weights_offset;
+        meta->send_lists_offset = args.send_lists_offset;
+    }
+    if (num_tokens_per_expert != nullptr) {
+        auto* expert_counts = reinterpret_cast<int32_t*>(meta + 1);
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+            expert_counts[e] = num_tokens_per_expert[e];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys_global(&control->meta_epoch, epoch);
+    }
+}
+
+// One warp stages one token: its row, scales, top-k ids and weights. With `staged` (the counters of
+// this epoch), the token is then counted in its chunk, after a fence that makes it visible to peers.
+__device__ __forceinline__ void stage_token(const StageArgs& args, int token, int lane, uint32_t* staged) {
+    warp_copy(args.buffer + kMetaBytes + token * args.hidden_bytes, args.x + token * args.hidden_bytes,
+              args.hidden_bytes, lane);
+    if (args.scales != nullptr) {
+        auto* out = reinterpret_cast<float*>(args.buffer + args.scales_offset) + static_cast<int64_t>(token) * args.num_scales;
+        for (int s = lane; s < args.num_scales; s += kWarpSize)
+            out[s] = args.scales[token * args.scale_token_stride + s * args.scale_channel_stride];
+    }
+    if (args.topk_idx != nullptr && lane < args.num_topk) {
+        const int64_t slot = static_cast<int64_t>(token) * args.num_topk + lane;
+        reinterpret_cast<int64_t*>(args.buffer + args.topk_idx_offset)[slot] = args.topk_idx[slot];
+        if (args.topk_weights != nullptr)
+            reinterpret_cast<float*>(args.buffer + args.topk_weights_offset)[slot] = args.topk_weights[slot];
+    }
+    if (staged != nullptr) {
+        __syncwarp();
+        if (lane == 0) {
+            __threadfence_system();
+            atomicAdd(staged + token / chunk_tokens(args.num_tokens), 1u);
+        }
+    }
+}
+
 __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, int num_ranks, int dst,
                                  int32_t* send_list, int32_t* send_pos, SenderMeta* meta) {
     __shared__ int warp_totals[kWarpsPerBlock];
@@ -132,92 +275,165 @@ __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, i
         meta->send_count[dst] = base;
 }
 
-__device__ void stage_rows(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
-                           int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx,
-                           const float* topk_weights, int num_topk, int num_tokens, uint8_t* buffer,
-                           int64_t scales_offset, int64_t topk_idx_offset, int64_t topk_weights_offset, int block,
-                           int num_blocks) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = block * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    const int num_warps = num_blocks * kWarpsPerBlock;
-    for (int token = warp; token < num_tokens; token += num_warps) {
-        warp_copy(buffer + kMetaBytes + token * hidden_bytes, x + token * hidden_bytes, hidden_bytes, lane);
-        if (scales != nullptr) {
-            auto* staged = reinterpret_cast<float*>(buffer + scales_offset) + static_cast<int64_t>(token) * num_scales;
-            for (int s = lane; s < num_scales; s += kWarpSize)
-                staged[s] = scales[token * scale_token_stride + s * scale_channel_stride];
-        }
-        if (topk_idx != nullptr && lane < num_topk) {
-            const int64_t slot = static_cast<int64_t>(token) * num_topk + lane;
-            reinterpret_cast<int64_t*>(buffer + topk_idx_offset)[slot] = topk_idx[slot];
-            if (topk_weights != nullptr)
-                reinterpret_cast<float*>(buffer + topk_weights_offset)[slot] = topk_weights[slot];
+// ---------------------------------------------------------------------------------------------
+// Receiver side.
+
+// Waits until every source has published this epoch's header, then reads where its arrays sit.
+// Returns false (after recording the peer) on a timeout.
+__device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases, int rank, int num_ranks,
+                                  uint64_t epoch, uint64_t deadline_ns, int32_t* status) {
+    bool timed_out = false;
+    const int source = threadIdx.x;
+    if (source < num_ranks) {
+        auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
+        SenderControl* control = control_of(base);
+        if (wait_at_least_until(&control->meta_epoch, epoch, deadline_ns)) {
+            const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
+            const int64_t num_tokens = meta->num_tokens;
+            plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
+                                       reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
+                                       reinterpret_cast<const float*>(base + meta->topk_weights_offset),
+                                       reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens,
+                                       control->staged[epoch % 2], num_tokens, chunk_tokens(num_tokens)};
+        } else {
+            record_timeout(status, source, kPhaseIntranodeStaged);
+            timed_out = true;
         }
     }
+    return !__syncthreads_or(timed_out);
+}
+
+// Lane 0 waits until the chunk holding `token` is fully staged at its source, remembering the
+// newest chunk it confirmed per source in `confirmed`. Returns false on a timeout.
+__device__ __forceinline__ bool wait_until_staged(const SourcePlan& plan, int source, int64_t token, int* confirmed,
+                                                  uint64_t deadline_ns, int32_t* status, int lane) {
+    bool ok = true;
+    const int chunk = static_cast<int>(token / plan.chunk_tokens);
+    if (lane == 0 && confirmed[source] != chunk) {
+        const int64_t left = plan.num_tokens - static_cast<int64_t>(chunk) * plan.chunk_tokens;
+        const auto full = static_cast<uint32_t>(left < plan.chunk_tokens ? left : plan.chunk_tokens);
+        while (ld_acquire_sys_global(plan.staged + chunk) < full) {
+            if (globaltimer_ns() > deadline_ns) {
+                record_timeout(status, source, kPhaseIntranodeStaged);
+                ok = false;
+                break;
+            }
+        }
+        confirmed[source] = chunk;
+    }
+    return __shfl_sync(kFullWarpMask, ok, 0);
+}
+
+struct RecvArgs {
+    uint8_t* x;
+    float* scales;
+    int64_t* topk_idx;
+    float* topk_weights;
+    int32_t* src_idx;
+};
+
+// One warp copies received row `row` (source token `token`) from its source's staging area.
+template <bool kConcurrentStaging>
+__device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, int row, const StageArgs& shape,
+                                         const RecvArgs& recv, int64_t first_local, int experts_per_rank, int lane) {
+    warp_copy<!kConcurrentStaging>(recv.x + row * shape.hidden_bytes, plan.x + token * shape.hidden_bytes,
+                                   shape.hidden_bytes, lane);
+    if (recv.scales != nullptr) {
+        float* out = recv.scales + static_cast<int64_t>(row) * shape.num_scales;
+        const float* in = plan.scales + token * shape.num_scales;
+        if (shape.num_scales % kFloatsPerVector == 0) {  // rows start 16-byte aligned
+            for (int v = lane; v < shape.num_scales / kFloatsPerVector; v += kWarpSize)
+                reinterpret_cast<int4*>(out)[v] = ld_volatile_global(reinterpret_cast<const int4*>(in) + v);
+        } else {
+            for (int s = lane; s < shape.num_scales; s += kWarpSize)
+                out[s] = in[s];
+        }
+    }
+    if (recv.topk_idx != nullptr && lane < shape.num_topk) {
+        const int64_t expert = plan.topk_idx[token * shape.num_topk + lane];
+        const bool local = expert >= first_local && expert < first_local + experts_per_rank;
+        recv.topk_idx[static_cast<int64_t>(row) * shape.num_topk + lane] = local ? expert - first_local : -1;
+        if (recv.topk_weights != nullptr)
+            recv.topk_weights[static_cast<int64_t>(row) * shape.num_topk + lane] =
+                local ? plan.topk_weights[token * shape.num_topk + lane] : 0.0f;
+    }
+}
+
+// The last block of a dispatch kernel tells every source this rank is done with its buffer, clears
+// the work counters for the next kernel and records the epoch as finished.
+__device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t* state,
+                                int32_t* next_row) {
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return;
+    __threadfence_system();
+    auto* blocks_done = reinterpret_cast<unsigned long long*>(state + kStateBlocksDone);
+    if (atomicAdd(blocks_done, 1ull) != gridDim.x - 1)
+        return;
+    *blocks_done = 0;
+    for (int r = 0; r < num_ranks; ++r)
+        next_row[r] = 0;
+    for (int source = 0; source < num_ranks; ++source)
+        st_release_sys_global(&control_of(reinterpret_cast<uint8_t*>(peer_bases[source]))->done[rank], epoch);
+    state[kStateEpoch] = epoch;
 }
 
 }  // namespace cuep
 
 using namespace cuep;
 
+// ---------------------------------------------------------------------------------------------
+// Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
+// copy rows. Block 0 also publishes the header.
 extern "C" __global__ void __launch_bounds__(kNumThreads)
 cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                      int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
-                     int num_topk, const bool* is_token_in_rank, const int32_t* num_tokens_per_expert, int num_experts,
-                     int num_tokens, int num_ranks, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
-                     int64_t topk_weights_offset, int64_t send_lists_offset, int32_t* send_pos, int cached) {
-    auto* meta = reinterpret_cast<SenderMeta*>(buffer);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        meta->num_tokens = num_tokens;
-        meta->x_offset = kMetaBytes;
-        meta->scales_offset = scales_offset;
-        meta->topk_idx_offset = topk_idx_offset;
-        meta->topk_weights_offset = topk_weights_offset;
-        meta->send_lists_offset = send_lists_offset;
-    }
-    if (blockIdx.x == 0 && num_tokens_per_expert != nullptr) {
-        auto* expert_counts = reinterpret_cast<int32_t*>(meta + 1);
-        for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
-            expert_counts[e] = num_tokens_per_expert[e];
-    }
-    // Cached dispatch: the receivers already know which rows they need, so there is nothing to scan.
-    // (A flag, not a null is_token_in_rank: an empty array's pointer is null too.)
-    const int num_scan_blocks = cached ? 0 : num_ranks;
-    if (static_cast<int>(blockIdx.x) < num_scan_blocks) {
-        auto* send_list = reinterpret_cast<int32_t*>(buffer + send_lists_offset) + static_cast<int64_t>(blockIdx.x) * num_tokens;
-        scan_destination(is_token_in_rank, num_tokens, num_ranks, blockIdx.x, send_list, send_pos, meta);
+                     int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
+                     int64_t topk_weights_offset, int64_t send_lists_offset, const bool* is_token_in_rank,
+                     const int32_t* num_tokens_per_expert, int num_experts, int num_ranks, int32_t* send_pos,
+                     const uint64_t* state, int32_t* status, uint64_t timeout_ns) {
+    const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
+                         topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
+                         topk_weights_offset, send_lists_offset};
+    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    if (!wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch, deadline_ns, status))
+        return;
+    if (blockIdx.x == 0)
+        publish_meta(args, num_tokens_per_expert, num_experts, epoch);
+    if (static_cast<int>(blockIdx.x) < num_ranks) {
+        auto* send_list = reinterpret_cast<int32_t*>(args.buffer + args.send_lists_offset) +
+                          static_cast<int64_t>(blockIdx.x) * args.num_tokens;
+        scan_destination(is_token_in_rank, args.num_tokens, num_ranks, blockIdx.x, send_list, send_pos,
+                         reinterpret_cast<SenderMeta*>(args.buffer));
         return;
     }
-    stage_rows(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx, topk_weights,
-               num_topk, num_tokens, buffer, scales_offset, topk_idx_offset, topk_weights_offset,
-               blockIdx.x - num_scan_blocks, gridDim.x - num_scan_blocks);
+    const int num_warps = (gridDim.x - num_ranks) * kWarpsPerBlock;
+    const int lane = threadIdx.x % kWarpSize;
+    for (int token = (blockIdx.x - num_ranks) * kWarpsPerBlock + threadIdx.x / kWarpSize; token < args.num_tokens;
+         token += num_warps)
+        stage_token(args, token, lane, nullptr);  // the barrier after this kernel publishes the rows
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch, step 3: notify (one block). Reads every sender's meta and writes this rank's plan:
+// Non-cached dispatch, step 3: notify (one block). Reads every sender's meta and writes this rank's plan:
 //   recv_info = [num_recv_tokens, num_send_copies, rank_prefix[num_ranks + 1],
 //                num_recv_tokens_per_expert[num_local_experts] (aligned)]
-//   plans[num_ranks], combine_offsets[num_ranks] (this rank's first landing row in each source),
+//   combine_offsets[num_ranks] (this rank's first landing row in each source),
 //   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer).
 extern "C" __global__ void __launch_bounds__(kNumThreads)
 cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int num_experts, int expert_alignment,
-                      int32_t* recv_info, SourcePlan* plans, int32_t* combine_offsets, int32_t* send_offsets) {
+                      int32_t* recv_info, int32_t* combine_offsets, int32_t* send_offsets) {
     __shared__ int32_t recv_from[kMaxRanks];
     const int num_local_experts = num_experts / num_ranks;
     if (static_cast<int>(threadIdx.x) < num_ranks) {
         const int source = threadIdx.x;
-        const auto* base = reinterpret_cast<const uint8_t*>(peer_bases[source]);
-        const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
+        const auto* meta = reinterpret_cast<const volatile SenderMeta*>(peer_bases[source]);
         recv_from[source] = meta->send_count[rank];
         int32_t before = 0;
         for (int r = 0; r < rank; ++r)
             before += meta->send_count[r];
         combine_offsets[source] = before;
-        const int64_t num_tokens = meta->num_tokens;
-        plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
-                                   reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
-                                   reinterpret_cast<const float*>(base + meta->topk_weights_offset),
-                                   reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens};
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -244,54 +460,83 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch, step 4: pull. One warp per received row; rows land in order of (source rank, source token).
+// Dispatch pull (stage = 0: after notify) or the whole cached dispatch (stage = 1: this kernel's
+// first kStagerWarps warps per block stage this rank's tokens first). One warp per received row;
+// rows land in order of (source rank, source token). Cached calls read source tokens from
+// recv_src_idx, the others from the sources' send lists.
 extern "C" __global__ void __launch_bounds__(kNumThreads)
-cuep_intranode_pull(const SourcePlan* plans, const int32_t* recv_info, int rank, int num_ranks, int num_experts,
-                    int num_rows, int64_t hidden_bytes, int num_scales, int num_topk, uint8_t* recv_x,
-                    float* recv_scales, int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx,
-                    int cached, int32_t* status, int32_t* next_row) {
+cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
+                        int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
+                        int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
+                        int64_t topk_weights_offset, int64_t send_lists_offset, int stage,
+                        const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks, int num_experts,
+                        int num_rows, uint8_t* recv_x, float* recv_scales, int64_t* recv_topk_idx,
+                        float* recv_topk_weights, int32_t* recv_src_idx, int cached, uint64_t* state, int32_t* status,
+                        int32_t* next_row, uint64_t timeout_ns) {
+    const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
+                         topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
+                         topk_weights_offset, send_lists_offset};
+    const RecvArgs recv{recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx};
+    __shared__ SourcePlan plans[kMaxRanks];
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
+    __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
+    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    __syncthreads();
-    const int num_recv = recv_info[0];
+    if (lane < num_ranks)
+        confirmed[warp_in_block][lane] = -1;
+
+    bool ok = true;
+    if (stage) {
+        ok = wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch, deadline_ns, status);
+        if (ok && blockIdx.x == 0)
+            publish_meta(args, nullptr, 0, epoch);
+    }
+    ok = load_source_plans(plans, peer_bases, rank, num_ranks, epoch, deadline_ns, status) && ok;
+    if (ok && stage && warp_in_block < kStagerWarps) {
+        uint32_t* staged = control_of(args.buffer)->staged[epoch % 2];
+        for (int token = blockIdx.x * kStagerWarps + warp_in_block; token < args.num_tokens;
+             token += gridDim.x * kStagerWarps)
+            stage_token(args, token, lane, staged);
+    }
+
+    const int num_recv = rank_prefix[num_ranks];
     if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0) {  // num_worst_tokens was too small
         status[kStatusOverflow] = num_recv;
         __threadfence_system();
     }
-    const int lane = threadIdx.x % kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
     // Padding rows up to num_worst_tokens: no expert, no source.
-    for (int row = num_recv + blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize; row < num_rows; row += num_warps) {
-        if (recv_topk_idx != nullptr && lane < num_topk) {
-            recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = -1;
-            recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] = 0.0f;
+    const int num_warps = gridDim.x * kWarpsPerBlock;
+    for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
+        if (recv.topk_idx != nullptr && lane < args.num_topk) {
+            recv.topk_idx[static_cast<int64_t>(row) * args.num_topk + lane] = -1;
+            recv.topk_weights[static_cast<int64_t>(row) * args.num_topk + lane] = 0.0f;
         }
         if (lane == 0 && !cached)
-            recv_src_idx[row] = -1;
+            recv.src_idx[row] = -1;
     }
-    if (num_recv > num_rows)
-        return;
-    const int experts_per_rank = num_experts / num_ranks;
-    const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
-    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int j, int lane) {
-        const SourcePlan& plan = plans[source];
-        const int64_t token = cached ? recv_src_idx[row] : plan.send_list[j];
-        warp_copy(recv_x + row * hidden_bytes, plan.x + token * hidden_bytes, hidden_bytes, lane);
-        if (recv_scales != nullptr)
-            for (int s = lane; s < num_scales; s += kWarpSize)
-                recv_scales[static_cast<int64_t>(row) * num_scales + s] = plan.scales[token * num_scales + s];
-        if (recv_topk_idx != nullptr && lane < num_topk) {
-            const int64_t expert = plan.topk_idx[token * num_topk + lane];
-            const bool local = expert >= first_local && expert < first_local + experts_per_rank;
-            recv_topk_idx[static_cast<int64_t>(row) * num_topk + lane] = local ? expert - first_local : -1;
-            if (recv_topk_weights != nullptr)
-                recv_topk_weights[static_cast<int64_t>(row) * num_topk + lane] =
-                    local ? plan.topk_weights[token * num_topk + lane] : 0.0f;
-        }
-        if (!cached && lane == 0)
-            recv_src_idx[row] = static_cast<int32_t>(token);
-    });
+    if (ok && num_recv <= num_rows) {
+        const int experts_per_rank = num_experts / num_ranks;
+        const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
+        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
+                                         [&](int source, int row, int j, int lane) {
+            const SourcePlan& plan = plans[source];
+            const int64_t token = cached ? recv.src_idx[row] : plan.send_list[j];
+            if (stage) {
+                if (!wait_until_staged(plan, source, token, confirmed[warp_in_block], deadline_ns, status, lane))
+                    return false;
+                pull_row<true>(plan, token, row, args, recv, first_local, experts_per_rank, lane);
+            } else {
+                pull_row<false>(plan, token, row, args, recv, first_local, experts_per_rank, lane);
+            }
+            if (!cached && lane == 0)
+                recv.src_idx[row] = static_cast<int32_t>(token);
+            return true;
+        });
+    }
+    finish_dispatch(peer_bases, rank, num_ranks, epoch, state, next_row);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,6 +556,7 @@ cuep_intranode_push(const uint64_t* peer_bases, const int32_t* recv_info, const 
         warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
         if (topk_weights != nullptr && lane < num_topk)
             reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+        return true;
     });
     __threadfence_system();
 }

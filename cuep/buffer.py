@@ -63,6 +63,9 @@ class Buffer:
                  explicitly_destroy: bool = False):
         call = "Buffer()"
         self.num_nvl_bytes = _checks.check_nonnegative_int(call, "num_nvl_bytes", num_nvl_bytes)
+        if 0 < self.num_nvl_bytes < intranode_kernel.META_BYTES:
+            raise ValueError(f"{call}: num_nvl_bytes must be 0 or at least {intranode_kernel.META_BYTES} (the "
+                             f"dispatch metadata region), got {self.num_nvl_bytes}")
         self.num_rdma_bytes = _checks.check_nonnegative_int(call, "num_rdma_bytes", num_rdma_bytes)
         if _checks.check_nonnegative_int(call, "num_qps_per_rank", num_qps_per_rank) == 0:
             raise ValueError(f"{call}: num_qps_per_rank must be >= 1, got 0")
@@ -128,13 +131,16 @@ class Buffer:
         bases = [int(self._data.handle) if pe == self.rank else int(nvshmem.get_peer_buffer(self._data, pe).handle)
                  for pe in range(self.group_size)]
         timeout_s = env.get("CUEP_TIMEOUT_S")
+        cupy.cuda.runtime.memset(int(self._data.handle), 0, intranode_kernel.META_BYTES)  # epoch 0 everywhere
         return intranode_kernel.Context(
             library=self._intranode_library, rank=self.rank, num_ranks=self.group_size,
             buffer_ptr=int(self._data.handle), buffer_bytes=self.num_nvl_bytes,
             peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
             next_row=cupy.zeros(self.group_size, dtype=cupy.int32),
-            barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), core_stream=self._core_stream,
-            raise_if_failed=self._raise_if_failed)
+            dispatch_state=cupy.zeros(intranode_kernel.STATE_WORDS, dtype=cupy.uint64),
+            timeout_ns=int(timeout_s * 1e9),
+            barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), mirror_status=self._mirror_status,
+            core_stream=self._core_stream, raise_if_failed=self._raise_if_failed)
 
     def _low_latency_context(self) -> low_latency_kernel.Context:
         cupy = _deps.cupy()
@@ -206,9 +212,13 @@ class Buffer:
 
     def _enqueue_barrier(self, stream, timeout_s: float) -> None:
         """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
-        cupy = _deps.cupy()
         barrier_kernel.launch(self._barrier_library, self._core_stream(stream), int(self._control.handle),
                               self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status)
+        self._mirror_status(stream)
+
+    def _mirror_status(self, stream) -> None:
+        """Copy the status words to their pinned host mirror after the work already on ``stream``."""
+        cupy = _deps.cupy()
         cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, self._status.data.ptr, self._status.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 

@@ -74,7 +74,7 @@ def test_allocate_on_comm_stream_needs_event_and_async():
         _checks.check_event_options(CALL, None, True, True)
 
 
-@pytest.mark.parametrize("name, value", [("num_nvl_bytes", -1), ("num_rdma_bytes", 2.5)])
+@pytest.mark.parametrize("name, value", [("num_nvl_bytes", -1), ("num_nvl_bytes", 4096), ("num_rdma_bytes", 2.5)])
 def test_buffer_sizes_checked_first(name, value):
     with pytest.raises((ValueError, TypeError), match=f"Buffer\\(\\): {name} must be"):
         cuep.Buffer(None, **{name: value})

@@ -53,5 +53,7 @@ constexpr int kPhaseLowLatencyRouting = 2;  // a source's routing table (low-lat
 constexpr int kPhaseLowLatencyToken = 3;    // a dispatched token
 constexpr int kPhaseLowLatencyWeights = 4;  // a source's top-k weights (low-latency combine)
 constexpr int kPhaseLowLatencyPartial = 5;  // a combined partial sum
+constexpr int kPhaseIntranodeStaged = 6;    // a sender's staged tokens (intranode dispatch)
+constexpr int kPhaseIntranodeReuse = 7;     // receivers done with the previous dispatch (intranode)
 
 }  // namespace cuep

@@ -18,6 +18,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_global(const uint64_t* ptr) {
     return value;
 }
 
+__device__ __forceinline__ uint32_t ld_acquire_sys_global(const uint32_t* ptr) {
+    uint32_t value;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ int64_t ld_volatile_global(const int64_t* ptr) {
     int64_t value;
     asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr));

@@ -1,16 +1,15 @@
 """Launch module of ``cuda_src/intranode.cu``: the NVLink dispatch (pull) and combine (push).
 
-C++ entries (see the .cu file for the protocol)::
+C++ entries (see the .cu file for the protocol); the first fifteen arguments of stage and dispatch
+describe this rank's tokens and where they are staged (``_stage_args``)::
 
-    cuep_intranode_stage(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
-                         topk_idx, topk_weights, num_topk, is_token_in_rank, num_tokens_per_expert,
-                         num_experts, num_tokens, num_ranks, buffer, scales_offset, topk_idx_offset,
-                         topk_weights_offset, send_lists_offset, send_pos, cached)
-    cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, plans,
+    cuep_intranode_stage(<stage args>, is_token_in_rank, num_tokens_per_expert, num_experts, num_ranks, send_pos,
+                         state, status, timeout_ns)
+    cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info,
                           combine_offsets, send_offsets)
-    cuep_intranode_pull(plans, recv_info, rank, num_ranks, num_experts, num_rows, hidden_bytes, num_scales,
-                        num_topk, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-                        cached, status, next_row)
+    cuep_intranode_dispatch(<stage args>, stage, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows,
+                            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, state,
+                            status, next_row, timeout_ns)
     cuep_intranode_push(peer_bases, recv_info, combine_offsets, rank, num_ranks, x, hidden_bytes, topk_weights,
                         num_topk, landing_row_bytes, next_row)
     cuep_intranode_reduce(buffer, send_pos, send_offsets, num_ranks, num_tokens, hidden, num_topk,
@@ -30,9 +29,10 @@ from ..jit import KernelSpec, Library
 NUM_THREADS = 512
 MAX_RANKS = 8
 META_BYTES = 64 * 1024          # mirrors kMetaBytes
+CONTROL_BYTES = 16 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
 META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4
-MAX_EXPERTS = (META_BYTES - META_HEADER_BYTES) // 4
-PLAN_WORDS = 5                  # pointers in one SourcePlan
+MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4
+STATE_WORDS = 2                 # the device-side dispatch state: finished epoch, blocks done
 ALIGN = 16
 SCALE_BLOCK = 128
 
@@ -83,7 +83,6 @@ class Handle:
     num_recv_tokens: int | None
     num_send_copies: int | None
     recv_info: Any
-    plans: Any
     combine_offsets: Any
     send_offsets: Any
     send_pos: Any
@@ -103,7 +102,10 @@ class Context:
     peer_bases: Any               # [num_ranks] uint64 device array
     status: Any                   # [4] int32 device array (timeouts, overflow)
     next_row: Any                 # [num_ranks] int32 device array: per-source work counters of pull/push
+    dispatch_state: Any           # [STATE_WORDS] uint64 device array (zeroed with the buffer's meta region)
+    timeout_ns: int               # bound on every wait inside the dispatch kernels
     barrier: Callable[[Any], None]
+    mirror_status: Callable[[Any], None]  # copies the status words to the host mirror, in stream order
     core_stream: Callable[[Any], Any]
     raise_if_failed: Callable[[], None]  # reads the status words mirrored after each barrier
 
@@ -129,10 +131,25 @@ def need_nvl_bytes(call: str, ctx: Context, needed: int, what: str) -> None:
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
 
 
+def _stage_args(ctx: Context, x, scales, topk_idx, topk_weights, layout: StagingLayout) -> tuple:
+    """The first fifteen arguments of the stage and dispatch kernels: this rank's tokens and their staging."""
+    num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
+    scale_strides = (scales.strides[0] // 4, scales.strides[1] // 4) if scales is not None else (0, 0)
+    return (x.data.ptr, np.int64(hidden_bytes), np.uint64(_ptr(scales)), np.int64(scale_strides[0]),
+            np.int64(scale_strides[1]), np.int32(scales.shape[1] if scales is not None else 0),
+            np.uint64(_ptr(topk_idx)), np.uint64(_ptr(topk_weights)),
+            np.int32(topk_idx.shape[1] if topk_idx is not None else 0), np.int32(num_tokens),
+            np.uint64(ctx.buffer_ptr), np.int64(layout.scales_offset), np.int64(layout.topk_idx_offset),
+            np.int64(layout.topk_weights_offset), np.int64(layout.send_lists_offset))
+
+
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
              num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int):
     """Enqueue a dispatch on ``stream`` (allocating on the current stream) and return
-    ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``."""
+    ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``.
+
+    Cached (``handle`` given): one kernel that stages and pulls at once. Otherwise stage, barrier,
+    notify, the CPU wait for the received count (unless ``num_worst_tokens``), then the pull."""
     cupy = _deps.cupy()
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
@@ -140,63 +157,53 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     cached = handle is not None
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_nvl_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
-    send_pos = None if cached else cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
-    scale_strides = (scales.strides[0] // 4, scales.strides[1] // 4) if scales is not None else (0, 0)
-    _launch(ctx, stream, (0 if cached else ctx.num_ranks) + num_sms, "cuep_intranode_stage",
-            x.data.ptr, np.int64(hidden_bytes), np.uint64(_ptr(scales)), np.int64(scale_strides[0]),
-            np.int64(scale_strides[1]), np.int32(num_scales), np.uint64(_ptr(topk_idx)),
-            np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.uint64(0 if cached else _ptr(is_token_in_rank)),
-            np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts), np.int32(num_tokens),
-            np.int32(ctx.num_ranks), np.uint64(ctx.buffer_ptr), np.int64(layout.scales_offset),
-            np.int64(layout.topk_idx_offset), np.int64(layout.topk_weights_offset),
-            np.int64(layout.send_lists_offset), np.uint64(_ptr(send_pos)), np.int32(cached))
-    ctx.barrier(stream)
+    stage_args = _stage_args(ctx, x, scales, topk_idx, topk_weights, layout)
+    waits = (ctx.status.data.ptr, np.uint64(ctx.timeout_ns))
 
-    # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid; a
-    # cached call rewrites its handle's plan in place (same values, the senders' offsets aside).
-    if cached:
-        recv_info, plans = handle.recv_info, handle.plans
-        combine_offsets, send_offsets = handle.combine_offsets, handle.send_offsets
-    else:
-        num_local_experts = num_experts // ctx.num_ranks
-        recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
-        plans = cupy.empty(ctx.num_ranks * PLAN_WORDS, dtype=cupy.uint64)
-        combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-        send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-    _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
-            np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
-            plans.data.ptr, combine_offsets.data.ptr, send_offsets.data.ptr)
-
+    # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
     num_recv = num_copies = None
     if cached:
+        recv_info, combine_offsets, send_offsets = handle.recv_info, handle.combine_offsets, handle.send_offsets
         num_rows, num_recv = handle.num_rows, handle.num_recv_tokens
-    elif num_worst_tokens > 0:
-        num_rows = num_worst_tokens
     else:
-        info = recv_info.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
-        ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
-        num_recv, num_copies = int(info[0]), int(info[1])
-        num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
+        send_pos = cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
+        _launch(ctx, stream, ctx.num_ranks + num_sms, "cuep_intranode_stage", *stage_args,
+                np.uint64(_ptr(is_token_in_rank)), np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts),
+                np.int32(ctx.num_ranks), send_pos.data.ptr, ctx.dispatch_state.data.ptr, *waits)
+        ctx.barrier(stream)
+        num_local_experts = num_experts // ctx.num_ranks
+        recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
+        combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+        send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+        _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
+                np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
+                combine_offsets.data.ptr, send_offsets.data.ptr)
+        if num_worst_tokens > 0:
+            num_rows = num_worst_tokens
+        else:
+            info = recv_info.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+            ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
+            num_recv, num_copies = int(info[0]), int(info[1])
+            num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
 
     recv_x = cupy.empty((num_rows, x.shape[1]), dtype=x.dtype)
     recv_scales = cupy.empty((num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
     recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
     recv_src_idx = handle.recv_src_idx if cached else cupy.empty(num_rows, dtype=cupy.int32)
-    _reset_work_counters(ctx, stream)
-    _launch(ctx, stream, num_sms, "cuep_intranode_pull", plans.data.ptr, recv_info.data.ptr, np.int32(ctx.rank),
-            np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(num_rows), np.int64(hidden_bytes),
-            np.int32(num_scales), np.int32(num_topk), recv_x.data.ptr, np.uint64(_ptr(recv_scales)),
-            np.uint64(_ptr(recv_topk_idx)), np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr,
-            np.int32(cached), ctx.status.data.ptr, ctx.next_row.data.ptr)
-    ctx.barrier(stream)
+    _launch(ctx, stream, num_sms, "cuep_intranode_dispatch", *stage_args, np.int32(cached), ctx.peer_bases.data.ptr,
+            recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(num_experts),
+            np.int32(num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), np.uint64(_ptr(recv_topk_idx)),
+            np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr, np.int32(cached),
+            ctx.dispatch_state.data.ptr, ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+    ctx.mirror_status(stream)
 
     if not cached:
-        handle = Handle(num_tokens=num_tokens, num_rows=num_rows,
-                        num_recv_tokens=num_recv, num_send_copies=num_copies, recv_info=recv_info, plans=plans,
-                        combine_offsets=combine_offsets, send_offsets=send_offsets, send_pos=send_pos,
-                        recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
+        handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
+                        num_send_copies=num_copies, recv_info=recv_info, combine_offsets=combine_offsets,
+                        send_offsets=send_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
+                        is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
