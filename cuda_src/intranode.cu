@@ -42,7 +42,7 @@ namespace cuep {
 constexpr int kNumThreads = 512;
 constexpr int kWarpsPerBlock = kNumThreads / kWarpSize;
 constexpr int kMaxRanks = 8;          // one NVLink domain; the notify block maps one thread per rank
-constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight per copy step
+constexpr int kCopyUnroll = 8;        // 16-byte vectors each lane has in flight per copy step (4 KB a warp)
 constexpr int kBf16PerVector = 8;     // 16 bytes of bf16
 constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
@@ -147,8 +147,10 @@ __device__ __forceinline__ void for_each_row_spread_over_sources(int32_t* next_r
     }
 }
 
-// One warp copies `num_bytes` (a multiple of 16) from src to dst, kCopyUnroll vectors per lane in
-// flight. kReadOnly: nothing writes src during this kernel, so the read-once load path may be used.
+// One warp copies `num_bytes` (a multiple of 16) from src to dst. Each step issues up to kCopyUnroll
+// loads per lane before its stores (the last step predicated), so a row costs few round trips:
+// over NVLink the copy is bound by the bytes a warp keeps in flight. kReadOnly: nothing writes src
+// during this kernel, so the read-once load path may be used.
 template <bool kReadOnly = true>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t num_bytes, int lane) {
     auto* out = static_cast<int4*>(dst);
@@ -160,18 +162,17 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t nu
             return ld_volatile_global(ptr);
     };
     const int num_vectors = static_cast<int>(num_bytes / sizeof(int4));
-    int i = lane;
-    for (; i + (kCopyUnroll - 1) * kWarpSize < num_vectors; i += kCopyUnroll * kWarpSize) {
+    for (int i = lane; i < num_vectors; i += kCopyUnroll * kWarpSize) {
         int4 v[kCopyUnroll];
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            v[u] = load(in + i + u * kWarpSize);
+            if (i + u * kWarpSize < num_vectors)
+                v[u] = load(in + i + u * kWarpSize);
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u)
-            st_na_global(out + i + u * kWarpSize, v[u]);
+            if (i + u * kWarpSize < num_vectors)
+                st_na_global(out + i + u * kWarpSize, v[u]);
     }
-    for (; i < num_vectors; i += kWarpSize)
-        st_na_global(out + i, load(in + i));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,18 +337,20 @@ struct RecvArgs {
 template <bool kConcurrentStaging>
 __device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, int row, const StageArgs& shape,
                                          const RecvArgs& recv, int64_t first_local, int experts_per_rank, int lane) {
+    // A row's scales (up to kWarpSize vectors, hidden <= 16384) are loaded before its data, so both
+    // round trips overlap.
+    const bool vector_scales = recv.scales != nullptr && shape.num_scales % kFloatsPerVector == 0 &&
+                               shape.num_scales / kFloatsPerVector <= kWarpSize;  // rows start 16-byte aligned
+    const bool has_scale_vector = vector_scales && lane < shape.num_scales / kFloatsPerVector;
+    const int4* scales_in = reinterpret_cast<const int4*>(plan.scales + token * shape.num_scales);
+    const int4 scale_vector = has_scale_vector ? ld_volatile_global(scales_in + lane) : int4{};
     warp_copy<!kConcurrentStaging>(recv.x + row * shape.hidden_bytes, plan.x + token * shape.hidden_bytes,
                                    shape.hidden_bytes, lane);
-    if (recv.scales != nullptr) {
-        float* out = recv.scales + static_cast<int64_t>(row) * shape.num_scales;
-        const float* in = plan.scales + token * shape.num_scales;
-        if (shape.num_scales % kFloatsPerVector == 0) {  // rows start 16-byte aligned
-            for (int v = lane; v < shape.num_scales / kFloatsPerVector; v += kWarpSize)
-                reinterpret_cast<int4*>(out)[v] = ld_volatile_global(reinterpret_cast<const int4*>(in) + v);
-        } else {
-            for (int s = lane; s < shape.num_scales; s += kWarpSize)
-                out[s] = in[s];
-        }
+    if (has_scale_vector)
+        reinterpret_cast<int4*>(recv.scales + static_cast<int64_t>(row) * shape.num_scales)[lane] = scale_vector;
+    if (recv.scales != nullptr && !vector_scales) {
+        for (int s = lane; s < shape.num_scales; s += kWarpSize)
+            recv.scales[static_cast<int64_t>(row) * shape.num_scales + s] = plan.scales[token * shape.num_scales + s];
     }
     if (recv.topk_idx != nullptr && lane < shape.num_topk) {
         const int64_t expert = plan.topk_idx[token * shape.num_topk + lane];
@@ -385,7 +388,7 @@ using namespace cuep;
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
 // copy rows. Block 0 also publishes the header.
-extern "C" __global__ void __launch_bounds__(kNumThreads)
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                      int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
                      int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
@@ -464,7 +467,7 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 // first kStagerWarps warps per block stage this rank's tokens first). One warp per received row;
 // rows land in order of (source rank, source token). Cached calls read source tokens from
 // recv_src_idx, the others from the sources' send lists.
-extern "C" __global__ void __launch_bounds__(kNumThreads)
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                         int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
                         int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
@@ -542,7 +545,7 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
 // ---------------------------------------------------------------------------------------------
 // Combine, step 2: push. One warp per received row: its hidden vector, then its top-k weights,
 // into the source's landing row combine_offsets[source] + (row - rank_prefix[source]).
-extern "C" __global__ void __launch_bounds__(kNumThreads)
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_push(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
                     int rank, int num_ranks, const uint8_t* x, int64_t hidden_bytes, const float* topk_weights,
                     int num_topk, int64_t landing_row_bytes, int32_t* next_row) {

@@ -101,7 +101,7 @@ class Context:
     buffer_bytes: int
     peer_bases: Any               # [num_ranks] uint64 device array
     status: Any                   # [4] int32 device array (timeouts, overflow)
-    next_row: Any                 # [num_ranks] int32 device array: per-source work counters of pull/push
+    next_row: Any                 # [num_ranks] int32 device array: per-source work counters, zero between kernels
     dispatch_state: Any           # [STATE_WORDS] uint64 device array (zeroed with the buffer's meta region)
     timeout_ns: int               # bound on every wait inside the dispatch kernels
     barrier: Callable[[Any], None]
@@ -121,6 +121,8 @@ def _ptr(array) -> int:
 
 
 def _reset_work_counters(ctx: Context, stream) -> None:
+    """Zero the per-source work counters: every kernel that claims rows leaves them zero for the next
+    (the dispatch kernel's last block does it itself)."""
     _deps.cupy().cuda.runtime.memsetAsync(ctx.next_row.data.ptr, 0, ctx.next_row.nbytes, stream.ptr)
 
 
@@ -217,11 +219,11 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
     need_nvl_bytes("combine()", ctx, META_BYTES + copies * row_bytes, f"combining {handle.num_tokens} tokens")
     ctx.barrier(stream)  # every source's landing region is free
-    _reset_work_counters(ctx, stream)
     _launch(ctx, stream, num_sms, "cuep_intranode_push", ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
             handle.combine_offsets.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), x.data.ptr,
             np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
             ctx.next_row.data.ptr)
+    _reset_work_counters(ctx, stream)
     ctx.barrier(stream)  # every copy has landed
     combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
     combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
