@@ -26,11 +26,12 @@
 // the count here to size the outputs; (4) pull (cuep_intranode_dispatch with stage = 0). Every
 // byte crosses NVLink once.
 //
-// Combine (push): (1) barrier, so every source's buffer is free (it also orders every pull of the
-// dispatch before it); (2) push: each rank writes the rows it received back into the landing region
-// of the source rank, at the slot the dispatch plan assigned; (3) barrier; (4) reduce: each source
-// sums, in FP32, the copies of each of its tokens, adds the optional biases, and writes the result.
-// Barriers are barrier.cu's kernel.
+// Combine (push, one kernel, cuep_intranode_combine): each source opens its landing region once
+// every receiver has finished pulling the last dispatch from it (SenderControl::done). Each rank
+// then writes the rows it received back into the landing region of their source, at the slot the
+// dispatch plan assigned, counting every row in the source's per-chunk arrival counters; meanwhile
+// the source sums, in FP32, the copies of each of its tokens as soon as they have landed, adds the
+// optional biases, and writes the result. No barrier: the counters order everything.
 #include <cuda_bf16.h>
 
 #include <cuep/common.cuh>
@@ -42,7 +43,8 @@ namespace cuep {
 constexpr int kNumThreads = 512;
 constexpr int kWarpsPerBlock = kNumThreads / kWarpSize;
 constexpr int kMaxRanks = 8;          // one NVLink domain; the notify block maps one thread per rank
-constexpr int kCopyUnroll = 8;        // 16-byte vectors each lane has in flight per copy step (4 KB a warp)
+constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight per copy step (2 KB a warp;
+                                      // 4 KB measured slower: NVLink congests)
 constexpr int kBf16PerVector = 8;     // 16 bytes of bf16
 constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
@@ -65,16 +67,20 @@ constexpr int kMinChunkTokens = 16;
 struct SenderControl {
     uint64_t meta_epoch;              // newest epoch whose SenderMeta header this sender has published
     uint64_t done[kMaxRanks];         // done[r]: newest epoch receiver r has finished pulling from here
-    uint32_t staged[2][kMaxChunks];   // tokens staged per chunk, for the epochs of each parity
+    uint64_t landing_epoch;           // newest combine whose landing region is open (see combine below)
+    uint64_t landing_chunk;           // landing rows per arrival counter in that combine
+    uint32_t staged[2][kMaxChunks];   // tokens staged per chunk, for the dispatch epochs of each parity
+    uint32_t landed[2][kMaxChunks];   // combine rows landed per chunk, for the combine epochs of each parity
 };
-constexpr int64_t kControlBytes = 16 * 1024;  // mirrors CONTROL_BYTES
+constexpr int64_t kControlBytes = 20 * 1024;  // mirrors CONTROL_BYTES
 constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
 static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its share of the meta region");
 
-// Per-rank dispatch state on the device: the last finished epoch and the blocks of the running
-// dispatch kernel that are done (the last one signals the senders and bumps the epoch).
+// Per-rank state on the device: the last finished dispatch and combine epochs, and the blocks of the
+// running dispatch or combine kernel that are done (the last one finishes the epoch).
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
+constexpr int kStateCombineEpoch = 2;
 
 // Warps of each fused-dispatch block that stage tokens before they join the pull. Staging reads
 // and writes local HBM, an order of magnitude faster than the NVLink pull it feeds, so a quarter
@@ -543,30 +549,15 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine, step 2: push. One warp per received row: its hidden vector, then its top-k weights,
-// into the source's landing row combine_offsets[source] + (row - rank_prefix[source]).
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_push(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
-                    int rank, int num_ranks, const uint8_t* x, int64_t hidden_bytes, const float* topk_weights,
-                    int num_topk, int64_t landing_row_bytes, int32_t* next_row) {
-    __shared__ int32_t rank_prefix[kMaxRanks + 1];
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    __syncthreads();
-    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int j, int lane) {
-        const int64_t slot = combine_offsets[source] + j;
-        auto* landing = reinterpret_cast<uint8_t*>(peer_bases[source]) + kMetaBytes + slot * landing_row_bytes;
-        warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
-        if (topk_weights != nullptr && lane < num_topk)
-            reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
-        return true;
-    });
-    __threadfence_system();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Combine, step 4: reduce. One warp per source token: FP32 sum of its copies plus biases.
+// Combine: one kernel. Pusher warps write each received row (its hidden vector, then its top-k
+// weights) into the source's landing row combine_offsets[source] + (row - rank_prefix[source]) and
+// count it in the source's per-chunk arrival counters; reducer warps sum, in FP32, the copies of each
+// of this rank's tokens as soon as they have landed. Pushers join the reduction when no row is left.
 namespace cuep {
+
+// Warps of each combine block that reduce from the start; the rest push first. The reduction reads
+// and writes local HBM while the pushes are bound by NVLink, so a quarter of the warps keeps up.
+constexpr int kReducerWarps = 4;
 
 __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], const int4& packed) {
     const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
@@ -587,41 +578,182 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[kBf16PerVector]) 
     return packed;
 }
 
-}  // namespace cuep
+// Block 0 of this rank's combine: once every receiver has finished pulling the last dispatch from
+// this buffer, clear the other parity's arrival counters and open the landing region for `epoch`.
+// Returns false on a timeout.
+__device__ bool open_landing_region(SenderControl* control, int num_ranks, uint64_t dispatch_epoch, uint64_t epoch,
+                                    int landing_chunk, uint64_t deadline_ns, int32_t* status) {
+    bool timed_out = false;
+    const int receiver = threadIdx.x;
+    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], dispatch_epoch, deadline_ns)) {
+        record_timeout(status, receiver, kPhaseIntranodeReuse);
+        timed_out = true;
+    }
+    for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
+        control->landed[(epoch + 1) % 2][c] = 0;
+    if (threadIdx.x == 0)
+        control->landing_chunk = landing_chunk;
+    if (__syncthreads_or(timed_out))
+        return false;
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys_global(&control->landing_epoch, epoch);
+    }
+    return true;
+}
 
-extern "C" __global__ void __launch_bounds__(kNumThreads)
-cuep_intranode_reduce(const uint8_t* buffer, const int32_t* send_pos, const int32_t* send_offsets, int num_ranks,
-                      int num_tokens, int hidden, int num_topk, int64_t landing_row_bytes, const __nv_bfloat16* bias0,
-                      const __nv_bfloat16* bias1, int has_weights, __nv_bfloat16* combined_x,
-                      float* combined_topk_weights) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int num_warps = gridDim.x * kWarpsPerBlock;
-    const int num_vectors = hidden / kBf16PerVector;
-    const uint8_t* landing = buffer + kMetaBytes;
-    for (int token = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize; token < num_tokens; token += num_warps) {
-        const uint8_t* rows[kMaxRanks];
-        int num_copies = 0;
-        for (int r = 0; r < num_ranks; ++r) {
-            const int pos = send_pos[static_cast<int64_t>(token) * num_ranks + r];
-            if (pos >= 0)
-                rows[num_copies++] = landing + (static_cast<int64_t>(send_offsets[r]) + pos) * landing_row_bytes;
-        }
-        for (int v = lane; v < num_vectors; v += kWarpSize) {
-            float acc[kBf16PerVector] = {};
-            for (int c = 0; c < num_copies; ++c)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(rows[c]) + v));
-            const int64_t offset = static_cast<int64_t>(token) * num_vectors + v;
-            if (bias0 != nullptr)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(bias0) + offset));
-            if (bias1 != nullptr)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(bias1) + offset));
-            st_na_global(reinterpret_cast<int4*>(combined_x) + offset, pack_bf16x8(acc));
-        }
-        if (has_weights && lane < num_topk) {
-            float sum = 0.0f;
-            for (int c = 0; c < num_copies; ++c)
-                sum += reinterpret_cast<const float*>(rows[c] + static_cast<int64_t>(hidden) * 2)[lane];
-            combined_topk_weights[static_cast<int64_t>(token) * num_topk + lane] = sum;
+// Waits until every source has opened its landing region for this combine; reads its chunk size.
+__device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_bases, int num_ranks, uint64_t epoch,
+                                     uint64_t deadline_ns, int32_t* status) {
+    bool timed_out = false;
+    const int source = threadIdx.x;
+    if (source < num_ranks) {
+        const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[source]));
+        if (wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
+            landing_chunks[source] = static_cast<int>(ld_volatile_global(&control->landing_chunk));
+        } else {
+            record_timeout(status, source, kPhaseIntranodeLanding);
+            timed_out = true;
         }
     }
+    return !__syncthreads_or(timed_out);
+}
+
+struct CombineShape {
+    int64_t hidden_bytes;
+    int num_topk;
+    int64_t landing_row_bytes;
+};
+
+// One warp sums the landed copies of `token` once each has arrived (lane 0 waits per chunk, keeping
+// the newest confirmed chunk of each sending rank in `confirmed`). Returns false on a timeout.
+__device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* landed, int landing_chunk,
+                             int num_copies_total, const int32_t* send_pos, const int32_t* send_offsets, int num_ranks,
+                             const CombineShape& shape, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
+                             __nv_bfloat16* combined_x, float* combined_topk_weights, int* confirmed,
+                             uint64_t deadline_ns, int32_t* status, int lane) {
+    const uint8_t* rows[kMaxRanks];
+    int num_copies = 0;
+    bool ok = true;
+    for (int r = 0; r < num_ranks; ++r) {
+        const int pos = send_pos[static_cast<int64_t>(token) * num_ranks + r];
+        if (pos < 0)
+            continue;
+        const int slot = send_offsets[r] + pos;
+        const int chunk = slot / landing_chunk;
+        if (lane == 0 && ok && confirmed[r] < chunk) {
+            const int left = num_copies_total - chunk * landing_chunk;
+            const auto full = static_cast<uint32_t>(left < landing_chunk ? left : landing_chunk);
+            while (ld_acquire_sys_global(landed + chunk) < full) {
+                if (globaltimer_ns() > deadline_ns) {
+                    record_timeout(status, r, kPhaseIntranodeArrival);
+                    ok = false;
+                    break;
+                }
+            }
+            confirmed[r] = chunk;
+        }
+        rows[num_copies++] = landing + static_cast<int64_t>(slot) * shape.landing_row_bytes;
+    }
+    if (!__shfl_sync(kFullWarpMask, ok, 0))
+        return false;
+    const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
+    for (int v = lane; v < num_vectors; v += kWarpSize) {
+        float acc[kBf16PerVector] = {};
+        for (int c = 0; c < num_copies; ++c)
+            accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(rows[c]) + v));
+        const int64_t offset = static_cast<int64_t>(token) * num_vectors + v;
+        if (bias0 != nullptr)
+            accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(bias0) + offset));
+        if (bias1 != nullptr)
+            accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(bias1) + offset));
+        st_na_global(reinterpret_cast<int4*>(combined_x) + offset, pack_bf16x8(acc));
+    }
+    if (combined_topk_weights != nullptr && lane < shape.num_topk) {
+        float sum = 0.0f;
+        for (int c = 0; c < num_copies; ++c)
+            sum += reinterpret_cast<const volatile float*>(rows[c] + shape.hidden_bytes)[lane];
+        combined_topk_weights[static_cast<int64_t>(token) * shape.num_topk + lane] = sum;
+    }
+    return true;
+}
+
+// The last block of a combine clears the work counters and records the epoch as finished.
+__device__ void finish_combine(int num_ranks, uint64_t epoch, uint64_t* state, int32_t* next_row) {
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return;
+    __threadfence();
+    auto* blocks_done = reinterpret_cast<unsigned long long*>(state + kStateBlocksDone);
+    if (atomicAdd(blocks_done, 1ull) != gridDim.x - 1)
+        return;
+    *blocks_done = 0;
+    for (int r = 0; r <= num_ranks; ++r)
+        next_row[r] = 0;
+    state[kStateCombineEpoch] = epoch;
+}
+
+}  // namespace cuep
+
+// next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
+// token counter. recv_info[1] is this rank's landing row count (copies of its tokens).
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
+                       const int32_t* send_pos, const int32_t* send_offsets, int rank, int num_ranks, int num_tokens,
+                       const uint8_t* x, int64_t hidden_bytes, const float* topk_weights, int num_topk,
+                       int64_t landing_row_bytes, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
+                       __nv_bfloat16* combined_x, float* combined_topk_weights, uint64_t* state, int32_t* status,
+                       int32_t* next_row, uint64_t timeout_ns) {
+    __shared__ int32_t rank_prefix[kMaxRanks + 1];
+    __shared__ int landing_chunks[kMaxRanks];
+    __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
+    const uint64_t epoch = ld_volatile_global(state + kStateCombineEpoch) + 1;
+    const uint64_t dispatch_epoch = ld_volatile_global(state + kStateEpoch);
+    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    const int num_copies_total = recv_info[1];
+    const int own_chunk = max(kMinChunkTokens, (num_copies_total + kMaxChunks - 1) / kMaxChunks);
+    auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
+    if (lane < num_ranks)
+        confirmed[warp_in_block][lane] = -1;
+
+    bool ok = blockIdx.x != 0 ||
+              open_landing_region(control_of(own), num_ranks, dispatch_epoch, epoch, own_chunk, deadline_ns, status);
+    ok = wait_landing_regions(landing_chunks, peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
+    const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
+    if (ok && warp_in_block >= kReducerWarps) {
+        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
+                                         [&](int source, int row, int j, int lane) {
+            const int slot = combine_offsets[source] + j;
+            auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
+            uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * landing_row_bytes;
+            warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
+            if (topk_weights != nullptr && lane < num_topk)
+                reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence_system();
+                atomicAdd_system(control_of(base)->landed[epoch % 2] + slot / landing_chunks[source], 1u);
+            }
+            return true;
+        });
+    }
+    if (ok) {
+        const uint32_t* landed = control_of(own)->landed[epoch % 2];
+        while (true) {
+            int token = 0;
+            if (lane == 0)
+                token = atomicAdd(next_row + num_ranks, 1);
+            token = __shfl_sync(kFullWarpMask, token, 0);
+            if (token >= num_tokens)
+                break;
+            if (!reduce_token(token, own + kMetaBytes, landed, own_chunk, num_copies_total, send_pos, send_offsets,
+                              num_ranks, shape, bias0, bias1, combined_x, combined_topk_weights,
+                              confirmed[warp_in_block], deadline_ns, status, lane))
+                break;
+        }
+    }
+    finish_combine(num_ranks, epoch, state, next_row);
 }

@@ -136,7 +136,7 @@ class Buffer:
             library=self._intranode_library, rank=self.rank, num_ranks=self.group_size,
             buffer_ptr=int(self._data.handle), buffer_bytes=self.num_nvl_bytes,
             peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
-            next_row=cupy.zeros(self.group_size, dtype=cupy.int32),
+            next_row=cupy.zeros(self.group_size + 1, dtype=cupy.int32),
             dispatch_state=cupy.zeros(intranode_kernel.STATE_WORDS, dtype=cupy.uint64),
             timeout_ns=int(timeout_s * 1e9),
             barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), mirror_status=self._mirror_status,

@@ -10,10 +10,9 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
     cuep_intranode_dispatch(<stage args>, stage, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows,
                             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, state,
                             status, next_row, timeout_ns)
-    cuep_intranode_push(peer_bases, recv_info, combine_offsets, rank, num_ranks, x, hidden_bytes, topk_weights,
-                        num_topk, landing_row_bytes, next_row)
-    cuep_intranode_reduce(buffer, send_pos, send_offsets, num_ranks, num_tokens, hidden, num_topk,
-                          landing_row_bytes, bias0, bias1, has_weights, combined_x, combined_topk_weights)
+    cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
+                           num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
+                           combined_x, combined_topk_weights, state, status, next_row, timeout_ns)
 """
 
 from __future__ import annotations
@@ -29,10 +28,10 @@ from ..jit import KernelSpec, Library
 NUM_THREADS = 512
 MAX_RANKS = 8
 META_BYTES = 64 * 1024          # mirrors kMetaBytes
-CONTROL_BYTES = 16 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
+CONTROL_BYTES = 20 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
 META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4
-STATE_WORDS = 2                 # the device-side dispatch state: finished epoch, blocks done
+STATE_WORDS = 3                 # device-side state: finished dispatch epoch, blocks done, finished combine epoch
 ALIGN = 16
 SCALE_BLOCK = 128
 
@@ -101,7 +100,7 @@ class Context:
     buffer_bytes: int
     peer_bases: Any               # [num_ranks] uint64 device array
     status: Any                   # [4] int32 device array (timeouts, overflow)
-    next_row: Any                 # [num_ranks] int32 device array: per-source work counters, zero between kernels
+    next_row: Any                 # [num_ranks + 1] int32 device array: work counters, zero between kernels
     dispatch_state: Any           # [STATE_WORDS] uint64 device array (zeroed with the buffer's meta region)
     timeout_ns: int               # bound on every wait inside the dispatch kernels
     barrier: Callable[[Any], None]
@@ -118,12 +117,6 @@ def _launch(ctx: Context, stream, grid: int, entry: str, *args) -> None:
 
 def _ptr(array) -> int:
     return 0 if array is None else array.data.ptr
-
-
-def _reset_work_counters(ctx: Context, stream) -> None:
-    """Zero the per-source work counters: every kernel that claims rows leaves them zero for the next
-    (the dispatch kernel's last block does it itself)."""
-    _deps.cupy().cuda.runtime.memsetAsync(ctx.next_row.data.ptr, 0, ctx.next_row.nbytes, stream.ptr)
 
 
 def need_nvl_bytes(call: str, ctx: Context, needed: int, what: str) -> None:
@@ -218,17 +211,13 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     row_bytes = landing_row_bytes(hidden, num_topk)
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
     need_nvl_bytes("combine()", ctx, META_BYTES + copies * row_bytes, f"combining {handle.num_tokens} tokens")
-    ctx.barrier(stream)  # every source's landing region is free
-    _launch(ctx, stream, num_sms, "cuep_intranode_push", ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
-            handle.combine_offsets.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), x.data.ptr,
-            np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
-            ctx.next_row.data.ptr)
-    _reset_work_counters(ctx, stream)
-    ctx.barrier(stream)  # every copy has landed
     combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
     combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
-    _launch(ctx, stream, num_sms, "cuep_intranode_reduce", np.uint64(ctx.buffer_ptr), handle.send_pos.data.ptr,
-            handle.send_offsets.data.ptr, np.int32(ctx.num_ranks), np.int32(handle.num_tokens), np.int32(hidden),
-            np.int32(num_topk), np.int64(row_bytes), np.uint64(_ptr(bias0)), np.uint64(_ptr(bias1)),
-            np.int32(num_topk > 0), combined_x.data.ptr, np.uint64(_ptr(combined_weights)))
+    _launch(ctx, stream, num_sms, "cuep_intranode_combine", ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
+            handle.combine_offsets.data.ptr, handle.send_pos.data.ptr, handle.send_offsets.data.ptr,
+            np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(handle.num_tokens), x.data.ptr,
+            np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
+            np.uint64(_ptr(bias0)), np.uint64(_ptr(bias1)), combined_x.data.ptr, np.uint64(_ptr(combined_weights)),
+            ctx.dispatch_state.data.ptr, ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+    ctx.mirror_status(stream)
     return combined_x, combined_weights
