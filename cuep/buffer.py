@@ -138,6 +138,7 @@ class Buffer:
             peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
             next_row=cupy.zeros(self.group_size + 1, dtype=cupy.int32),
             dispatch_state=cupy.zeros(intranode_kernel.STATE_WORDS, dtype=cupy.uint64),
+            device_sms=self._device.attributes["MultiProcessorCount"],
             timeout_ns=int(timeout_s * 1e9),
             barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), mirror_status=self._mirror_status,
             core_stream=self._core_stream, raise_if_failed=self._raise_if_failed)

@@ -17,7 +17,8 @@ class Config:
 
     Arguments:
         num_sms: SMs (thread blocks) for the copy kernels; DeepEP's default is 20. More SMs keep
-            more bytes in flight over NVLink; fewer leave SMs free for overlapped compute.
+            more bytes in flight over NVLink; fewer leave SMs free for overlapped compute. Capped at
+            the GPU's SM count (the kernels' blocks must all be resident at once).
         num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's ring-buffer
             chunk sizes, kept for API compatibility.

@@ -102,6 +102,8 @@ class Context:
     status: Any                   # [4] int32 device array (timeouts, overflow)
     next_row: Any                 # [num_ranks + 1] int32 device array: work counters, zero between kernels
     dispatch_state: Any           # [STATE_WORDS] uint64 device array (zeroed with the buffer's meta region)
+    device_sms: int               # the GPU's SM count: blocks of the fused kernels wait on each other, so
+                                  # their grid must fit on the GPU at once
     timeout_ns: int               # bound on every wait inside the dispatch kernels
     barrier: Callable[[Any], None]
     mirror_status: Callable[[Any], None]  # copies the status words to the host mirror, in stream order
@@ -150,6 +152,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
     cached = handle is not None
+    num_sms = min(num_sms, ctx.device_sms)
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_nvl_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     stage_args = _stage_args(ctx, x, scales, topk_idx, topk_weights, layout)
@@ -209,6 +212,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     hidden = x.shape[1]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     row_bytes = landing_row_bytes(hidden, num_topk)
+    num_sms = min(num_sms, ctx.device_sms)
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
     need_nvl_bytes("combine()", ctx, META_BYTES + copies * row_bytes, f"combining {handle.num_tokens} tokens")
     combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
