@@ -131,6 +131,8 @@ def bench_normal(args) -> None:
     remote_rows = num_recv - local_rows
 
     results = {}
+    if args.sms is None:
+        args.sms = sorted({buffer.get_dispatch_config(num_ranks).num_sms, buffer.get_combine_config(num_ranks).num_sms})
     for sms in args.sms:
         config = Config(num_sms=sms)
         results[("dispatch bf16 (cached)", sms)] = _median_us(
@@ -337,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=[24],
-                        help="comma-separated SM counts to measure")
+    parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                        help="comma-separated SM counts to measure (default: the tuned dispatch and combine counts)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations (default 30 normal, 1000 low latency: p99 needs many)")

@@ -7,7 +7,8 @@ from cuep.kernels import intranode
 
 
 def test_tuned_defaults_and_override():
-    assert get_dispatch_config(4).num_sms == 64 and get_combine_config(4).num_sms == 128
+    assert get_dispatch_config(4).num_sms == 48 and get_combine_config(4).num_sms == 128
+    assert get_dispatch_config(2).num_sms == 64 and get_combine_config(2).num_sms == 128
     assert get_dispatch_config(4, num_sms=20).num_sms == 20
 
 
