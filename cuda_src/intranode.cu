@@ -619,6 +619,31 @@ __device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_b
     return !__syncthreads_or(timed_out);
 }
 
+// Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source
+// are counted together, behind one system-scope fence instead of one per row. Every lane holds the
+// same state; the warp calls add() after a row's stores and flush() when it stops pushing.
+struct PendingArrivals {
+    uint32_t* counter = nullptr;
+    uint32_t rows = 0;
+
+    __device__ __forceinline__ void flush(int lane) {
+        __syncwarp();
+        if (lane == 0 && rows > 0) {
+            __threadfence_system();
+            atomicAdd_system(counter, rows);
+        }
+        counter = nullptr;
+        rows = 0;
+    }
+
+    __device__ __forceinline__ void add(uint32_t* chunk_counter, int lane) {
+        if (chunk_counter != counter)
+            flush(lane);
+        counter = chunk_counter;
+        ++rows;
+    }
+};
+
 struct CombineShape {
     int64_t hidden_bytes;
     int num_topk;
@@ -724,6 +749,7 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
     ok = wait_landing_regions(landing_chunks, peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
     if (ok && warp_in_block >= kReducerWarps) {
+        PendingArrivals pending;
         for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
                                          [&](int source, int row, int j, int lane) {
             const int slot = combine_offsets[source] + j;
@@ -732,13 +758,10 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
             warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
             if (topk_weights != nullptr && lane < num_topk)
                 reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
-            __syncwarp();
-            if (lane == 0) {
-                __threadfence_system();
-                atomicAdd_system(control_of(base)->landed[epoch % 2] + slot / landing_chunks[source], 1u);
-            }
+            pending.add(control_of(base)->landed[epoch % 2] + slot / landing_chunks[source], lane);
             return true;
         });
+        pending.flush(lane);
     }
     if (ok) {
         const uint32_t* landed = control_of(own)->landed[epoch % 2];
