@@ -58,10 +58,10 @@ struct SenderMeta {
 };
 constexpr int64_t kMetaBytes = 64 * 1024;  // mirrors META_BYTES in cuep/kernels/intranode.py
 
-// Staging progress is counted per chunk of consecutive tokens, at least kMinChunkTokens long, so
-// that at most kMaxChunks counters serve any token count.
+// Staging (dispatch) and arrivals (combine) are counted per chunk of consecutive rows, at least
+// kMinChunkRows long, so that at most kMaxChunks counters serve any row count.
 constexpr int kMaxChunks = 1024;
-constexpr int kMinChunkTokens = 16;
+constexpr int kMinChunkRows = 16;
 
 // The dispatch protocol's flags, at the end of the meta region (zeroed when the Buffer is made).
 struct SenderControl {
@@ -91,8 +91,28 @@ __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
 }
 
-__device__ __forceinline__ int chunk_tokens(int64_t num_tokens) {
-    return max(kMinChunkTokens, static_cast<int>((num_tokens + kMaxChunks - 1) / kMaxChunks));
+__device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
+    return max(kMinChunkRows, static_cast<int>((num_rows + kMaxChunks - 1) / kMaxChunks));
+}
+
+// Lane 0 (the caller) waits until `chunk` of a per-chunk counter array over `num_rows` rows counts
+// all its rows, unless `confirmed` (its newest confirmed chunk for this peer) says so already.
+// Returns false, after recording `peer` and `phase`, on a timeout.
+__device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int chunk, int chunk_rows, int64_t num_rows,
+                                                int& confirmed, uint64_t deadline_ns, int32_t* status, int peer,
+                                                int phase) {
+    if (confirmed == chunk)
+        return true;
+    const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
+    const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
+    while (ld_acquire_sys_global(counters + chunk) < full) {
+        if (globaltimer_ns() > deadline_ns) {
+            record_timeout(status, peer, phase);
+            return false;
+        }
+    }
+    confirmed = chunk;
+    return true;
 }
 
 // What a receiver needs of one sender, read from the sender's meta at the start of a pull.
@@ -246,7 +266,7 @@ __device__ __forceinline__ void stage_token(const StageArgs& args, int token, in
         __syncwarp();
         if (lane == 0) {
             __threadfence_system();
-            atomicAdd(staged + token / chunk_tokens(args.num_tokens), 1u);
+            atomicAdd(staged + token / rows_per_chunk(args.num_tokens), 1u);
         }
     }
 }
@@ -301,7 +321,7 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
                                        reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
                                        reinterpret_cast<const float*>(base + meta->topk_weights_offset),
                                        reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens,
-                                       control->staged[epoch % 2], num_tokens, chunk_tokens(num_tokens)};
+                                       control->staged[epoch % 2], num_tokens, rows_per_chunk(num_tokens)};
         } else {
             record_timeout(status, source, kPhaseIntranodeStaged);
             timed_out = true;
@@ -315,19 +335,9 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
 __device__ __forceinline__ bool wait_until_staged(const SourcePlan& plan, int source, int64_t token, int* confirmed,
                                                   uint64_t deadline_ns, int32_t* status, int lane) {
     bool ok = true;
-    const int chunk = static_cast<int>(token / plan.chunk_tokens);
-    if (lane == 0 && confirmed[source] != chunk) {
-        const int64_t left = plan.num_tokens - static_cast<int64_t>(chunk) * plan.chunk_tokens;
-        const auto full = static_cast<uint32_t>(left < plan.chunk_tokens ? left : plan.chunk_tokens);
-        while (ld_acquire_sys_global(plan.staged + chunk) < full) {
-            if (globaltimer_ns() > deadline_ns) {
-                record_timeout(status, source, kPhaseIntranodeStaged);
-                ok = false;
-                break;
-            }
-        }
-        confirmed[source] = chunk;
-    }
+    if (lane == 0)
+        ok = wait_chunk_full(plan.staged, static_cast<int>(token / plan.chunk_tokens), plan.chunk_tokens,
+                             plan.num_tokens, confirmed[source], deadline_ns, status, source, kPhaseIntranodeStaged);
     return __shfl_sync(kFullWarpMask, ok, 0);
 }
 
@@ -665,19 +675,9 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
         if (pos < 0)
             continue;
         const int slot = send_offsets[r] + pos;
-        const int chunk = slot / landing_chunk;
-        if (lane == 0 && ok && confirmed[r] < chunk) {
-            const int left = num_copies_total - chunk * landing_chunk;
-            const auto full = static_cast<uint32_t>(left < landing_chunk ? left : landing_chunk);
-            while (ld_acquire_sys_global(landed + chunk) < full) {
-                if (globaltimer_ns() > deadline_ns) {
-                    record_timeout(status, r, kPhaseIntranodeArrival);
-                    ok = false;
-                    break;
-                }
-            }
-            confirmed[r] = chunk;
-        }
+        if (lane == 0 && ok)
+            ok = wait_chunk_full(landed, slot / landing_chunk, landing_chunk, num_copies_total, confirmed[r],
+                                 deadline_ns, status, r, kPhaseIntranodeArrival);
         rows[num_copies++] = landing + static_cast<int64_t>(slot) * shape.landing_row_bytes;
     }
     if (!__shfl_sync(kFullWarpMask, ok, 0))
@@ -737,7 +737,7 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     const int num_copies_total = recv_info[1];
-    const int own_chunk = max(kMinChunkTokens, (num_copies_total + kMaxChunks - 1) / kMaxChunks);
+    const int own_chunk = rows_per_chunk(num_copies_total);
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
