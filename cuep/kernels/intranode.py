@@ -101,10 +101,10 @@ class Context:
     peer_bases: Any               # [num_ranks] uint64 device array
     status: Any                   # [4] int32 device array (timeouts, overflow)
     next_row: Any                 # [num_ranks + 1] int32 device array: work counters, zero between kernels
-    dispatch_state: Any           # [STATE_WORDS] uint64 device array (zeroed with the buffer's meta region)
+    dispatch_state: Any           # [STATE_WORDS] uint64 device array: dispatch and combine epochs (kState*)
     device_sms: int               # the GPU's SM count: blocks of the fused kernels wait on each other, so
                                   # their grid must fit on the GPU at once
-    timeout_ns: int               # bound on every wait inside the dispatch kernels
+    timeout_ns: int               # bound on every wait inside the dispatch and combine kernels
     barrier: Callable[[Any], None]
     mirror_status: Callable[[Any], None]  # copies the status words to the host mirror, in stream order
     core_stream: Callable[[Any], Any]
