@@ -204,13 +204,14 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t nu
 // ---------------------------------------------------------------------------------------------
 // Sender side: wait for the buffer, publish the meta header, stage tokens.
 
-// Every block that writes into this rank's buffer first waits until each receiver has finished
-// pulling the previous epoch from it. Returns false (after recording the peer) on a timeout.
-__device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
-                                       int32_t* status) {
+// Every block that writes into this rank's buffer (a dispatch's staging, a combine's landing rows)
+// first waits until each receiver has finished pulling dispatch `pulled_epoch` from it. Returns false
+// (after recording the peer) on a timeout.
+__device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t pulled_epoch,
+                                       uint64_t deadline_ns, int32_t* status) {
     bool timed_out = false;
     const int receiver = threadIdx.x;
-    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], epoch - 1, deadline_ns)) {
+    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], pulled_epoch, deadline_ns)) {
         record_timeout(status, receiver, kPhaseIntranodeReuse);
         timed_out = true;
     }
@@ -378,20 +379,29 @@ __device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, 
     }
 }
 
-// The last block of a dispatch kernel tells every source this rank is done with its buffer, clears
-// the work counters for the next kernel and records the epoch as finished.
-__device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t* state,
-                                int32_t* next_row) {
+// Called by every thread at the end of a dispatch or combine kernel: true only for thread 0 of the
+// block that finishes last, after it has cleared the block count and the work counters
+// (next_row[0, num_ranks]) for the next kernel.
+__device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_ranks) {
     __syncthreads();
     if (threadIdx.x != 0)
-        return;
+        return false;
     __threadfence_system();
     auto* blocks_done = reinterpret_cast<unsigned long long*>(state + kStateBlocksDone);
     if (atomicAdd(blocks_done, 1ull) != gridDim.x - 1)
-        return;
+        return false;
     *blocks_done = 0;
-    for (int r = 0; r < num_ranks; ++r)
+    for (int r = 0; r <= num_ranks; ++r)
         next_row[r] = 0;
+    return true;
+}
+
+// The last block of a dispatch kernel tells every source this rank is done with its buffer and
+// records the epoch as finished.
+__device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t* state,
+                                int32_t* next_row) {
+    if (!last_block_finished(state, next_row, num_ranks))
+        return;
     for (int source = 0; source < num_ranks; ++source)
         st_release_sys_global(&control_of(reinterpret_cast<uint8_t*>(peer_bases[source]))->done[rank], epoch);
     state[kStateEpoch] = epoch;
@@ -416,7 +426,7 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
                          topk_weights_offset, send_lists_offset};
     const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
-    if (!wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch, deadline_ns, status))
+    if (!wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch - 1, deadline_ns, status))
         return;
     if (blockIdx.x == 0)
         publish_meta(args, num_tokens_per_expert, num_experts, epoch);
@@ -509,7 +519,7 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
 
     bool ok = true;
     if (stage) {
-        ok = wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch, deadline_ns, status);
+        ok = wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch - 1, deadline_ns, status);
         if (ok && blockIdx.x == 0)
             publish_meta(args, nullptr, 0, epoch);
     }
@@ -593,17 +603,11 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[kBf16PerVector]) 
 // Returns false on a timeout.
 __device__ bool open_landing_region(SenderControl* control, int num_ranks, uint64_t dispatch_epoch, uint64_t epoch,
                                     int landing_chunk, uint64_t deadline_ns, int32_t* status) {
-    bool timed_out = false;
-    const int receiver = threadIdx.x;
-    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], dispatch_epoch, deadline_ns)) {
-        record_timeout(status, receiver, kPhaseIntranodeReuse);
-        timed_out = true;
-    }
     for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
         control->landed[(epoch + 1) % 2][c] = 0;
     if (threadIdx.x == 0)
         control->landing_chunk = landing_chunk;
-    if (__syncthreads_or(timed_out))
+    if (!wait_until_buffer_free(control, num_ranks, dispatch_epoch, deadline_ns, status))
         return false;
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -703,21 +707,6 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
     return true;
 }
 
-// The last block of a combine clears the work counters and records the epoch as finished.
-__device__ void finish_combine(int num_ranks, uint64_t epoch, uint64_t* state, int32_t* next_row) {
-    __syncthreads();
-    if (threadIdx.x != 0)
-        return;
-    __threadfence();
-    auto* blocks_done = reinterpret_cast<unsigned long long*>(state + kStateBlocksDone);
-    if (atomicAdd(blocks_done, 1ull) != gridDim.x - 1)
-        return;
-    *blocks_done = 0;
-    for (int r = 0; r <= num_ranks; ++r)
-        next_row[r] = 0;
-    state[kStateCombineEpoch] = epoch;
-}
-
 }  // namespace cuep
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
@@ -778,5 +767,6 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
                 break;
         }
     }
-    finish_combine(num_ranks, epoch, state, next_row);
+    if (last_block_finished(state, next_row, num_ranks))
+        state[kStateCombineEpoch] = epoch;
 }
