@@ -770,3 +770,35 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
     if (last_block_finished(state, next_row, num_ranks))
         state[kStateCombineEpoch] = epoch;
 }
+
+// ---------------------------------------------------------------------------------------------
+// NVLink ceiling probe (python -m cuep.bench --mode ceiling): the row copies of a dispatch (pull = 1)
+// or of a combine (pull = 0), spread over peers exactly as those kernels spread them, with nothing
+// else: no staging, no flags, no reduction. What the probe reaches is what the copies alone can do
+// on this fabric; the gap to the real kernels is what their protocol costs.
+// Every rank's buffer holds, at kMetaBytes, a source region of num_ranks * max_rows rows (rows for
+// peer p at [p * max_rows, ...)) followed by a landing region of the same size (rows from peer p at
+// [p * max_rows, ...)). rank_prefix[num_ranks + 1] counts the rows this rank receives from (pull) or
+// sends back to (push) each peer. The contents are whatever the buffer holds; only bytes are timed.
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
+                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+    __shared__ int32_t prefix[kMaxRanks + 1];
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        prefix[threadIdx.x] = rank_prefix[threadIdx.x];
+    __syncthreads();
+    const int64_t landing_rows = static_cast<int64_t>(num_ranks) * max_rows;
+    const auto row_at = [&](int owner, int64_t index) {
+        return reinterpret_cast<uint8_t*>(peer_bases[owner]) + kMetaBytes + index * row_bytes;
+    };
+    for_each_row_spread_over_sources(next_row, prefix, rank, num_ranks, [&](int peer, int, int j, int lane) {
+        if (pull)
+            warp_copy(row_at(rank, landing_rows + static_cast<int64_t>(peer) * max_rows + j),
+                      row_at(peer, static_cast<int64_t>(rank) * max_rows + j), row_bytes, lane);
+        else
+            warp_copy(row_at(peer, landing_rows + static_cast<int64_t>(rank) * max_rows + j),
+                      row_at(rank, static_cast<int64_t>(peer) * max_rows + j), row_bytes, lane);
+        return true;
+    });
+    last_block_finished(state, next_row, num_ranks);
+}

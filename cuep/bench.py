@@ -173,6 +173,51 @@ def bench_normal(args) -> None:
     buffer.destroy()
 
 
+def bench_ceiling(args) -> None:
+    """What the dispatch's and combine's row copies reach with no protocol around them (the
+    ``cuep_intranode_probe`` kernel), for the benchmark's routing, beside the full operations' NVLink
+    rates from ``--mode normal``: the difference is what staging, flags and reduction cost."""
+    cupy, mpi = _deps.cupy(), _deps.mpi()
+    import cuep
+    from .kernels import intranode as intranode_kernel
+    comm = mpi.COMM_WORLD
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    _, topk_idx, _ = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
+    owner = topk_idx // (args.experts // num_ranks)
+    sent = [int((owner == r).any(axis=1).sum()) for r in range(num_ranks)]
+    received = [int(c) for c in comm.alltoall(sent)]  # rows pulled from each peer = rows pushed back to it
+    rows = {"bf16": args.hidden * 2, "fp8 + scales": args.hidden + args.hidden // 128 * 4}
+    max_rows = max(comm.allgather(max(received)))
+    buffer = cuep.Buffer(comm, num_nvl_bytes=intranode_kernel.probe_bytes(num_ranks, max_rows, max(rows.values())))
+    ctx = buffer._intranode_ready("probe()")
+    prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
+    remote_rows = sum(received) - received[rank]
+    results = {}
+    for name, pull, row_bytes in (("pull (dispatch)", True, rows["bf16"]), ("pull (dispatch)", True, rows["fp8 + scales"]),
+                                  ("push (combine)", False, rows["bf16"])):
+        for sms in args.sms or TUNE_SMS:
+            stream = buffer._comm_stream
+            cupy.cuda.Device().synchronize()
+            comm.Barrier()
+            with stream:
+                us = _median_us(lambda: [intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms)
+                                         for _ in range(BACK_TO_BACK)], args.warmup, args.iters) / BACK_TO_BACK
+            results[(name, row_bytes, sms)] = us
+    gathered = comm.gather(results, root=0)
+    buffer.destroy()
+    if rank != 0:
+        return
+    print(f"cuep NVLink ceiling probe: {num_ranks} ranks, the routing of --mode normal ({args.tokens} tokens/rank, "
+          f"top-{args.topk} of {args.experts}); rank 0 exchanges {sum(received)} rows ({remote_rows} over NVLink); "
+          f"per launch over {BACK_TO_BACK} back to back")
+    print(f"{'copy':18s} {'row bytes':>9s} {'SMs':>4s} {'us':>8s} {'GB/s':>8s} {'NVLink GB/s':>12s}")
+    for key in results:
+        us = float(np.mean([g[key] for g in gathered]))
+        name, row_bytes, sms = key
+        print(f"{name:18s} {row_bytes:9d} {sms:4d} {us:8.1f} {sum(received) * row_bytes / us / 1e3:8.1f} "
+              f"{remote_rows * row_bytes / us / 1e3:12.1f}")
+
+
 class _Graphs:
     """CUDA graphs captured on one stream; what each capture returned is kept (its graph writes there)."""
 
@@ -333,7 +378,8 @@ def bench_low_latency(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuep.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["normal", "low_latency"], default="normal")
+    parser.add_argument("--mode", choices=["normal", "low_latency", "ceiling"], default="normal",
+                        help="ceiling: the intranode row copies alone, on the normal mode's routing")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per rank (default 4096 normal, 128 low latency)")
     parser.add_argument("--hidden", type=int, default=7168)
@@ -359,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     args.iters = args.iters or (1000 if low_latency else 30)
     if args.tune:
         args.sms, args.progress = TUNE_SMS, True
-    (bench_low_latency if low_latency else bench_normal)(args)
+    {"normal": bench_normal, "low_latency": bench_low_latency, "ceiling": bench_ceiling}[args.mode](args)
     return 0
 
 

@@ -13,6 +13,7 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
     cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
                            num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
                            combined_x, combined_topk_weights, state, status, next_row, timeout_ns)
+    cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state, next_row)
 """
 
 from __future__ import annotations
@@ -225,3 +226,20 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
             ctx.dispatch_state.data.ptr, ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     ctx.mirror_status(stream)
     return combined_x, combined_weights
+
+
+def probe_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
+    """NVL buffer the ceiling probe needs: a source and a landing region of ``num_ranks * max_rows`` rows."""
+    return META_BYTES + 2 * num_ranks * max_rows * row_bytes
+
+
+def probe(ctx: Context, stream, rank_prefix, max_rows: int, row_bytes: int, pull: bool, num_sms: int) -> None:
+    """Enqueue the NVLink ceiling probe: the row copies of a dispatch (``pull``) or a combine, nothing else.
+
+    ``rank_prefix``: ``[num_ranks + 1]`` int32 device array, the prefix sum of the rows exchanged with
+    each peer (at most ``max_rows`` each). It overwrites this rank's and its peers' buffers past the meta
+    region, so every rank must run it with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
+    need_nvl_bytes("probe()", ctx, probe_bytes(ctx.num_ranks, max_rows, row_bytes), f"probing {max_rows} rows a peer")
+    _launch(ctx, stream, min(num_sms, ctx.device_sms), "cuep_intranode_probe", ctx.peer_bases.data.ptr,
+            rank_prefix.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int64(row_bytes),
+            np.int32(max_rows), np.int32(pull), ctx.dispatch_state.data.ptr, ctx.next_row.data.ptr)
