@@ -14,7 +14,7 @@
 // may overwrite its staging area for epoch e only once every receiver has finished pulling epoch
 // e - 1 from it (SenderControl::done), so no barrier is needed after a pull.
 //
-// Cached dispatch (one kernel, cuep_intranode_dispatch with stage = 1): a few warps of every block
+// Cached dispatch (one kernel, cuep_intranode_dispatch with stage > 0): a few warps of every block
 // stage this rank's tokens into its buffer, counting the tokens staged per chunk; the other warps
 // pull this rank's rows from every sender as soon as the chunk holding each row is counted full.
 // The first rows move after one token's staging time instead of after staging, a barrier and a
@@ -82,10 +82,9 @@ constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
 constexpr int kStateCombineEpoch = 2;
 
-// Warps of each fused-dispatch block that stage tokens before they join the pull. Staging reads
-// and writes local HBM, an order of magnitude faster than the NVLink pull it feeds, so a quarter
-// of the warps stays well ahead of the receivers.
-constexpr int kStagerWarps = 4;
+// A fused dispatch's stager warps per block (the `stage` argument, chosen by the host) must leave
+// most of the block to pull.
+constexpr int kMaxStagerWarps = kWarpsPerBlock / 2;
 
 __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
@@ -489,8 +488,8 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch pull (stage = 0: after notify) or the whole cached dispatch (stage = 1: this kernel's
-// first kStagerWarps warps per block stage this rank's tokens first). One warp per received row;
+// Dispatch pull (stage = 0: after notify) or the whole cached dispatch (stage > 0: this kernel's
+// first `stage` warps per block, at most kMaxStagerWarps, stage this rank's tokens, then pull). One warp per received row;
 // rows land in order of (source rank, source token). Cached calls read source tokens from
 // recv_src_idx, the others from the sources' send lists.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
@@ -524,10 +523,11 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
             publish_meta(args, nullptr, 0, epoch);
     }
     ok = load_source_plans(plans, peer_bases, rank, num_ranks, epoch, deadline_ns, status) && ok;
-    if (ok && stage && warp_in_block < kStagerWarps) {
+    const int stager_warps = min(stage, kMaxStagerWarps);
+    if (ok && warp_in_block < stager_warps) {
         uint32_t* staged = control_of(args.buffer)->staged[epoch % 2];
-        for (int token = blockIdx.x * kStagerWarps + warp_in_block; token < args.num_tokens;
-             token += gridDim.x * kStagerWarps)
+        for (int token = blockIdx.x * stager_warps + warp_in_block; token < args.num_tokens;
+             token += gridDim.x * stager_warps)
             stage_token(args, token, lane, staged);
     }
 
