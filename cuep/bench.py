@@ -186,18 +186,19 @@ def bench_ceiling(args) -> None:
     owner = topk_idx // (args.experts // num_ranks)
     sent = [int((owner == r).any(axis=1).sum()) for r in range(num_ranks)]
     received = [int(c) for c in comm.alltoall(sent)]  # rows pulled from each peer = rows pushed back to it
-    rows = {"bf16": args.hidden * 2, "fp8 + scales": args.hidden + args.hidden // 128 * 4}
+    bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4  # fp8: e4m3 bytes, then scales
     max_rows = max(comm.allgather(max(received)))
-    buffer = cuep.Buffer(comm, num_nvl_bytes=intranode_kernel.probe_bytes(num_ranks, max_rows, max(rows.values())))
+    buffer = cuep.Buffer(comm, num_nvl_bytes=intranode_kernel.probe_bytes(num_ranks, max_rows, bf16_row))
     ctx = buffer._intranode_ready("probe()")
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
     remote_rows = sum(received) - received[rank]
     results = {}
-    for name, pull, row_bytes in (("pull (dispatch)", True, rows["bf16"]), ("pull (dispatch)", True, rows["fp8 + scales"]),
-                                  ("push (combine)", False, rows["bf16"])):
+    copies = (("pull (dispatch)", True, bf16_row), ("pull (dispatch)", True, fp8_row),
+              ("push (combine)", False, bf16_row))
+    for name, pull, row_bytes in copies:
         for sms in args.sms or TUNE_SMS:
             stream = buffer._comm_stream
-            cupy.cuda.Device().synchronize()
+            cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight
             comm.Barrier()
             with stream:
                 us = _median_us(lambda: [intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms)

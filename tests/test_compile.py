@@ -8,7 +8,8 @@ from cuep.kernels import FAMILIES
 
 ELF_MAGIC = b"\x7fELF"
 ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"],
-           "intranode": [b"cuep_intranode_%s" % name for name in (b"stage", b"notify", b"dispatch", b"combine", b"probe")],
+           "intranode": [b"cuep_intranode_%s" % name
+                         for name in (b"stage", b"notify", b"dispatch", b"combine", b"probe")],
            "low_latency": [b"cuep_ll_dispatch", b"cuep_ll_combine"]}
 VARIANTS = {
     "default": dict(force_fallback=False, aggressive_ptx=False),
