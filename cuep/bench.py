@@ -111,6 +111,18 @@ def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
     return x, topk_idx, weights
 
 
+def _fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one FP8 token: its e4m3 bytes, then one float32 scale per 128 channels."""
+    return hidden + hidden // 128 * 4
+
+
+def _token_in_rank(topk_idx, num_experts: int, num_ranks: int):
+    """`[num_tokens, num_ranks]` bool: whether a token chose an expert of each rank (-1 entries none)."""
+    cupy = _deps.cupy()
+    owner = cupy.where(topk_idx >= 0, topk_idx // (num_experts // num_ranks), -1)
+    return cupy.stack([(owner == r).any(axis=1) for r in range(num_ranks)], axis=1)
+
+
 def bench_normal(args) -> None:
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
@@ -151,7 +163,7 @@ def bench_normal(args) -> None:
     results[("nccl dispatch bf16", 0)] = _median_us(nccl_dispatch, args.warmup, args.iters)
     results[("nccl combine bf16", 0)] = _median_us(nccl_combine, args.warmup, args.iters)
 
-    fp8_row_bytes = args.hidden + args.hidden // 128 * 4  # e4m3 bytes, then one float scale per 128
+    fp8_row_bytes = _fp8_row_bytes(args.hidden)
     bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row_bytes
     remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row_bytes
     gathered = comm.gather(results, root=0)
@@ -183,10 +195,9 @@ def bench_ceiling(args) -> None:
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     _, topk_idx, _ = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
-    owner = topk_idx // (args.experts // num_ranks)
-    sent = [int((owner == r).any(axis=1).sum()) for r in range(num_ranks)]
+    sent = [int(count) for count in _token_in_rank(topk_idx, args.experts, num_ranks).sum(axis=0).get()]
     received = [int(c) for c in comm.alltoall(sent)]  # rows pulled from each peer = rows pushed back to it
-    bf16_row, fp8_row = args.hidden * 2, args.hidden + args.hidden // 128 * 4  # fp8: e4m3 bytes, then scales
+    bf16_row, fp8_row = args.hidden * 2, _fp8_row_bytes(args.hidden)
     max_rows = max(comm.allgather(max(received)))
     buffer = cuep.Buffer(comm, num_nvl_bytes=intranode_kernel.probe_bytes(num_ranks, max_rows, bf16_row))
     ctx = buffer._intranode_ready("probe()")
@@ -341,10 +352,8 @@ def bench_low_latency(args) -> None:
         traces = {"dispatch": _trace_launch(trace, graphs, dispatch_graph, DISPATCH_TRACE),
                   "combine": _trace_launch(trace, graphs, combine_graph, COMBINE_TRACE)}
 
-    experts_per_rank = experts // num_ranks
-    owner = cupy.where(topk_idx >= 0, topk_idx // experts_per_rank, -1)
-    in_rank = cupy.stack([(owner == r).any(axis=1) for r in range(num_ranks)], axis=1)
-    fp8_rows = cupy.zeros((tokens, hidden + hidden // 128 * 4), dtype=cupy.uint8)  # e4m3 bytes + scales
+    in_rank = _token_in_rank(topk_idx, experts, num_ranks)
+    fp8_rows = cupy.zeros((tokens, _fp8_row_bytes(hidden)), dtype=cupy.uint8)
     nccl_dispatch, _ = nccl_baseline(comm, fp8_rows, in_rank)
     _, nccl_combine = nccl_baseline(comm, x, in_rank)
     times["nccl dispatch fp8"] = _times_us(lambda _: nccl_dispatch(), args.warmup, args.iters)
@@ -352,7 +361,7 @@ def bench_low_latency(args) -> None:
 
     # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header bytes).
     selections = int((topk_idx >= 0).sum())
-    dispatch_bytes, combine_bytes = selections * (hidden + hidden // 128 * 4 + 16), selections * hidden * 2
+    dispatch_bytes, combine_bytes = selections * (_fp8_row_bytes(hidden) + 16), selections * hidden * 2
     gathered = comm.gather(times, root=0)
     gathered_traces = comm.gather(traces, root=0)
     buffer.destroy()

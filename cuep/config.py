@@ -62,10 +62,8 @@ class Config:
         return 0
 
 
-# SM counts measured best on 4 x H200 at EP4 (docs/performance.md, v0.2.0): dispatch saturates near
-# 48-64 SMs, combine keeps improving up to all 132. EP2 and EP8 reuse the EP4 values until measured.
 # Tuned with `python -m cuep.bench --tune` on 2 and 4 H200s (docs/performance.md, v0.4.0): dispatch is
-# NVLink-bound from ~48 SMs on; combine still gains up to 128.
+# NVLink-bound from ~48 SMs on; combine still gains up to 128. EP8 uses the defaults until measured.
 _DISPATCH_SMS = {2: 64, 4: 48}
 _COMBINE_SMS = {2: 128, 4: 128}
 _DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 48, 128

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import fp8
-from moe_common import expert_weight, gate
+from moe_common import expert_weight, gate, one_gpu_layer, worst_relative_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -72,15 +72,9 @@ def main() -> None:
     output = cupy.concatenate(outputs).astype(cupy.float32)
 
     # The same layer on one GPU, from this rank's (FP8-rounded) tokens.
-    sent_x = fp8.dequantize(*fp8.quantize(x))
-    expected = cupy.zeros((args.tokens, args.hidden), dtype=cupy.float32)
-    for expert in range(args.experts):
-        rows, slots = cupy.nonzero(topk_idx == expert)
-        if rows.size:
-            out = (sent_x[rows] @ expert_weight(expert, args.hidden)).astype(BF16).astype(cupy.float32)
-            expected[rows] += topk_weights[rows, slots][:, None] * out
-    error = float(cupy.linalg.norm(output - expected) / cupy.linalg.norm(expected))
-    worst = comm.allreduce(error, op=MPI.MAX)
+    expected = one_gpu_layer(fp8.dequantize(*fp8.quantize(x)), topk_idx, topk_weights, args.experts,
+                             expert_output=lambda out: out.astype(BF16).astype(cupy.float32))
+    worst = worst_relative_error(comm, output, expected)
     if buffer.rank == 0:
         print(f"cuep {cuep.__version__}: decode MoE layer on {buffer.group_size} ranks, {args.tokens} tokens/rank in "
               f"2 micro-batches, hidden {args.hidden}, top-{args.topk} of {args.experts} experts")

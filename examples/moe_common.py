@@ -1,11 +1,15 @@
-"""What the examples share: deterministic expert weights and a top-k gate (CuPy only).
+"""What the examples share: deterministic expert weights, a top-k gate and the one-GPU check (CuPy only).
 
-Both are the same on every rank, so each rank can recompute the whole layer on one GPU to check itself.
+Weights and gate are the same on every rank, so each rank can recompute the whole layer on one GPU to
+check itself.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import cupy
+from mpi4py import MPI
 
 
 def expert_weight(expert: int, hidden: int) -> cupy.ndarray:
@@ -21,3 +25,23 @@ def gate(x: cupy.ndarray, experts: int, topk: int, seed: int):
     chosen = cupy.take_along_axis(logits, topk_idx, axis=1)
     weights = cupy.exp(chosen - chosen.max(axis=1, keepdims=True))
     return topk_idx.astype(cupy.int64), (weights / weights.sum(axis=1, keepdims=True)).astype(cupy.float32)
+
+
+def one_gpu_layer(tokens: cupy.ndarray, topk_idx: cupy.ndarray, topk_weights: cupy.ndarray, experts: int,
+                  expert_output: Callable[[cupy.ndarray], cupy.ndarray] = lambda out: out) -> cupy.ndarray:
+    """The whole layer for ``tokens`` (float32) on one GPU: per token, the sum over its chosen experts
+    of weight * expert_output(token @ W_e); ``expert_output`` applies the rounding the distributed
+    layer's expert outputs go through."""
+    expected = cupy.zeros(tokens.shape, dtype=cupy.float32)
+    for expert in range(experts):
+        rows, slots = cupy.nonzero(topk_idx == expert)
+        if rows.size:
+            out = expert_output(tokens[rows] @ expert_weight(expert, tokens.shape[1]))
+            expected[rows] += topk_weights[rows, slots][:, None] * out
+    return expected
+
+
+def worst_relative_error(comm, output: cupy.ndarray, expected: cupy.ndarray) -> float:
+    """The largest, over the ranks, of ||output - expected|| / ||expected||."""
+    error = float(cupy.linalg.norm(output.astype(cupy.float32) - expected) / cupy.linalg.norm(expected))
+    return comm.allreduce(error, op=MPI.MAX)

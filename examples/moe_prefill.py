@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cuep
-from moe_common import expert_weight, gate
+from moe_common import expert_weight, gate, one_gpu_layer, worst_relative_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -58,14 +58,8 @@ def main() -> None:
     expert_out = local_experts(recv_x, recv_topk_idx, recv_weights, first_expert, args.hidden)
     combined, _, _ = buffer.combine(expert_out, handle)
 
-    expected = cupy.zeros((args.tokens, args.hidden), dtype=cupy.float32)
-    tokens = x.astype(cupy.float32)
-    for expert in range(args.experts):
-        rows, slots = cupy.nonzero(topk_idx == expert)
-        if rows.size:
-            expected[rows] += topk_weights[rows, slots][:, None] * (tokens[rows] @ expert_weight(expert, args.hidden))
-    error = float(cupy.linalg.norm(combined.astype(cupy.float32) - expected) / cupy.linalg.norm(expected))
-    worst = comm.allreduce(error, op=MPI.MAX)
+    expected = one_gpu_layer(x.astype(cupy.float32), topk_idx, topk_weights, args.experts)
+    worst = worst_relative_error(comm, combined, expected)
     received = comm.gather(int(recv_x.shape[0]), root=0)
     if buffer.rank == 0:
         print(f"cuep {cuep.__version__}: MoE layer on {buffer.group_size} ranks, {args.tokens} tokens/rank, "
