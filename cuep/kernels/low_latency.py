@@ -37,6 +37,7 @@ UE8M0_SCALES_PER_WORD = 4
 MAX_SHARED_BYTES = 48 * 1024    # without opting in to more
 TRACE_POINTS = 16               # mirrors kTracePoints (cuda_src/cuep/trace.cuh)
 _FLAG_BYTES = 8
+_TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
 _REGION_ALIGN = 4096
 
@@ -80,10 +81,13 @@ def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
     weight_words = _align(max_tokens * MAX_TOPK, 4)
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
-    sizes = [("routing", num_ranks * routing_words * 4), ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
-             ("weights", num_ranks * weight_words * 4), ("combine_slots", num_ranks * max_tokens * combine_slot),
-             ("routing_staging", num_ranks * routing_words * 4), ("dispatch_staging", max_tokens * dispatch_slot),
-             ("weight_staging", num_ranks * weight_words * 4),
+    sizes = [("routing", num_ranks * routing_words * _TABLE_WORD_BYTES),
+             ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
+             ("weights", num_ranks * weight_words * _TABLE_WORD_BYTES),
+             ("combine_slots", num_ranks * max_tokens * combine_slot),
+             ("routing_staging", num_ranks * routing_words * _TABLE_WORD_BYTES),
+             ("dispatch_staging", max_tokens * dispatch_slot),
+             ("weight_staging", num_ranks * weight_words * _TABLE_WORD_BYTES),
              ("combine_staging", num_ranks * max_tokens * combine_slot)]
     offsets, cursor = {}, 0
     for name, size in sizes:
