@@ -20,7 +20,7 @@
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;
 // other peers, or every peer when the put path is forced, get an NVSHMEM put-with-signal from a
 // staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
-// 64-bit word carries its call number's low 32 bits beside the value, so it shows itself when it lands.
+// 64-bit word carries a tag of its call number beside the value, so it shows itself when it lands.
 //
 // Every wait is bounded: a timed-out wait records the peer and phase in `status` (mirrored to
 // pinned host memory, so no copy is enqueued per call) and every later wait of the launch gives up
@@ -177,12 +177,27 @@ __device__ __forceinline__ bool wait_for_flag(const uint64_t* flag, uint64_t seq
     return true;
 }
 
-// A table word: the value in the low half, the low 32 bits of its call number in the high half. An
-// aligned 64-bit store lands whole, so a receiver that sees the tag sees the value.
-__device__ __forceinline__ uint64_t tagged_word(uint64_t seq, uint32_t value) { return (seq << 32) | value; }
+// The tag of call `seq`: seq mod (2^32 - 1), plus 1, so never 0 and a word no call has written yet
+// (zeroed memory) never passes for one. A word left unwritten for a multiple of 2^32 - 1 calls could;
+// a receiver reads only the words its source wrote this call, so that would take a token slot idle
+// for days and then read a few nanoseconds before its new value lands.
+__device__ __forceinline__ uint32_t word_tag(uint64_t seq) {
+    constexpr uint64_t kModulus = 0xffffffffull;
+    uint64_t folded = (seq & kModulus) + (seq >> 32);  // 2^32 = 1 (mod 2^32 - 1)
+    folded = (folded & kModulus) + (folded >> 32);
+    if (folded >= kModulus)
+        folded -= kModulus;
+    return static_cast<uint32_t>(folded) + 1;
+}
+
+// A table word: the value in the low half, its call's tag in the high half. An aligned 64-bit store
+// lands whole, so a receiver that sees the tag sees the value.
+__device__ __forceinline__ uint64_t tagged_word(uint64_t seq, uint32_t value) {
+    return (static_cast<uint64_t>(word_tag(seq)) << 32) | value;
+}
 
 __device__ __forceinline__ bool has_tag(uint64_t word, uint64_t seq) {
-    return static_cast<uint32_t>(word >> 32) == static_cast<uint32_t>(seq);
+    return static_cast<uint32_t>(word >> 32) == word_tag(seq);
 }
 
 // Table word `word` (already loaded once into `value`) once it carries seq's tag. Bounded as wait_for_flag.

@@ -53,3 +53,13 @@ def test_flags_sit_at_fixed_offsets_whatever_the_shape():
 
 def test_dispatch_shared_memory_stays_within_the_default_limit():
     assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= low_latency.MAX_SHARED_BYTES
+
+
+def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
+    ranks = 256
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:
+        low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
+    most = int(str(error.value).rsplit("<= ", 1)[1].split()[0])
+    assert low_latency.dispatch_shared_bytes(most, ranks) <= low_latency.MAX_SHARED_BYTES
+    assert low_latency.dispatch_shared_bytes(most + 32, ranks) > low_latency.MAX_SHARED_BYTES
+    assert low_latency.check_dispatch_shared_bytes("c", most, ranks) == low_latency.dispatch_shared_bytes(most, ranks)

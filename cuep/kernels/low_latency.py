@@ -112,6 +112,18 @@ def dispatch_shared_bytes(max_tokens: int, num_ranks: int) -> int:
     return (num_ranks + 2 * num_ranks * words_per_source) * 4
 
 
+def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int) -> int:
+    """The dispatch's shared memory, or ValueError when ``max_tokens`` from ``num_ranks`` ranks would need
+    more than a block gets without opting in (the launch would fail with a bare CUDA error)."""
+    needed = dispatch_shared_bytes(max_tokens, num_ranks)
+    if needed > MAX_SHARED_BYTES:
+        most = (MAX_SHARED_BYTES // (4 * num_ranks) - 1) // 2 * 32
+        raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} on {num_ranks} ranks needs "
+                         f"{needed} bytes of shared memory per block for the receive layout (at most "
+                         f"{MAX_SHARED_BYTES}); use num_max_dispatch_tokens_per_rank <= {most} at this rank count")
+    return needed
+
+
 class _Status(ctypes.Structure):
     _fields_ = [("device", ctypes.c_void_p), ("host", ctypes.c_void_p)]
 
@@ -275,6 +287,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     num_local = num_experts // ctx.num_ranks
     rows = ctx.num_ranks * max_tokens
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
+    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
     columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
     # One allocation for every output of the call (each allocation costs host time on the decode path).
     arrays = _carve(cupy, [
@@ -309,7 +322,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.source_tokens = handle.source_tokens.data.ptr
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
     a.num_parts = max(1, ctx.num_sms // num_local)
-    launch = Launch(ctx, "cuep_ll_dispatch", a, dispatch_shared_bytes(max_tokens, ctx.num_ranks))
+    launch = Launch(ctx, "cuep_ll_dispatch", a, shared_bytes)
     return recv_x, recv_scales, recv_count, handle, launch
 
 
