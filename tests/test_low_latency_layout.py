@@ -52,7 +52,8 @@ def test_flags_sit_at_fixed_offsets_whatever_the_shape():
 
 
 def test_dispatch_shared_memory_stays_within_the_default_limit():
-    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= low_latency.MAX_SHARED_BYTES
+    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
+    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
 
 
 def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
@@ -60,6 +61,8 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:
         low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
     most = int(str(error.value).rsplit("<= ", 1)[1].split()[0])
-    assert low_latency.dispatch_shared_bytes(most, ranks) <= low_latency.MAX_SHARED_BYTES
-    assert low_latency.dispatch_shared_bytes(most + 32, ranks) > low_latency.MAX_SHARED_BYTES
+    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
+    assert low_latency.dispatch_shared_bytes(most, ranks) <= limit < low_latency.dispatch_shared_bytes(most + 32, ranks)
+    with pytest.raises(ValueError, match="use fewer ranks per Buffer"):
+        low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
     assert low_latency.check_dispatch_shared_bytes("c", most, ranks) == low_latency.dispatch_shared_bytes(most, ranks)

@@ -72,12 +72,6 @@ __device__ __forceinline__ uint64_t ld_volatile_global(const uint64_t* ptr) {
     return value;
 }
 
-__device__ __forceinline__ ulonglong2 ld_volatile_global(const ulonglong2* ptr) {
-    ulonglong2 v;
-    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(ptr));
-    return v;
-}
-
 // Load of data a peer wrote during this kernel, after an acquire of its flag: cached in L2 only, so no
 // line this SM cached earlier can be stale.
 __device__ __forceinline__ int4 ld_cg_global(const int4* ptr) { return __ldcg(ptr); }

@@ -34,10 +34,10 @@ SEQ_WORDS = 8                   # latest call, call of each half, finished block
 ROUTING_HEADER_WORDS = 4
 SCALE_BLOCK = 128
 UE8M0_SCALES_PER_WORD = 4
-MAX_SHARED_BYTES = 48 * 1024    # without opting in to more
+MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
+DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
 TRACE_POINTS = 16               # mirrors kTracePoints (cuda_src/cuep/trace.cuh)
 _FLAG_BYTES = 8
-_TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
 _REGION_ALIGN = 4096
 
@@ -81,13 +81,10 @@ def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
     weight_words = _align(max_tokens * MAX_TOPK, 4)
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
-    sizes = [("routing", num_ranks * routing_words * _TABLE_WORD_BYTES),
-             ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
-             ("weights", num_ranks * weight_words * _TABLE_WORD_BYTES),
-             ("combine_slots", num_ranks * max_tokens * combine_slot),
-             ("routing_staging", num_ranks * routing_words * _TABLE_WORD_BYTES),
-             ("dispatch_staging", max_tokens * dispatch_slot),
-             ("weight_staging", num_ranks * weight_words * _TABLE_WORD_BYTES),
+    sizes = [("routing", num_ranks * routing_words * 4), ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
+             ("weights", num_ranks * weight_words * 4), ("combine_slots", num_ranks * max_tokens * combine_slot),
+             ("routing_staging", num_ranks * routing_words * 4), ("dispatch_staging", max_tokens * dispatch_slot),
+             ("weight_staging", num_ranks * weight_words * 4),
              ("combine_staging", num_ranks * max_tokens * combine_slot)]
     offsets, cursor = {}, 0
     for name, size in sizes:
@@ -116,11 +113,13 @@ def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int) -> i
     """The dispatch's shared memory, or ValueError when ``max_tokens`` from ``num_ranks`` ranks would need
     more than a block gets without opting in (the launch would fail with a bare CUDA error)."""
     needed = dispatch_shared_bytes(max_tokens, num_ranks)
-    if needed > MAX_SHARED_BYTES:
-        most = (MAX_SHARED_BYTES // (4 * num_ranks) - 1) // 2 * 32
+    limit = MAX_SHARED_BYTES - DISPATCH_STATIC_SHARED_BYTES
+    if needed > limit:
+        most = (limit // (4 * num_ranks) - 1) // 2 * 32
+        fix = f"use num_max_dispatch_tokens_per_rank <= {most}" if most > 0 else "use fewer ranks per Buffer"
         raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} on {num_ranks} ranks needs "
-                         f"{needed} bytes of shared memory per block for the receive layout (at most "
-                         f"{MAX_SHARED_BYTES}); use num_max_dispatch_tokens_per_rank <= {most} at this rank count")
+                         f"{needed} bytes of shared memory per block for the receive layout (at most {limit}); "
+                         f"{fix} at this rank count")
     return needed
 
 
