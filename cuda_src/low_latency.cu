@@ -305,17 +305,23 @@ struct Team {
 __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(blockDim.x), 0}; }
 
 // Team-wide: write `count` tagged words, word i = value(i), into `table` (this rank's slot, a
-// symmetric address) on `pe`. A direct peer needs nothing more (the tags show the words); a put peer
-// gets them from `staging` (this rank's symmetric scratch) with `flag` raised to `seq`.
+// symmetric address) on `pe`. A put peer gets them from `staging` (this rank's symmetric scratch) with
+// `flag` raised to `seq`. A direct peer needs nothing more (the tags show the words), but its flag is
+// raised too, by a plain strong store that waits for nothing: a receiver that takes this rank for a
+// put peer (Buffers created with different put options) then still finds it.
 template <typename Value>
 __device__ void publish_table(const Team& team, uint64_t* table, uint64_t* staging, int count, Value value,
                               uint64_t* flag, uint64_t seq, int pe, int rank, bool force_put) {
     uint64_t* direct = direct_address(table, pe, rank, force_put);
     uint64_t* target = direct != nullptr ? direct : staging;
-    batched_copy<uint32_t, kTableBatch>(team.thread(), team.size, count, value,
-                                        [&](int i, uint32_t word) { target[i] = tagged_word(seq, word); });
+    batched_copy<uint32_t, kTableBatch>(team.thread(), team.size, count, value, [&](int i, uint32_t word) {
+        st_relaxed_sys_global(target + i, tagged_word(seq, word));
+    });
     team.sync();
-    if (direct == nullptr) {
+    if (direct != nullptr) {
+        if (team.leader())
+            st_relaxed_sys_global(direct_address(flag, pe, rank, false), seq);
+    } else {
         if (team.thread() < kWarpSize)
             nvshmemx_putmem_signal_nbi_warp(table, staging, static_cast<size_t>(count) * sizeof(uint64_t), flag, seq,
                                             NVSHMEM_SIGNAL_SET, pe);

@@ -31,12 +31,13 @@ def test_ctypes_structs_mirror_the_kernel_arguments(name, mirror):
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
     layout = low_latency.half_layout(128, 7168, 4)
-    offsets = sorted((getattr(layout, f), f) for f in ("routing", "dispatch_slots", "weights", "combine_slots",
-                                                        "routing_staging", "dispatch_staging", "weight_staging",
-                                                        "combine_staging"))
-    assert offsets[0][0] == 0
+    names = ("dispatch_slots", "combine_slots", "routing_staging", "dispatch_staging", "weight_staging",
+             "combine_staging")
+    offsets = sorted(getattr(layout, f) for f in names)
+    assert offsets[0] == 0 and len(set(offsets)) == len(names)
     assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
-    assert layout.routing_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    # every token row of a routing table starts 16 bytes apart from the next source's (paired loads)
+    assert low_latency.ROUTING_WORDS % 2 == 0
     hint = low_latency.size_hint(128, 7168, 4)
     assert low_latency.half_data_bytes(hint, 4) >= layout.end
     assert low_latency.half_data_bytes(hint - 8192, 4) < layout.end  # the hint is tight to a page
@@ -44,15 +45,18 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     assert hint < 64 << 20
 
 
-def test_flags_sit_at_fixed_offsets_whatever_the_shape():
-    assert low_latency.flags_bytes(4) == low_latency.flags_bytes(4)
+def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
+    # polled words never alias message data of another shape: only the data regions depend on it
     small, large = low_latency.size_hint(8, 256, 4), low_latency.size_hint(1024, 7168, 4)
-    assert small > low_latency.flags_bytes(4) and large > small
-    assert low_latency.flags_bytes(4) % 4096 == 0
+    fixed = low_latency.fixed_bytes(4)
+    assert fixed >= low_latency.flags_bytes(4) + 2 * 4 * (low_latency.ROUTING_WORDS + low_latency.WEIGHT_WORDS) * 8
+    assert small > fixed and large > small
+    assert low_latency.flags_bytes(4) % 4096 == 0 and fixed % 4096 == 0
 
 
 def test_dispatch_shared_memory_stays_within_the_default_limit():
-    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= low_latency.MAX_SHARED_BYTES
+    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
+    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
 
 
 def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
@@ -60,6 +64,8 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:
         low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
     most = int(str(error.value).rsplit("<= ", 1)[1].split()[0])
-    assert low_latency.dispatch_shared_bytes(most, ranks) <= low_latency.MAX_SHARED_BYTES
-    assert low_latency.dispatch_shared_bytes(most + 32, ranks) > low_latency.MAX_SHARED_BYTES
+    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
+    assert low_latency.dispatch_shared_bytes(most, ranks) <= limit < low_latency.dispatch_shared_bytes(most + 32, ranks)
+    with pytest.raises(ValueError, match="use fewer ranks per Buffer"):
+        low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
     assert low_latency.check_dispatch_shared_bytes("c", most, ranks) == low_latency.dispatch_shared_bytes(most, ranks)

@@ -8,10 +8,13 @@ C++ entries, each taking one argument struct by value (mirrored below with ctype
 Buffer layout (byte offsets from the start of the low-latency region, the same on every rank)::
 
     [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
+    [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
     [half 0 data][half 1 data]      each: see HalfLayout
 
-The flags sit at fixed offsets whatever the call's shape, so a flag word only ever holds call
-numbers (which only grow); data regions move with ``(max_tokens, hidden)`` and are never polled.
+Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
+ever holds call numbers (which only grow) and a table word only zeros or tagged words of earlier calls,
+never message bytes that could pass for a tag. Data regions move with ``(max_tokens, hidden)`` and are
+never polled.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ SEND_PHASE, RECV_PHASE = 1, 2   # mirror kSendPhase / kRecvPhase
 SEQ_WORDS = 8                   # latest call, call of each half, finished blocks and tables of each half,
                                 # newest call whose routing tables went out
 ROUTING_HEADER_WORDS = 4
+ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
+WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 SCALE_BLOCK = 128
 UE8M0_SCALES_PER_WORD = 4
-MAX_SHARED_BYTES = 48 * 1024    # without opting in to more
+MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
+DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
 TRACE_POINTS = 16               # mirrors kTracePoints (cuda_src/cuep/trace.cuh)
 _FLAG_BYTES = 8
 _TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
@@ -57,17 +63,22 @@ def flags_bytes(num_ranks: int) -> int:
     return _align(2 * per_half, _REGION_ALIGN)
 
 
+def _tables_half_bytes(num_ranks: int) -> int:
+    return num_ranks * (ROUTING_WORDS + WEIGHT_WORDS) * _TABLE_WORD_BYTES
+
+
+def fixed_bytes(num_ranks: int) -> int:
+    """Bytes at the start of the region that never move: the flags, then both halves' tables."""
+    return flags_bytes(num_ranks) + _align(2 * _tables_half_bytes(num_ranks), _REGION_ALIGN)
+
+
 @dataclass(frozen=True)
 class HalfLayout:
     """Byte offsets inside one half's data region for calls of ``max_tokens`` tokens of ``hidden``."""
 
-    routing_words: int
     dispatch_slot_bytes: int
-    weight_words: int
     combine_slot_bytes: int
-    routing: int
     dispatch_slots: int
-    weights: int
     combine_slots: int
     routing_staging: int
     dispatch_staging: int
@@ -77,33 +88,30 @@ class HalfLayout:
 
 
 def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
-    routing_words = _align(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 4)
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
-    weight_words = _align(max_tokens * MAX_TOPK, 4)
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
-    sizes = [("routing", num_ranks * routing_words * _TABLE_WORD_BYTES),
-             ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
-             ("weights", num_ranks * weight_words * _TABLE_WORD_BYTES),
+    # Staged tables (put path) keep the tables' fixed strides: the kernels index both with one stride.
+    sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
              ("combine_slots", num_ranks * max_tokens * combine_slot),
-             ("routing_staging", num_ranks * routing_words * _TABLE_WORD_BYTES),
+             ("routing_staging", num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES),
              ("dispatch_staging", max_tokens * dispatch_slot),
-             ("weight_staging", num_ranks * weight_words * _TABLE_WORD_BYTES),
+             ("weight_staging", num_ranks * WEIGHT_WORDS * _TABLE_WORD_BYTES),
              ("combine_staging", num_ranks * max_tokens * combine_slot)]
     offsets, cursor = {}, 0
     for name, size in sizes:
         offsets[name] = cursor
         cursor += _align(size, _SLOT_ALIGN)
-    return HalfLayout(routing_words, dispatch_slot, weight_words, combine_slot, **offsets, end=cursor)
+    return HalfLayout(dispatch_slot, combine_slot, **offsets, end=cursor)
 
 
 def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
     """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank need."""
-    return flags_bytes(num_ranks) + 2 * _align(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+    return fixed_bytes(num_ranks) + 2 * _align(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
 
 
 def half_data_bytes(region_bytes: int, num_ranks: int) -> int:
     """Capacity of each half's data region in a low-latency region of ``region_bytes``."""
-    return max(0, (region_bytes - flags_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
+    return max(0, (region_bytes - fixed_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
 
 
 def dispatch_shared_bytes(max_tokens: int, num_ranks: int) -> int:
@@ -116,11 +124,13 @@ def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int) -> i
     """The dispatch's shared memory, or ValueError when ``max_tokens`` from ``num_ranks`` ranks would need
     more than a block gets without opting in (the launch would fail with a bare CUDA error)."""
     needed = dispatch_shared_bytes(max_tokens, num_ranks)
-    if needed > MAX_SHARED_BYTES:
-        most = (MAX_SHARED_BYTES // (4 * num_ranks) - 1) // 2 * 32
+    limit = MAX_SHARED_BYTES - DISPATCH_STATIC_SHARED_BYTES
+    if needed > limit:
+        most = (limit // (4 * num_ranks) - 1) // 2 * 32
+        fix = f"use num_max_dispatch_tokens_per_rank <= {most}" if most > 0 else "use fewer ranks per Buffer"
         raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} on {num_ranks} ranks needs "
-                         f"{needed} bytes of shared memory per block for the receive layout (at most "
-                         f"{MAX_SHARED_BYTES}); use num_max_dispatch_tokens_per_rank <= {most} at this rank count")
+                         f"{needed} bytes of shared memory per block for the receive layout (at most {limit}); "
+                         f"{fix} at this rank count")
     return needed
 
 
@@ -205,8 +215,13 @@ class Context:
         base = self.region_ptr + half * (2 * per_source + 2 * per_tokens)
         return base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens
 
+    def tables(self, half: int) -> tuple[int, int]:
+        """Addresses of the (routing, weights) tables of ``half``."""
+        base = self.region_ptr + flags_bytes(self.num_ranks) + half * _tables_half_bytes(self.num_ranks)
+        return base, base + self.num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES
+
     def data(self, half: int) -> int:
-        return self.region_ptr + flags_bytes(self.num_ranks) + half * half_data_bytes(self.region_bytes, self.num_ranks)
+        return self.region_ptr + fixed_bytes(self.num_ranks) + half * half_data_bytes(self.region_bytes, self.num_ranks)
 
 
 @dataclass
@@ -313,7 +328,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.topk_idx, a.ids_are_int64, a.num_topk = topk_idx.data.ptr, int(topk_idx.itemsize == 8), num_topk
     a.num_experts, a.max_tokens = num_experts, max_tokens
     a.routing_flags, a.token_flags = routing_flags, token_flags
-    a.routing, a.routing_words = data + layout.routing, layout.routing_words
+    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
     a.recv_x, a.recv_scales = recv_x.data.ptr, recv_scales.data.ptr if recv_scales is not None else 0
@@ -340,7 +355,7 @@ def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, 
     a.num_experts, a.max_tokens = handle.num_experts, handle.num_max_dispatch_tokens_per_rank
     a.combine_rows, a.source_tokens = handle.combine_rows.data.ptr, handle.source_tokens.data.ptr
     a.weight_flags, a.token_flags = weight_flags, token_flags
-    a.weights, a.weight_words = data + layout.weights, layout.weight_words
+    a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.combined_x = out.data.ptr
