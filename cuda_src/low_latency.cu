@@ -80,6 +80,7 @@ constexpr int kTraceTokensStored = 2;     // this block's token stores issued (b
 constexpr int kTraceSendDone = 3;
 constexpr int kTraceTablesRead = 4;       // every source's routing table arrived
 constexpr int kTraceLaidOut = 5;          // the block's (last) unit laid out
+constexpr int kTraceFlagsReleased = 6;    // latest token flag release of this block that completed
 constexpr int kTraceLastRowFlag = 7;      // latest token flag a row of this block waited for
 constexpr int kTraceRowsCopied = 8;
 constexpr int kTraceEnd = 9;
@@ -358,12 +359,15 @@ struct Destinations {
 // waits until the message's stores have landed, and only that warp waits, while the rest of the team
 // goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
 // that warp still reads). Put destinations get a put-with-signal from the team's first warp.
+// `trace`: stamps kTraceFlagsReleased once a release returned (its message had landed).
 __device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
-                                    int64_t bytes, uint64_t* flag, uint64_t seq, int rank) {
+                                    int64_t bytes, uint64_t* flag, uint64_t seq, int rank, uint64_t* trace) {
     team.sync();
     const int i = team.thread() - (team.size - kWarpSize);
-    if (i >= 0 && i < dst.count && dst.direct[i] != nullptr)
+    if (i >= 0 && i < dst.count && dst.direct[i] != nullptr) {
         st_release_sys_global(direct_address(flag, dst.pe[i], rank, false), seq);
+        trace_latest(trace, kTraceFlagsReleased);
+    }
     if (dst.any_put) {
         if (team.thread() < kWarpSize)
             for (int d = 0; d < dst.count; ++d)
@@ -620,7 +624,7 @@ __device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t
                                   uint64_t seq) {
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
     raise_message_flags(team, dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
-                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
+                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank, a.trace);
 }
 
 // Send this block's tokens, after the routing tables (from the last blocks, which have no token
