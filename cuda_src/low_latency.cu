@@ -309,7 +309,9 @@ __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(
 // symmetric address) on `pe`. A put peer gets them from `staging` (this rank's symmetric scratch) with
 // `flag` raised to `seq`. A direct peer needs nothing more (the tags show the words), but its flag is
 // raised too, by a plain strong store that waits for nothing: a receiver that takes this rank for a
-// put peer (Buffers created with different put options) then still finds it.
+// put peer (Buffers created with different put options) then still finds it. In the opposite mix a
+// direct reader polls words a put wrote; NVSHMEM's copies over NVLink write aligned 8-byte words whole,
+// though only the signal is promised.
 template <typename Value>
 __device__ void publish_table(const Team& team, uint64_t* table, uint64_t* staging, int count, Value value,
                               uint64_t* flag, uint64_t seq, int pe, int rank, bool force_put) {
@@ -359,7 +361,8 @@ struct Destinations {
 // waits until the message's stores have landed, and only that warp waits, while the rest of the team
 // goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
 // that warp still reads). Put destinations get a put-with-signal from the team's first warp.
-// `trace`: stamps kTraceFlagsReleased once a release returned (its message had landed).
+// `trace`: stamps kTraceFlagsReleased once a release returned (on current GPUs a release waits, as a
+// fence does, for the message's stores to land; put destinations are not stamped).
 __device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
                                     int64_t bytes, uint64_t* flag, uint64_t seq, int rank, uint64_t* trace) {
     team.sync();
@@ -422,7 +425,8 @@ struct DispatchArgs {
     int routing_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]
     int64_t slot_bytes;
-    uint64_t* routing_staging;     // [num_ranks][routing_words]
+    uint64_t* routing_staging;     // [num_ranks][staging_words]: this call's tables, for the put path
+    int staging_words;
     uint8_t* slot_staging;         // [max_tokens][slot_bytes]
     // Outputs
     uint8_t* recv_x;               // [L][num_ranks * max_tokens][hidden] e4m3, or bf16
@@ -644,7 +648,7 @@ __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t 
                                   : ~0u;  // the pad
         };
         publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
-                      a.routing_staging + static_cast<int64_t>(pe) * a.routing_words, table_words, word,
+                      a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words, word,
                       a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
         if (team.leader()) {
             count_table_sent(a.seq_state, a.half, a.num_ranks, seq);
@@ -905,7 +909,8 @@ struct CombineArgs {
     int weight_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]: partials from each rank
     int64_t slot_bytes;
-    uint64_t* weight_staging;      // [num_ranks][weight_words]
+    uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
+    int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
     int4* combined_x;              // [num_tokens, hidden] bf16
     uint64_t* seq_state;
@@ -1051,7 +1056,7 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
             return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
         };
         publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
-                      a.weight_staging + static_cast<int64_t>(pe) * a.weight_words, count, word,
+                      a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count, word,
                       a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
         trace_block(a.trace, kTraceTablePublished);
     }

@@ -36,8 +36,11 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     offsets = sorted(getattr(layout, f) for f in names)
     assert offsets[0] == 0 and len(set(offsets)) == len(names)
     assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
-    # every token row of a routing table starts 16 bytes apart from the next source's (paired loads)
-    assert low_latency.ROUTING_WORDS % 2 == 0
+    # paired (16-byte) loads: every source's routing table, and its token rows, start 16-byte aligned
+    assert low_latency.ROUTING_WORDS % 2 == 0 and low_latency.ROUTING_HEADER_WORDS % 2 == 0
+    assert low_latency.flags_bytes(4) % 16 == 0
+    assert layout.routing_staging_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
     hint = low_latency.size_hint(128, 7168, 4)
     assert low_latency.half_data_bytes(hint, 4) >= layout.end
     assert low_latency.half_data_bytes(hint - 8192, 4) < layout.end  # the hint is tight to a page

@@ -78,6 +78,8 @@ class HalfLayout:
 
     dispatch_slot_bytes: int
     combine_slot_bytes: int
+    routing_staging_words: int      # per destination: the largest routing table of max_tokens tokens
+    weight_staging_words: int
     dispatch_slots: int
     combine_slots: int
     routing_staging: int
@@ -90,18 +92,20 @@ class HalfLayout:
 def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
-    # Staged tables (put path) keep the tables' fixed strides: the kernels index both with one stride.
+    # Staged tables (put path) are never polled, so unlike the tables they are sized for this call's shape.
+    routing_staging_words = _align(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 2)
+    weight_staging_words = max_tokens * MAX_TOPK
     sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
              ("combine_slots", num_ranks * max_tokens * combine_slot),
-             ("routing_staging", num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES),
+             ("routing_staging", num_ranks * routing_staging_words * _TABLE_WORD_BYTES),
              ("dispatch_staging", max_tokens * dispatch_slot),
-             ("weight_staging", num_ranks * WEIGHT_WORDS * _TABLE_WORD_BYTES),
+             ("weight_staging", num_ranks * weight_staging_words * _TABLE_WORD_BYTES),
              ("combine_staging", num_ranks * max_tokens * combine_slot)]
     offsets, cursor = {}, 0
     for name, size in sizes:
         offsets[name] = cursor
         cursor += _align(size, _SLOT_ALIGN)
-    return HalfLayout(dispatch_slot, combine_slot, **offsets, end=cursor)
+    return HalfLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
 
 
 def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
@@ -152,7 +156,7 @@ class DispatchArgs(ctypes.Structure):
         ("routing_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("routing", ctypes.c_void_p), ("routing_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-        ("routing_staging", ctypes.c_void_p), ("slot_staging", ctypes.c_void_p),
+        ("routing_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p), ("recv_count", ctypes.c_void_p),
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
         ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
@@ -176,7 +180,7 @@ class CombineArgs(ctypes.Structure):
         ("weight_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-        ("weight_staging", ctypes.c_void_p), ("slot_staging", ctypes.c_void_p),
+        ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", _Status),
         ("trace", ctypes.c_void_p),
@@ -331,6 +335,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
+    a.staging_words = layout.routing_staging_words
     a.recv_x, a.recv_scales = recv_x.data.ptr, recv_scales.data.ptr if recv_scales is not None else 0
     a.recv_count, a.recv_src_info = recv_count.data.ptr, handle.recv_src_info.data.ptr
     a.layout_range, a.combine_rows = handle.layout_range.data.ptr, handle.combine_rows.data.ptr
@@ -358,5 +363,6 @@ def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, 
     a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
+    a.staging_words = layout.weight_staging_words
     a.combined_x = out.data.ptr
     return Launch(ctx, "cuep_ll_combine", a, 0)
