@@ -32,8 +32,7 @@
 // dispatch plan assigned, counting every row in the source's per-chunk arrival counters; meanwhile
 // the source sums, in FP32, the copies of each of its tokens as soon as they have landed, adds the
 // optional biases, and writes the result. No barrier: the counters order everything.
-#include <cuda_bf16.h>
-
+#include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
@@ -45,7 +44,6 @@ constexpr int kWarpsPerBlock = kNumThreads / kWarpSize;
 constexpr int kMaxRanks = 8;          // one NVLink domain; the notify block maps one thread per rank
 constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight per copy step (2 KB a warp;
                                       // 4 KB measured slower: NVLink congests)
-constexpr int kBf16PerVector = 8;     // 16 bytes of bf16
 constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
 // Written by a sender's stage kernel at the start of its buffer, read remotely by receivers.
@@ -581,25 +579,6 @@ namespace cuep {
 // 6 or 8 reducers 218-219 us).
 constexpr int kReducerWarps = 6;
 
-__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], const int4& packed) {
-    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kBf16PerVector / 2; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[kBf16PerVector]) {
-    int4 packed;
-    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kBf16PerVector / 2; ++i)
-        pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return packed;
-}
-
 // Block 0 of this rank's combine: once every receiver has finished pulling the last dispatch from
 // this buffer, clear the other parity's arrival counters and open the landing region for `epoch`.
 // Returns false on a timeout.
@@ -728,7 +707,7 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
                 accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias0) + token_vectors + v));
             if (bias1 != nullptr)
                 accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias1) + token_vectors + v));
-            st_na_global(out + v, pack_bf16x8(acc[u]));
+            st_na_global(out + v, floats_to_bf16x8(acc[u]));
         }
     }
     if (combined_topk_weights != nullptr && lane < shape.num_topk) {

@@ -32,8 +32,8 @@
 #define NVSHMEM_ENABLE_ALL_DEVICE_INLINING
 #include <nvshmem.h>
 #include <nvshmemx.h>
-#include <cuda_bf16.h>
 
+#include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
 #include <cuep/fp8.cuh>
 #include <cuep/ptx.cuh>
@@ -44,7 +44,6 @@ namespace cuep {
 
 constexpr int kNumThreads = 512;
 constexpr int kMaxTopk = 32;             // mirrors MAX_TOPK in cuep/kernels/low_latency.py
-constexpr int kBf16PerVector = 8;        // one 16-byte vector of bf16
 constexpr int kBytesPerVector = 16;
 constexpr int kScaleBlock = 128;         // channels per FP8 scale
 // The FP8 send quantises a unit of two vectors (16 channels) per lane into one 16-byte store, so a
@@ -378,26 +377,6 @@ __device__ void raise_message_flags(const Team& team, const Destinations& dst, u
                     nvshmemx_putmem_signal_nbi_warp(slot, staged, bytes, flag, seq, NVSHMEM_SIGNAL_SET, dst.pe[d]);
         team.sync();  // every thread read `dst` before the buffer comes round again
     }
-}
-
-__device__ __forceinline__ void bf16x8_to_floats(const int4& v, float (&f)[kBf16PerVector]) {
-    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                               static_cast<uint32_t>(v.w)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(words[i] << 16);
-        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ int4 floats_to_bf16x8(const float (&f)[kBf16PerVector]) {
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-    return make_int4(words[0], words[1], words[2], words[3]);
 }
 
 // Smallest power of two >= value (value positive and normal).
@@ -1017,13 +996,8 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
                 load_row_stride(a, pair.rows[j], first, raw);
             const float weight = pair.weights[j];
 #pragma unroll
-            for (int i = 0; i < kPartialBatch; ++i) {
-                float f[kBf16PerVector];
-                bf16x8_to_floats(raw[i], f);
-#pragma unroll
-                for (int c = 0; c < kBf16PerVector; ++c)
-                    sum[i][c] = fmaf(weight, f[c], sum[i][c]);
-            }
+            for (int i = 0; i < kPartialBatch; ++i)
+                accumulate_bf16x8(sum[i], raw[i], weight);
         }
 #pragma unroll
         for (int i = 0; i < kPartialBatch; ++i)
@@ -1109,13 +1083,8 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
             for (int i = 0; i < kPartialsAtOnce; ++i) {
                 const float weight = partial_weights[min(base + i, count - 1)];
 #pragma unroll
-                for (int j = 0; j < kSumBatch; ++j) {
-                    float f[kBf16PerVector];
-                    bf16x8_to_floats(raw[i][j], f);
-#pragma unroll
-                    for (int c = 0; c < kBf16PerVector; ++c)
-                        sum[j][c] = fmaf(weight, f[c], sum[j][c]);
-                }
+                for (int j = 0; j < kSumBatch; ++j)
+                    accumulate_bf16x8(sum[j], raw[i][j], weight);
             }
         }
 #pragma unroll
