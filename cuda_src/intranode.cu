@@ -250,7 +250,8 @@ __device__ __forceinline__ void stage_token(const StageArgs& args, int token, in
     warp_copy(args.buffer + kMetaBytes + token * args.hidden_bytes, args.x + token * args.hidden_bytes,
               args.hidden_bytes, lane);
     if (args.scales != nullptr) {
-        auto* out = reinterpret_cast<float*>(args.buffer + args.scales_offset) + static_cast<int64_t>(token) * args.num_scales;
+        auto* out = reinterpret_cast<float*>(args.buffer + args.scales_offset) +
+                    static_cast<int64_t>(token) * args.num_scales;
         for (int s = lane; s < args.num_scales; s += kWarpSize)
             out[s] = args.scales[token * args.scale_token_stride + s * args.scale_channel_stride];
     }
@@ -315,10 +316,12 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
         if (wait_at_least_until(&control->meta_epoch, epoch, deadline_ns)) {
             const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
             const int64_t num_tokens = meta->num_tokens;
-            plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
+            plans[source] = SourcePlan{base + meta->x_offset,
+                                       reinterpret_cast<const float*>(base + meta->scales_offset),
                                        reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
                                        reinterpret_cast<const float*>(base + meta->topk_weights_offset),
-                                       reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens,
+                                       reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) +
+                                           rank * num_tokens,
                                        control->staged[epoch % 2], num_tokens, rows_per_chunk(num_tokens)};
         } else {
             record_timeout(status, source, kPhaseIntranodeStaged);
@@ -487,18 +490,18 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 
 // ---------------------------------------------------------------------------------------------
 // Dispatch pull (stage = 0: after notify) or the whole cached dispatch (stage > 0: this kernel's
-// first `stage` warps per block, at most kMaxStagerWarps, stage this rank's tokens, then pull). One warp per received row;
-// rows land in order of (source rank, source token). Cached calls read source tokens from
-// recv_src_idx, the others from the sources' send lists.
+// first `stage` warps per block, at most kMaxStagerWarps, stage this rank's tokens, then pull). One
+// warp per received row; rows land in order of (source rank, source token). Cached calls read
+// source tokens from recv_src_idx, the others from the sources' send lists.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
-                        int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
-                        int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
-                        int64_t topk_weights_offset, int64_t send_lists_offset, int stage,
-                        const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks, int num_experts,
-                        int num_rows, uint8_t* recv_x, float* recv_scales, int64_t* recv_topk_idx,
-                        float* recv_topk_weights, int32_t* recv_src_idx, int cached, uint64_t* state, int32_t* status,
-                        int32_t* next_row, uint64_t timeout_ns) {
+                        int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx,
+                        const float* topk_weights, int num_topk, int num_tokens, uint8_t* buffer,
+                        int64_t scales_offset, int64_t topk_idx_offset, int64_t topk_weights_offset,
+                        int64_t send_lists_offset, int stage, const uint64_t* peer_bases, const int32_t* recv_info,
+                        int rank, int num_ranks, int num_experts, int num_rows, uint8_t* recv_x, float* recv_scales,
+                        int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, int cached,
+                        uint64_t* state, int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
     const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
@@ -758,7 +761,8 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
             uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * landing_row_bytes;
             warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
             if (topk_weights != nullptr && lane < num_topk)
-                reinterpret_cast<float*>(landing + hidden_bytes)[lane] = topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+                reinterpret_cast<float*>(landing + hidden_bytes)[lane] =
+                    topk_weights[static_cast<int64_t>(row) * num_topk + lane];
             pending.add(control_of(base)->landed[epoch % 2] + slot / landing_chunks[source], lane);
             return true;
         });

@@ -258,7 +258,8 @@ __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uin
 // An expert id from the caller's top-k array; ids outside [-1, num_experts) count as -1 and are reported.
 __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i, int num_experts,
                                               const Status& status) {
-    const int64_t id = ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
+    const int64_t id =
+        ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
     if (id < -1 || id >= num_experts) {
         status.record_bad_expert_id();
         return -1;
@@ -698,7 +699,8 @@ __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, i
     if (lane == 0)
         a.recv_src_info[flat_row] = t;
     if (chooses_expert)
-        a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + lane] = static_cast<int32_t>(flat_row);
+        a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + lane] =
+            static_cast<int32_t>(flat_row);
 }
 
 // The receive's shared state (dynamic shared memory): each source's token count, and one unit's
