@@ -102,11 +102,9 @@ __device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int ch
         return true;
     const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
     const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
-    while (ld_acquire_sys_global(counters + chunk) < full) {
-        if (globaltimer_ns() > deadline_ns) {
-            record_timeout(status, peer, phase);
-            return false;
-        }
+    if (!wait_at_least_until(counters + chunk, full, deadline_ns)) {
+        record_timeout(status, peer, phase);
+        return false;
     }
     confirmed = chunk;
     return true;

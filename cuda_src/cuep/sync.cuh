@@ -6,9 +6,10 @@
 
 namespace cuep {
 
-// Spin until *flag >= target (flags here only grow) or until the global timer passes deadline_ns.
-// Returns whether the target was reached.
-__device__ __forceinline__ bool wait_at_least_until(const uint64_t* flag, uint64_t target, uint64_t deadline_ns) {
+// Spin until *flag >= target (flags and counters here only grow; 32- or 64-bit) or until the global
+// timer passes deadline_ns. Returns whether the target was reached.
+template <typename Flag>
+__device__ __forceinline__ bool wait_at_least_until(const Flag* flag, Flag target, uint64_t deadline_ns) {
     while (ld_acquire_sys_global(flag) < target) {
         if (globaltimer_ns() > deadline_ns)
             return false;
