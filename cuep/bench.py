@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from . import _deps
+from .fp8 import SCALE_BLOCK
 
 TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 BACK_TO_BACK = 20  # low-latency graph replays timed as one run
@@ -113,7 +114,7 @@ def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
 
 def _fp8_row_bytes(hidden: int) -> int:
     """Bytes of one FP8 token: its e4m3 bytes, then one float32 scale per 128 channels."""
-    return hidden + hidden // 128 * 4
+    return hidden + hidden // SCALE_BLOCK * 4
 
 
 def _token_in_rank(topk_idx, num_experts: int, num_ranks: int):
