@@ -244,7 +244,8 @@ __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uin
         if (!landed) {
 #pragma unroll
             for (int i = 0; i < Batch; ++i)  // unrolled: `values` stays in registers
-                if (base + i < count && !wait_for_word(words + base + i, seq, deadline_ns, status, peer, phase, values[i]))
+                if (base + i < count &&
+                    !wait_for_word(words + base + i, seq, deadline_ns, status, peer, phase, values[i]))
                     return false;
         }
 #pragma unroll
