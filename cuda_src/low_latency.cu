@@ -19,7 +19,8 @@
 //   recv: s adds, in FP32, the partials of every rank that held one of its token's experts.
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;
 // other peers, or every peer when the put path is forced, get an NVSHMEM put-with-signal from a
-// staging copy in this rank's buffer.
+// staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
+// 64-bit word carries a tag of its call number beside the value, so it shows itself when it lands.
 //
 // Every wait is bounded: a timed-out wait records the peer and phase in `status` (mirrored to
 // pinned host memory, so no copy is enqueued per call) and every later wait of the launch gives up
@@ -54,7 +55,8 @@ constexpr int kLanesPerScaleBlock = kScaleBlock / kChannelsPerUnit;
 constexpr int kScaleBlocksPerWarp = kWarpSize / kLanesPerScaleBlock;
 constexpr int kScalesPerUe8m0Word = 4;   // UE8M0 exponents packed in one int32
 constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-zero block
-constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0, ids[T_max][K]]
+constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0, ids[T_max][K rounded up to even]]
+constexpr int kIdsAtOnce = 8;            // routing-table words a receiver loads (two per load) before checking any
 // Loads a thread issues before its first store. Every loop below that moves data loads a batch, then
 // stores it: stores are ordered after earlier loads, so a loop that alternated them would wait out
 // one memory latency per element. Sized to the 128 registers a thread has at 512 threads (more spills).
@@ -77,6 +79,7 @@ constexpr int kTraceTokensStored = 2;     // this block's token stores issued (b
 constexpr int kTraceSendDone = 3;
 constexpr int kTraceTablesRead = 4;       // every source's routing table arrived
 constexpr int kTraceLaidOut = 5;          // the block's (last) unit laid out
+constexpr int kTraceFlagsReleased = 6;    // latest token flag release of this block that completed
 constexpr int kTraceLastRowFlag = 7;      // latest token flag a row of this block waited for
 constexpr int kTraceRowsCopied = 8;
 constexpr int kTraceEnd = 9;
@@ -96,7 +99,7 @@ constexpr int kSeqLatest = 0;            // number of the newest call sent
 constexpr int kSeqOfHalf = 1;            // [2]: number of the newest call sent on each half
 constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running send launch that finished
 constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
-constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all landed
+constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all went out
 
 // ---------------------------------------------------------------------------------------------
 // Launch bookkeeping
@@ -124,11 +127,11 @@ __device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phas
     }
 }
 
-// A dispatch's token data waits until its routing tables have landed. Every receiver needs every table
+// A dispatch's token data waits until its routing tables have gone out. Every receiver needs every table
 // before it can lay out a single row, and whatever is stored once the tokens flood the links queues
-// behind them, flags included (measured: tables landing ~10 us into a 21 us dispatch); sent first,
-// they land in a few microseconds and the receivers' layout overlaps the flood. By a team's leader,
-// after the team published one table (its flag's release has completed, so the table has landed).
+// behind them (measured: tables landing ~10 us into a 21 us dispatch); sent first, they land in a few
+// microseconds and the receivers' layout overlaps the flood. By a team's leader, after the team
+// stored one table (or, on the put path, its put was issued).
 __device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, int num_ranks, uint64_t seq) {
     auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
     if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
@@ -170,6 +173,85 @@ __device__ __forceinline__ bool wait_for_flag(const uint64_t* flag, uint64_t seq
             status.record_timeout(peer, phase);
             return false;
         }
+    }
+    return true;
+}
+
+// The tag of call `seq`: seq mod (2^32 - 1), plus 1, so never 0 and a word no call has written yet
+// (zeroed memory) never passes for one. A word left unwritten for a multiple of 2^32 - 1 calls could;
+// a receiver reads only the words its source wrote this call, so that would take a token slot idle
+// for days and then read a few nanoseconds before its new value lands.
+__device__ __forceinline__ uint32_t word_tag(uint64_t seq) {
+    constexpr uint64_t kModulus = 0xffffffffull;
+    uint64_t folded = (seq & kModulus) + (seq >> 32);  // 2^32 = 1 (mod 2^32 - 1)
+    folded = (folded & kModulus) + (folded >> 32);
+    if (folded >= kModulus)
+        folded -= kModulus;
+    return static_cast<uint32_t>(folded) + 1;
+}
+
+// A table word: the value in the low half, its call's tag in the high half. An aligned 64-bit store
+// lands whole, so a receiver that sees the tag sees the value.
+__device__ __forceinline__ uint64_t tagged_word(uint64_t seq, uint32_t value) {
+    return (static_cast<uint64_t>(word_tag(seq)) << 32) | value;
+}
+
+__device__ __forceinline__ bool has_tag(uint64_t word, uint64_t seq) {
+    return static_cast<uint32_t>(word >> 32) == word_tag(seq);
+}
+
+// Table word `word` (already loaded once into `value`) once it carries seq's tag. Bounded as wait_for_flag.
+__device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq, uint64_t deadline_ns,
+                                           const Status& status, int peer, int phase, uint64_t& value) {
+    while (!has_tag(value, seq)) {
+        if (status.timed_out())
+            return false;
+        if (globaltimer_ns() > deadline_ns) {
+            status.record_timeout(peer, phase);
+            return false;
+        }
+        value = ld_volatile_global(word);
+    }
+    return true;
+}
+
+// Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
+// came (the call is void then). A batch of `Batch` words is loaded before any is checked (see
+// kCopyBatch), and the spin is only entered when a word of the batch is missing. `Pairs`: load two
+// words at once (`words` 16-byte aligned, and the word after an odd `count` readable).
+template <int Batch, bool Pairs = false, typename Use>
+__device__ __forceinline__ bool read_table(const uint64_t* words, int count, uint64_t seq, uint64_t deadline_ns,
+                                           const Status& status, int peer, int phase, const Use& use) {
+    static_assert(!Pairs || Batch % 2 == 0, "pairs of words fill the batch");
+    for (int base = 0; base < count; base += Batch) {
+        uint64_t values[Batch];
+        bool landed = true;
+#pragma unroll
+        for (int i = 0; i < Batch; i += Pairs ? 2 : 1) {
+            if (base + i >= count)
+                continue;
+            if constexpr (Pairs) {
+                const ulonglong2 pair = ld_volatile_global(reinterpret_cast<const ulonglong2*>(words + base + i));
+                values[i] = pair.x;
+                values[i + 1] = pair.y;
+            } else {
+                values[i] = ld_volatile_global(words + base + i);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < Batch; ++i)
+            landed &= base + i >= count || has_tag(values[i], seq);
+        if (!landed) {
+#pragma unroll
+            for (int i = 0; i < Batch; ++i)  // unrolled: `values` stays in registers
+                if (base + i < count &&
+                    !wait_for_word(words + base + i, seq, deadline_ns, status, peer, phase, values[i]))
+                    return false;
+        }
+#pragma unroll
+        for (int i = 0; i < Batch; ++i)
+            if (base + i < count)
+                use(base + i, static_cast<uint32_t>(values[i]));
     }
     return true;
 }
@@ -224,26 +306,40 @@ struct Team {
 
 __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(blockDim.x), 0}; }
 
-// Team-wide: write `count` words, word i = value(i), into `table` (this rank's slot, a symmetric
-// address) on `pe`, then raise `flag` on `pe` to `seq`. `staging`: this rank's symmetric scratch
-// for the put path.
+// Team-wide: write `count` tagged words, word i = value(i), into `table` (this rank's slot, a
+// symmetric address) on `pe`. A put peer gets them from `staging` (this rank's symmetric scratch) with
+// `flag` raised to `seq`. A direct peer needs nothing more (the tags show the words), but its flag is
+// raised too, by a plain strong store that waits for nothing: a receiver that takes this rank for a
+// put peer (Buffers created with different put options) then still finds it. In the opposite mix a
+// direct reader polls words a put wrote; NVSHMEM's copies over NVLink write aligned 8-byte words whole,
+// though only the signal is promised.
 template <typename Value>
-__device__ void publish_table(const Team& team, uint32_t* table, uint32_t* staging, int count, Value value,
+__device__ void publish_table(const Team& team, uint64_t* table, uint64_t* staging, int count, Value value,
                               uint64_t* flag, uint64_t seq, int pe, int rank, bool force_put) {
-    uint32_t* direct = direct_address(table, pe, rank, force_put);
-    uint32_t* target = direct != nullptr ? direct : staging;
-    batched_copy<uint32_t, kTableBatch>(team.thread(), team.size, count, value,
-                                        [&](int i, uint32_t word) { target[i] = word; });
+    uint64_t* direct = direct_address(table, pe, rank, force_put);
+    uint64_t* target = direct != nullptr ? direct : staging;
+    batched_copy<uint32_t, kTableBatch>(team.thread(), team.size, count, value, [&](int i, uint32_t word) {
+        st_relaxed_sys_global(target + i, tagged_word(seq, word));
+    });
     team.sync();
     if (direct != nullptr) {
-        // A release after the barrier covers every thread's stores (release is cumulative).
         if (team.leader())
-            st_release_sys_global(direct_address(flag, pe, rank, false), seq);
-    } else if (team.thread() < kWarpSize) {
-        nvshmemx_putmem_signal_nbi_warp(table, staging, static_cast<size_t>(count) * sizeof(uint32_t), flag, seq,
-                                        NVSHMEM_SIGNAL_SET, pe);
+            st_relaxed_sys_global(direct_address(flag, pe, rank, false), seq);
+    } else {
+        if (team.thread() < kWarpSize)
+            nvshmemx_putmem_signal_nbi_warp(table, staging, static_cast<size_t>(count) * sizeof(uint64_t), flag, seq,
+                                            NVSHMEM_SIGNAL_SET, pe);
+        team.sync();
     }
-    team.sync();
+}
+
+// Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
+// peer's words show themselves (read_table). False if the signal never came.
+__device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
+                                                const Status& status, int pe, int rank, bool force_put, int phase) {
+    if (direct_address(flag, pe, rank, force_put) != nullptr)
+        return true;
+    return wait_for_flag(flag, seq, deadline_ns, status, pe, phase);
 }
 
 // Slot of token t from `source` in a [num_ranks][max_tokens][slot_bytes] message region.
@@ -266,12 +362,16 @@ struct Destinations {
 // waits until the message's stores have landed, and only that warp waits, while the rest of the team
 // goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
 // that warp still reads). Put destinations get a put-with-signal from the team's first warp.
+// `trace`: stamps kTraceFlagsReleased once a release returned (on current GPUs a release waits, as a
+// fence does, for the message's stores to land; put destinations are not stamped).
 __device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
-                                    int64_t bytes, uint64_t* flag, uint64_t seq, int rank) {
+                                    int64_t bytes, uint64_t* flag, uint64_t seq, int rank, uint64_t* trace) {
     team.sync();
     const int i = team.thread() - (team.size - kWarpSize);
-    if (i >= 0 && i < dst.count && dst.direct[i] != nullptr)
+    if (i >= 0 && i < dst.count && dst.direct[i] != nullptr) {
         st_release_sys_global(direct_address(flag, dst.pe[i], rank, false), seq);
+        trace_latest(trace, kTraceFlagsReleased);
+    }
     if (dst.any_put) {
         if (team.thread() < kWarpSize)
             for (int d = 0; d < dst.count; ++d)
@@ -302,11 +402,12 @@ struct DispatchArgs {
     uint64_t* routing_flags;       // [num_ranks]
     uint64_t* token_flags;         // [num_ranks][flag_stride]
     int flag_stride;
-    uint32_t* routing;             // [num_ranks][routing_words]
+    uint64_t* routing;             // [num_ranks][routing_words] tagged
     int routing_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]
     int64_t slot_bytes;
-    uint32_t* routing_staging;     // [num_ranks][routing_words]
+    uint64_t* routing_staging;     // [num_ranks][staging_words]: this call's tables, for the put path
+    int staging_words;
     uint8_t* slot_staging;         // [max_tokens][slot_bytes]
     // Outputs
     uint8_t* recv_x;               // [L][num_ranks * max_tokens][hidden] e4m3, or bf16
@@ -323,6 +424,10 @@ struct DispatchArgs {
     Status status;
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
+
+// Words per token in a routing table: its choices, rounded up to even so that each token's row is
+// 16-byte aligned and a receiver loads two tagged words at a time.
+__device__ __forceinline__ int ids_stride(const DispatchArgs& a) { return (a.num_topk + 1) & ~1; }
 
 __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
     return a.use_fp8 ? a.hidden + a.hidden / kScaleBlock * static_cast<int64_t>(sizeof(float))
@@ -504,23 +609,27 @@ __device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t
                                   uint64_t seq) {
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
     raise_message_flags(team, dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
-                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank);
+                        a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank, a.trace);
 }
 
 // Send this block's tokens, after the routing tables (from the last blocks, which have no token
 // when the grid outnumbers the tokens; every receiver waits for all the tables).
 __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
-    const int table_words = kRoutingHeaderWords + a.num_tokens * a.num_topk;
+    const int stride = ids_stride(a);
+    const int table_words = kRoutingHeaderWords + a.num_tokens * stride;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         auto word = [&](int i) -> uint32_t {
-            if (i >= kRoutingHeaderWords)
-                return static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64, i - kRoutingHeaderWords,
-                                                            a.num_experts, a.status));
-            return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
+            if (i < kRoutingHeaderWords)
+                return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
+            const int t = (i - kRoutingHeaderWords) / stride, k = (i - kRoutingHeaderWords) % stride;
+            return k < a.num_topk ? static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64,
+                                                                          static_cast<int64_t>(t) * a.num_topk + k,
+                                                                          a.num_experts, a.status))
+                                  : ~0u;  // the pad
         };
         publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
-                      a.routing_staging + static_cast<int64_t>(pe) * a.routing_words, table_words, word,
+                      a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words, word,
                       a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
         if (team.leader()) {
             count_table_sent(a.seq_state, a.half, a.num_ranks, seq);
@@ -536,11 +645,16 @@ __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t 
     }
 }
 
-// Choice k of token t in source s's routing table (read after the table's flag was acquired; plain
-// loads: this launch had not read those lines before).
+// Token t's choices in source s's routing table.
+__device__ __forceinline__ const uint64_t* routed_ids(const DispatchArgs& a, int s, int t) {
+    return a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords +
+           static_cast<int64_t>(t) * ids_stride(a);
+}
+
+// Choice k of token t from source s, once this block's layout saw every word of the table land (L2
+// loads: no line this SM cached earlier can be stale).
 __device__ __forceinline__ int routed_id(const DispatchArgs& a, int s, int t, int k) {
-    return static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords +
-                                      static_cast<int64_t>(t) * a.num_topk + k]);
+    return static_cast<int>(__ldcg(reinterpret_cast<const unsigned long long*>(routed_ids(a, s, t) + k)));
 }
 
 // Copy the arrived token (s, t) into row `row` of local expert e (global id `expert`).
@@ -614,8 +728,11 @@ __device__ ReceiveState receive_state(const DispatchArgs& a) {
 __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                    uint64_t deadline_ns) {
     for (int s = team.thread(); s < a.num_ranks; s += team.size) {
-        const bool arrived = wait_for_flag(a.routing_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting);
-        const int sent = arrived ? static_cast<int>(a.routing[static_cast<int64_t>(s) * a.routing_words]) : 0;
+        int sent = 0;
+        if (table_signalled(a.routing_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
+                            kPhaseLowLatencyRouting))
+            read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words, 1, seq, deadline_ns, a.status, s,
+                          kPhaseLowLatencyRouting, [&](int, uint32_t tokens) { sent = static_cast<int>(tokens); });
         r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = r.source_tokens[s];
@@ -625,7 +742,8 @@ __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, cons
 
 // Rows of local expert e: which (source, token) pairs name it, one bit each, then rows in (source,
 // token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a team barrier.
-__device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part) {
+__device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
+                             uint64_t seq, uint64_t deadline_ns) {
     __shared__ int32_t total_rows;
     const int R = a.num_ranks, expert = a.rank * (a.num_experts / R) + e;
     const int lane = threadIdx.x % kWarpSize;
@@ -637,9 +755,9 @@ __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const Rece
         if (t >= r.source_tokens[s])
             continue;
         bool chosen = false;
-#pragma unroll 8
-        for (int k = 0; k < a.num_topk; ++k)
-            chosen |= routed_id(a, s, t, k) == expert;
+        read_table<kIdsAtOnce, true>(routed_ids(a, s, t), a.num_topk, seq, deadline_ns, a.status, s,
+                                     kPhaseLowLatencyRouting,
+                                     [&](int, uint32_t id) { chosen |= static_cast<int>(id) == expert; });
         if (chosen)
             atomicOr(r.bits + s * r.words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
     }
@@ -698,7 +816,8 @@ __device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const Re
 
 // combine_rows entries naming another rank's expert (or none) have no row here: -1. From the last
 // blocks first, which have no receive unit when the grid outnumbers the units.
-__device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r) {
+__device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+                                     uint64_t deadline_ns) {
     const int L = a.num_experts / a.num_ranks;
     const int entries_per_source = a.max_tokens * a.num_topk;
     for (int64_t i = (gridDim.x - 1 - blockIdx.x) * static_cast<int64_t>(team.size) + team.thread();
@@ -706,9 +825,13 @@ __device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, co
         const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
         if (within / a.num_topk >= r.source_tokens[s])
             continue;
-        const int id = routed_id(a, s, within / a.num_topk, within % a.num_topk);
-        if (id < a.rank * L || id >= (a.rank + 1) * L)
-            a.combine_rows[i] = -1;
+        read_table<1>(routed_ids(a, s, within / a.num_topk) + within % a.num_topk, 1, seq, deadline_ns, a.status, s,
+                      kPhaseLowLatencyRouting,
+                      [&](int, uint32_t word) {
+                          const int id = static_cast<int>(word);
+                          if (id < a.rank * L || id >= (a.rank + 1) * L)
+                              a.combine_rows[i] = -1;
+                      });
     }
 }
 
@@ -718,10 +841,10 @@ __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t 
     read_source_tokens(team, a, r, seq, deadline_ns);
     if (team.leader())
         trace_mark(a.trace, kTraceTablesRead);
-    mark_foreign_choices(team, a, r);
+    mark_foreign_choices(team, a, r, seq, deadline_ns);
     const int num_units = a.num_experts / a.num_ranks * a.num_parts;
     for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        lay_out_unit(team, a, r, unit / a.num_parts, unit % a.num_parts);
+        lay_out_unit(team, a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
         if (team.leader())
             trace_mark(a.trace, kTraceLaidOut);
         copy_unit_rows(team, a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
@@ -764,11 +887,12 @@ struct CombineArgs {
     uint64_t* weight_flags;        // [num_ranks]
     uint64_t* token_flags;         // [num_ranks][flag_stride]
     int flag_stride;
-    uint32_t* weights;             // [num_ranks][weight_words] floats
+    uint64_t* weights;             // [num_ranks][weight_words] tagged floats
     int weight_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]: partials from each rank
     int64_t slot_bytes;
-    uint32_t* weight_staging;      // [num_ranks][weight_words]
+    uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
+    int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
     int4* combined_x;              // [num_tokens, hidden] bf16
     uint64_t* seq_state;
@@ -813,14 +937,21 @@ __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t
     // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
     // partial needs nothing from the source, so it leaves at once, before the weights can arrive.
     bool ready = count == 1;
-    if (lane == 0 && count > 1)
-        ready = wait_for_flag(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
-    __syncwarp();  // orders lane 0's acquire before the other lanes' weight loads
-    ready = __shfl_sync(kFullWarpMask, ready, 0);
-    const float* token_weights = reinterpret_cast<const float*>(a.weights + static_cast<int64_t>(s) * a.weight_words) +
-                                 static_cast<int64_t>(t) * a.num_topk;
-    if (ready && lane < count)
-        pair.weights[lane] = count == 1 ? 1.0f : __ldcg(token_weights + pair.choices[lane]);
+    if (count == 1 && lane == 0)
+        pair.weights[0] = 1.0f;
+    if (count > 1) {  // warp-uniform
+        if (lane == 0)
+            ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
+                                    kPhaseLowLatencyWeights);
+        ready = __shfl_sync(kFullWarpMask, ready, 0);
+        const uint64_t* token_weights =
+            a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
+        if (ready && lane < count)
+            ready = read_table<1>(token_weights + pair.choices[lane], 1, seq, deadline_ns, a.status, s,
+                                  kPhaseLowLatencyWeights,
+                                  [&](int, uint32_t word) { pair.weights[lane] = __uint_as_float(word); });
+        ready = __all_sync(kFullWarpMask, ready);
+    }
     if (lane == 0)
         pair.ready = ready;
 }
@@ -894,7 +1025,7 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
 __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
     // This rank's weights (zero where the id is -1) go to every rank first: the others wait on them.
-    // They go from the last blocks, which have no pair when the groups outnumber the pairs.
+    // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         auto word = [&](int i) -> uint32_t {
@@ -902,14 +1033,16 @@ __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadli
             return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
         };
         publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
-                      a.weight_staging + static_cast<int64_t>(pe) * a.weight_words, count, word,
+                      a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count, word,
                       a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
         trace_block(a.trace, kTraceTablePublished);
     }
-    // One pair per warp group; pairs interleave sources, so neighbouring groups write to different ranks.
+    // One pair per warp group, first to group 0 of every block, so that when pairs are fewer than
+    // groups (EP2) the remote partials leave from every SM rather than from the first blocks' four
+    // groups each. Pairs interleave sources, so neighbouring blocks write to different ranks.
     const int group = threadIdx.x / kGroupThreads;
     const int num_groups = gridDim.x * kGroupsPerBlock;
-    for (int i = blockIdx.x * kGroupsPerBlock + group; i < a.num_ranks * a.max_tokens; i += num_groups) {
+    for (int i = group * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
         if (t < __ldg(a.source_tokens + s))
             send_partial(a, s, t, seq, deadline_ns, warp_group(group), pairs[group]);

@@ -729,8 +729,9 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: zero the low-latency buffer (every rank, with nothing in flight).
 
-        cuep's flags carry call numbers that only grow, so its kernels never need this, even when the
-        shapes change between calls; it exists for DeepEP compatibility and to start from a clean state.
+        cuep's flags and table words carry call numbers that only grow, at offsets that do not move with
+        the shapes, so its kernels never need this, even when the shapes change between calls; it exists
+        for DeepEP compatibility and to start from a clean state.
         The arguments are checked against the buffer's capacity.
         """
         call = "clean_low_latency_buffer()"

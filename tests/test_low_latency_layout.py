@@ -31,12 +31,16 @@ def test_ctypes_structs_mirror_the_kernel_arguments(name, mirror):
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
     layout = low_latency.half_layout(128, 7168, 4)
-    offsets = sorted((getattr(layout, f), f) for f in ("routing", "dispatch_slots", "weights", "combine_slots",
-                                                        "routing_staging", "dispatch_staging", "weight_staging",
-                                                        "combine_staging"))
-    assert offsets[0][0] == 0
+    names = ("dispatch_slots", "combine_slots", "routing_staging", "dispatch_staging", "weight_staging",
+             "combine_staging")
+    offsets = sorted(getattr(layout, f) for f in names)
+    assert offsets[0] == 0 and len(set(offsets)) == len(names)
     assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
-    assert layout.routing_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    # paired (16-byte) loads: every source's routing table, and its token rows, start 16-byte aligned
+    assert low_latency.ROUTING_WORDS % 2 == 0 and low_latency.ROUTING_HEADER_WORDS % 2 == 0
+    assert low_latency.flags_bytes(4) % 16 == 0
+    assert layout.routing_staging_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
     hint = low_latency.size_hint(128, 7168, 4)
     assert low_latency.half_data_bytes(hint, 4) >= layout.end
     assert low_latency.half_data_bytes(hint - 8192, 4) < layout.end  # the hint is tight to a page
@@ -44,11 +48,13 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     assert hint < 64 << 20
 
 
-def test_flags_sit_at_fixed_offsets_whatever_the_shape():
-    assert low_latency.flags_bytes(4) == low_latency.flags_bytes(4)
+def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
+    # polled words never alias message data of another shape: only the data regions depend on it
     small, large = low_latency.size_hint(8, 256, 4), low_latency.size_hint(1024, 7168, 4)
-    assert small > low_latency.flags_bytes(4) and large > small
-    assert low_latency.flags_bytes(4) % 4096 == 0
+    fixed = low_latency.fixed_bytes(4)
+    assert fixed >= low_latency.flags_bytes(4) + 2 * 4 * (low_latency.ROUTING_WORDS + low_latency.WEIGHT_WORDS) * 8
+    assert small > fixed and large > small
+    assert low_latency.flags_bytes(4) % 4096 == 0 and fixed % 4096 == 0
 
 
 def test_dispatch_shared_memory_stays_within_the_default_limit():

@@ -66,10 +66,21 @@ __device__ __forceinline__ void st_release_sys_global(uint64_t* ptr, uint64_t va
     asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
 }
 
+// A store a peer may be polling for: strong (relaxed, system scope), so the 64-bit word lands whole.
+__device__ __forceinline__ void st_relaxed_sys_global(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t ld_volatile_global(const uint64_t* ptr) {
     uint64_t value;
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr));
     return value;
+}
+
+__device__ __forceinline__ ulonglong2 ld_volatile_global(const ulonglong2* ptr) {
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(ptr));
+    return v;
 }
 
 // Load of data a peer wrote during this kernel, after an acquire of its flag: cached in L2 only, so no

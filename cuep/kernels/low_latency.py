@@ -8,10 +8,13 @@ C++ entries, each taking one argument struct by value (mirrored below with ctype
 Buffer layout (byte offsets from the start of the low-latency region, the same on every rank)::
 
     [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
+    [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
     [half 0 data][half 1 data]      each: see HalfLayout
 
-The flags sit at fixed offsets whatever the call's shape, so a flag word only ever holds call
-numbers (which only grow); data regions move with ``(max_tokens, hidden)`` and are never polled.
+Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
+ever holds call numbers (which only grow) and a table word only zeros or tagged words of earlier calls,
+never message bytes that could pass for a tag. Data regions move with ``(max_tokens, hidden)`` and are
+never polled.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ SEND_PHASE, RECV_PHASE = 1, 2   # mirror kSendPhase / kRecvPhase
 SEQ_WORDS = 8                   # latest call, call of each half, finished blocks and tables of each half,
                                 # newest call whose routing tables went out
 ROUTING_HEADER_WORDS = 4
+ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
+WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 SCALE_BLOCK = 128
 UE8M0_SCALES_PER_WORD = 4
 MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
 DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
 TRACE_POINTS = 16               # mirrors kTracePoints (cuda_src/cuep/trace.cuh)
 _FLAG_BYTES = 8
+_TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
 _REGION_ALIGN = 4096
 
@@ -57,17 +63,24 @@ def flags_bytes(num_ranks: int) -> int:
     return _align(2 * per_half, _REGION_ALIGN)
 
 
+def _tables_half_bytes(num_ranks: int) -> int:
+    return num_ranks * (ROUTING_WORDS + WEIGHT_WORDS) * _TABLE_WORD_BYTES
+
+
+def fixed_bytes(num_ranks: int) -> int:
+    """Bytes at the start of the region that never move: the flags, then both halves' tables."""
+    return flags_bytes(num_ranks) + _align(2 * _tables_half_bytes(num_ranks), _REGION_ALIGN)
+
+
 @dataclass(frozen=True)
 class HalfLayout:
     """Byte offsets inside one half's data region for calls of ``max_tokens`` tokens of ``hidden``."""
 
-    routing_words: int
     dispatch_slot_bytes: int
-    weight_words: int
     combine_slot_bytes: int
-    routing: int
+    routing_staging_words: int      # per destination: the largest routing table of max_tokens tokens
+    weight_staging_words: int
     dispatch_slots: int
-    weights: int
     combine_slots: int
     routing_staging: int
     dispatch_staging: int
@@ -77,30 +90,32 @@ class HalfLayout:
 
 
 def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
-    routing_words = _align(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 4)
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
-    weight_words = _align(max_tokens * MAX_TOPK, 4)
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
-    sizes = [("routing", num_ranks * routing_words * 4), ("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
-             ("weights", num_ranks * weight_words * 4), ("combine_slots", num_ranks * max_tokens * combine_slot),
-             ("routing_staging", num_ranks * routing_words * 4), ("dispatch_staging", max_tokens * dispatch_slot),
-             ("weight_staging", num_ranks * weight_words * 4),
+    # Staged tables (put path) are never polled, so unlike the tables they are sized for this call's shape.
+    routing_staging_words = _align(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 2)
+    weight_staging_words = max_tokens * MAX_TOPK
+    sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
+             ("combine_slots", num_ranks * max_tokens * combine_slot),
+             ("routing_staging", num_ranks * routing_staging_words * _TABLE_WORD_BYTES),
+             ("dispatch_staging", max_tokens * dispatch_slot),
+             ("weight_staging", num_ranks * weight_staging_words * _TABLE_WORD_BYTES),
              ("combine_staging", num_ranks * max_tokens * combine_slot)]
     offsets, cursor = {}, 0
     for name, size in sizes:
         offsets[name] = cursor
         cursor += _align(size, _SLOT_ALIGN)
-    return HalfLayout(routing_words, dispatch_slot, weight_words, combine_slot, **offsets, end=cursor)
+    return HalfLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
 
 
 def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
     """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank need."""
-    return flags_bytes(num_ranks) + 2 * _align(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+    return fixed_bytes(num_ranks) + 2 * _align(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
 
 
 def half_data_bytes(region_bytes: int, num_ranks: int) -> int:
     """Capacity of each half's data region in a low-latency region of ``region_bytes``."""
-    return max(0, (region_bytes - flags_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
+    return max(0, (region_bytes - fixed_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
 
 
 def dispatch_shared_bytes(max_tokens: int, num_ranks: int) -> int:
@@ -141,7 +156,7 @@ class DispatchArgs(ctypes.Structure):
         ("routing_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("routing", ctypes.c_void_p), ("routing_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-        ("routing_staging", ctypes.c_void_p), ("slot_staging", ctypes.c_void_p),
+        ("routing_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p), ("recv_count", ctypes.c_void_p),
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
         ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
@@ -165,7 +180,7 @@ class CombineArgs(ctypes.Structure):
         ("weight_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-        ("weight_staging", ctypes.c_void_p), ("slot_staging", ctypes.c_void_p),
+        ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", _Status),
         ("trace", ctypes.c_void_p),
@@ -204,8 +219,13 @@ class Context:
         base = self.region_ptr + half * (2 * per_source + 2 * per_tokens)
         return base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens
 
+    def tables(self, half: int) -> tuple[int, int]:
+        """Addresses of the (routing, weights) tables of ``half``."""
+        base = self.region_ptr + flags_bytes(self.num_ranks) + half * _tables_half_bytes(self.num_ranks)
+        return base, base + self.num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES
+
     def data(self, half: int) -> int:
-        return self.region_ptr + flags_bytes(self.num_ranks) + half * half_data_bytes(self.region_bytes, self.num_ranks)
+        return self.region_ptr + fixed_bytes(self.num_ranks) + half * half_data_bytes(self.region_bytes, self.num_ranks)
 
 
 @dataclass
@@ -312,9 +332,10 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.topk_idx, a.ids_are_int64, a.num_topk = topk_idx.data.ptr, int(topk_idx.itemsize == 8), num_topk
     a.num_experts, a.max_tokens = num_experts, max_tokens
     a.routing_flags, a.token_flags = routing_flags, token_flags
-    a.routing, a.routing_words = data + layout.routing, layout.routing_words
+    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
+    a.staging_words = layout.routing_staging_words
     a.recv_x, a.recv_scales = recv_x.data.ptr, recv_scales.data.ptr if recv_scales is not None else 0
     a.recv_count, a.recv_src_info = recv_count.data.ptr, handle.recv_src_info.data.ptr
     a.layout_range, a.combine_rows = handle.layout_range.data.ptr, handle.combine_rows.data.ptr
@@ -339,8 +360,9 @@ def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, 
     a.num_experts, a.max_tokens = handle.num_experts, handle.num_max_dispatch_tokens_per_rank
     a.combine_rows, a.source_tokens = handle.combine_rows.data.ptr, handle.source_tokens.data.ptr
     a.weight_flags, a.token_flags = weight_flags, token_flags
-    a.weights, a.weight_words = data + layout.weights, layout.weight_words
+    a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
+    a.staging_words = layout.weight_staging_words
     a.combined_x = out.data.ptr
     return Launch(ctx, "cuep_ll_combine", a, 0)
