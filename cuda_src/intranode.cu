@@ -794,9 +794,11 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
 // peer p at [p * max_rows, ...)) followed by a landing region of the same size (rows from peer p at
 // [p * max_rows, ...)). rank_prefix[num_ranks + 1] counts the rows this rank receives from (pull) or
 // sends back to (push) each peer. The contents are whatever the buffer holds; only bytes are timed.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
-                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+// Both probes: `copy_row(dst, src, lane)` each row this rank exchanges, warp by warp.
+template <typename CopyRow>
+__device__ __forceinline__ void probe_rows(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank,
+                                           int num_ranks, int64_t row_bytes, int max_rows, int pull,
+                                           int32_t* next_row, CopyRow copy_row) {
     __shared__ int32_t prefix[kMaxRanks + 1];
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         prefix[threadIdx.x] = rank_prefix[threadIdx.x];
@@ -807,12 +809,87 @@ cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int
     };
     for_each_row_spread_over_sources(next_row, prefix, rank, num_ranks, [&](int peer, int, int j, int lane) {
         if (pull)
-            warp_copy(row_at(rank, landing_rows + static_cast<int64_t>(peer) * max_rows + j),
-                      row_at(peer, static_cast<int64_t>(rank) * max_rows + j), row_bytes, lane);
+            copy_row(row_at(rank, landing_rows + static_cast<int64_t>(peer) * max_rows + j),
+                     row_at(peer, static_cast<int64_t>(rank) * max_rows + j), lane);
         else
-            warp_copy(row_at(peer, landing_rows + static_cast<int64_t>(rank) * max_rows + j),
-                      row_at(rank, static_cast<int64_t>(peer) * max_rows + j), row_bytes, lane);
+            copy_row(row_at(peer, landing_rows + static_cast<int64_t>(rank) * max_rows + j),
+                     row_at(rank, static_cast<int64_t>(peer) * max_rows + j), lane);
         return true;
     });
+}
+
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
+                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
+               [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, row_bytes, lane); });
+    last_block_finished(state, next_row, num_ranks);
+}
+
+#if CUEP_ENABLE_SM90_FEATURES
+constexpr int kBulkChunkBytes = 1024;  // bulk probe: bytes per bulk copy
+constexpr int kBulkStages = 2;         // chunks a warp has in flight: 2 KB, as many bytes as warp_copy
+
+// One warp's shared stages for bulk copies; `parity` bit s is the phase of landed[s] to wait for next.
+struct BulkStages {
+    uint8_t (*chunk)[kBulkChunkBytes];
+    uint64_t* landed;
+    uint32_t parity;
+};
+
+// One thread copies a row through its warp's stages: each chunk is stored as soon as it has landed,
+// and a stage is reloaded once the store has read it.
+__device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* src, int64_t bytes) {
+    const int num_chunks = static_cast<int>((bytes + kBulkChunkBytes - 1) / kBulkChunkBytes);
+    const auto chunk_bytes = [&](int c) {
+        const int64_t left = bytes - static_cast<int64_t>(c) * kBulkChunkBytes;
+        return static_cast<uint32_t>(left < kBulkChunkBytes ? left : kBulkChunkBytes);
+    };
+    for (int c = 0; c < min(kBulkStages, num_chunks); ++c)
+        bulk_load(stages.chunk[c], src + static_cast<int64_t>(c) * kBulkChunkBytes, chunk_bytes(c), stages.landed + c);
+    for (int c = 0; c < num_chunks; ++c) {
+        const int s = c % kBulkStages;
+        mbarrier_wait(stages.landed + s, (stages.parity >> s) & 1u);
+        stages.parity ^= 1u << s;
+        bulk_store(dst + static_cast<int64_t>(c) * kBulkChunkBytes, stages.chunk[s], chunk_bytes(c));
+        const int next = c + kBulkStages;
+        if (next < num_chunks) {
+            bulk_stores_read();
+            bulk_load(stages.chunk[s], src + static_cast<int64_t>(next) * kBulkChunkBytes, chunk_bytes(next),
+                      stages.landed + s);
+        }
+    }
+    bulk_stores_read();  // the next row reloads these stages
+}
+#endif
+
+// The same probe with the copies made by the Hopper bulk-copy unit (TMA) instead of the warps' loads
+// and stores: one lane per warp drives each row through 2 KB of shared memory. Hopper path only (the
+// launch module refuses it otherwise).
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_bulk_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
+                          int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+#if CUEP_ENABLE_SM90_FEATURES
+    __shared__ alignas(128) uint8_t chunks[kWarpsPerBlock][kBulkStages][kBulkChunkBytes];
+    __shared__ uint64_t landed[kWarpsPerBlock][kBulkStages];
+    const int warp = threadIdx.x / kWarpSize;
+    const bool driver = threadIdx.x % kWarpSize == 0;
+    if (driver) {
+        for (int s = 0; s < kBulkStages; ++s)
+            mbarrier_init(&landed[warp][s], 1);
+        fence_mbarrier_init();
+    }
+    __syncwarp();
+    BulkStages stages{chunks[warp], landed[warp], 0};
+    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
+               [&](uint8_t* dst, const uint8_t* src, int) {
+                   if (driver)
+                       bulk_copy_row(stages, dst, src, row_bytes);
+               });
+    if (driver)
+        bulk_stores_done();
+#else
+    __trap();
+#endif
     last_block_finished(state, next_row, num_ranks);
 }

@@ -83,6 +83,7 @@ constexpr int kTraceFlagsReleased = 6;    // latest token flag release of this b
 constexpr int kTraceLastRowFlag = 7;      // latest token flag a row of this block waited for
 constexpr int kTraceRowsCopied = 8;
 constexpr int kTraceEnd = 9;
+constexpr int kTraceIdsRead = 10;         // the block's (last) unit read every routed id it scans
 // Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
 constexpr int kTraceWeightsReady = 2;     // latest pair whose rows and source weights were ready
 constexpr int kTracePartialStored = 3;    // latest partial stored (before its flag)
@@ -762,6 +763,8 @@ __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const Rece
             atomicOr(r.bits + s * r.words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
     }
     team.sync();
+    if (team.leader())
+        trace_mark(a.trace, kTraceIdsRead);
     if (team.thread() < kWarpSize) {
         int carry = 0;
         for (int first = 0; first < r.num_words; first += kWarpSize) {

@@ -21,8 +21,8 @@ BACK_TO_BACK = 20  # low-latency graph replays timed as one run
 TRACE_SAMPLES = 50
 # Trace points of cuda_src/low_latency.cu (kTrace*), in the order a block passes them.
 DISPATCH_TRACE = {0: "start", 1: "routing tables published", 2: "token stores issued", 3: "send done",
-                  4: "routing tables arrived", 5: "unit laid out", 6: "token flag releases returned",
-                  7: "last row's token flag seen", 8: "rows copied", 9: "end"}
+                  4: "routing tables arrived", 10: "unit's routed ids read", 5: "unit laid out",
+                  6: "token flag releases returned", 7: "last row's token flag seen", 8: "rows copied", 9: "end"}
 COMBINE_TRACE = {0: "start", 1: "weight tables published", 2: "pair rows and weights ready", 3: "partial stored",
                  4: "partial flag raised", 5: "token's partials arrived", 6: "tokens summed", 9: "end"}
 
@@ -189,7 +189,10 @@ def bench_normal(args) -> None:
 def bench_ceiling(args) -> None:
     """What the dispatch's and combine's row copies reach with no protocol around them (the
     ``cuep_intranode_probe`` kernel), for the benchmark's routing, beside the full operations' NVLink
-    rates from ``--mode normal``: the difference is what staging, flags and reduction cost."""
+    rates from ``--mode normal``: the difference is what staging, flags and reduction cost. Pull is the
+    normal dispatch's pattern, push the normal combine's and the low-latency kernels' (``--tokens 128``
+    gives their volume); rows of BF16 and of FP8 with scales; on Hopper each also through the bulk-copy
+    unit (TMA, ``cuep_intranode_bulk_probe``)."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
     from .kernels import intranode as intranode_kernel
@@ -205,16 +208,19 @@ def bench_ceiling(args) -> None:
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
     remote_rows = sum(received) - received[rank]
     results = {}
-    copies = (("pull (dispatch)", True, bf16_row), ("pull (dispatch)", True, fp8_row),
-              ("push (combine)", False, bf16_row))
-    for name, pull, row_bytes in copies:
+    bulk_modes = (False, True) if ctx.library.spec.sm90_features else (False,)
+    copies = [(pull, row_bytes, bulk) for pull in (True, False) for row_bytes in (bf16_row, fp8_row)
+              for bulk in bulk_modes]
+    for pull, row_bytes, bulk in copies:
+        name = ("pull" if pull else "push") + (" (TMA)" if bulk else "")
         for sms in args.sms or TUNE_SMS:
             stream = buffer._comm_stream
             cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight
             comm.Barrier()
             with stream:
-                us = _median_us(lambda: [intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms)
-                                         for _ in range(BACK_TO_BACK)], args.warmup, args.iters) / BACK_TO_BACK
+                us = _median_us(lambda: [intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms,
+                                                                bulk) for _ in range(BACK_TO_BACK)],
+                                args.warmup, args.iters) / BACK_TO_BACK
             results[(name, row_bytes, sms)] = us
     gathered = comm.gather(results, root=0)
     buffer.destroy()

@@ -9,7 +9,7 @@ from cuep.kernels import FAMILIES
 ELF_MAGIC = b"\x7fELF"
 ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"],
            "intranode": [b"cuep_intranode_%s" % name
-                         for name in (b"stage", b"notify", b"dispatch", b"combine", b"probe")],
+                         for name in (b"stage", b"notify", b"dispatch", b"combine", b"probe", b"bulk_probe")],
            "low_latency": [b"cuep_ll_dispatch", b"cuep_ll_combine"]}
 VARIANTS = {
     "default": dict(force_fallback=False, aggressive_ptx=False),
@@ -51,6 +51,13 @@ def test_aggressive_ptx_switch_changes_the_loads():
     _, aggressive = compile_variant("layout", "sm_90", "aggressive_ptx", keep_ptx=True)
     assert "L1::no_allocate" in aggressive.ptx and "ld.volatile.global" not in aggressive.ptx
     assert "L1::no_allocate" not in default.ptx and "ld.volatile.global" in default.ptx
+
+
+def test_bulk_copies_only_on_the_hopper_path():
+    _, hopper = compile_variant("intranode", "sm_90", "default", keep_ptx=True)
+    _, fallback = compile_variant("intranode", "sm_90", "fallback", keep_ptx=True)
+    assert "cp.async.bulk.shared::cluster.global" in hopper.ptx and "mbarrier.try_wait" in hopper.ptx
+    assert "cp.async.bulk" not in fallback.ptx and "trap;" in fallback.ptx
 
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm90", "gfx90a"])

@@ -15,6 +15,7 @@ warps per block that stage them first (``stager_warps``; 0 when the stage kernel
                            num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
                            combined_x, combined_topk_weights, state, status, next_row, timeout_ns)
     cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state, next_row)
+    cuep_intranode_bulk_probe(<the same arguments>)  (Hopper path only)
 """
 
 from __future__ import annotations
@@ -245,13 +246,19 @@ def probe_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
     return META_BYTES + 2 * num_ranks * max_rows * row_bytes
 
 
-def probe(ctx: Context, stream, rank_prefix, max_rows: int, row_bytes: int, pull: bool, num_sms: int) -> None:
+def probe(ctx: Context, stream, rank_prefix, max_rows: int, row_bytes: int, pull: bool, num_sms: int,
+          bulk: bool = False) -> None:
     """Enqueue the NVLink ceiling probe: the row copies of a dispatch (``pull``) or a combine, nothing else.
 
     ``rank_prefix``: ``[num_ranks + 1]`` int32 device array, the prefix sum of the rows exchanged with
-    each peer (at most ``max_rows`` each). It overwrites this rank's and its peers' buffers past the meta
-    region, so every rank must run it with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
+    each peer (at most ``max_rows`` each). ``bulk``: copy with the Hopper bulk-copy unit (TMA) instead of
+    the warps' loads and stores. It overwrites this rank's and its peers' buffers past the meta region,
+    so every rank must run it with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
     need_nvl_bytes("probe()", ctx, probe_bytes(ctx.num_ranks, max_rows, row_bytes), f"probing {max_rows} rows a peer")
-    _launch(ctx, stream, min(num_sms, ctx.device_sms), "cuep_intranode_probe", ctx.peer_bases.data.ptr,
+    if bulk and not ctx.library.spec.sm90_features:
+        raise ValueError(f"probe(): bulk=True needs the Hopper path, but the intranode kernels were built as "
+                         f"{ctx.library.spec.name}")
+    entry = "cuep_intranode_bulk_probe" if bulk else "cuep_intranode_probe"
+    _launch(ctx, stream, min(num_sms, ctx.device_sms), entry, ctx.peer_bases.data.ptr,
             rank_prefix.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int64(row_bytes),
             np.int32(max_rows), np.int32(pull), ctx.dispatch_state.data.ptr, ctx.next_row.data.ptr)
