@@ -74,7 +74,7 @@ constexpr int kRecvPhase = 2;
 
 // Trace points (trace.cuh; cuep/bench.py names them). Dispatch:
 constexpr int kTraceStart = 0;
-constexpr int kTraceTablePublished = 1;   // this block's routing (or weight) tables went out
+constexpr int kTraceTablePublished = 1;   // this block's routing rows (or weight tables) went out
 constexpr int kTraceTokensStored = 2;     // this block's token stores issued (before their flags)
 constexpr int kTraceSendDone = 3;
 constexpr int kTraceTablesRead = 4;       // every source's routing table arrived
@@ -613,33 +613,76 @@ __device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t
                         a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank, a.trace);
 }
 
-// Send this block's tokens, after the routing tables (from the last blocks, which have no token
-// when the grid outnumbers the tokens; every receiver waits for all the tables).
+// Routing-table word i (header, then each token's choices padded to ids_stride).
+__device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, int i) {
+    if (i < kRoutingHeaderWords)
+        return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
+    const int stride = ids_stride(a);
+    const int t = (i - kRoutingHeaderWords) / stride, k = (i - kRoutingHeaderWords) % stride;
+    return k < a.num_topk ? static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64,
+                                                                  static_cast<int64_t>(t) * a.num_topk + k,
+                                                                  a.num_experts, a.status))
+                          : ~0u;  // the pad
+}
+
+// Team-wide: this block's tokens' rows of the routing table of every direct (NVLink) peer, and from
+// block 0 the header and the flag a receiver that takes this rank for a put peer waits for (it then
+// polls the tagged words like everyone else). Each block stores its rows just before its own token
+// data, so the rows lead that data on the links; tables stored whole by a few blocks queue behind
+// every other block's flood (measured: the layout then waits ~5 us for them at EP4).
+__device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, uint64_t seq) {
+    const int stride = ids_stride(a);
+    const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
+    const int own_tokens = a.num_tokens > block ? (a.num_tokens - 1 - block) / grid + 1 : 0;
+    const int header_words = block == 0 ? kRoutingHeaderWords : 0;
+    const int per_peer = header_words + own_tokens * stride;
+    for (int i = team.thread(); i < a.num_ranks * per_peer; i += team.size) {
+        const int pe = i / per_peer, w = i % per_peer;
+        uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
+                                         a.force_put);
+        if (table == nullptr)
+            continue;
+        const int r = w - header_words;
+        const int index = r < 0 ? w : kRoutingHeaderWords + (block + r / stride * grid) * stride + r % stride;
+        st_relaxed_sys_global(table + index, tagged_word(seq, routing_word(a, index)));
+    }
+    if (block == 0)
+        for (int pe = team.thread(); pe < a.num_ranks; pe += team.size)
+            if (uint64_t* flag = direct_address(a.routing_flags + a.rank, pe, a.rank, a.force_put))
+                st_relaxed_sys_global(flag, seq);
+    team.sync();
+}
+
+// Whether any peer takes this rank's tables and tokens by put (NVSHMEM) rather than by direct stores.
+__device__ __forceinline__ bool has_put_peer(const DispatchArgs& a) {
+    for (int pe = 0; pe < a.num_ranks; ++pe)
+        if (direct_address(a.routing_flags, pe, a.rank, a.force_put) == nullptr)
+            return true;
+    return false;
+}
+
+// Send this block's tokens after their routing rows (direct peers) and, when some peer takes puts,
+// after the whole tables for those peers went out (from the last blocks, which have no token when the
+// grid outnumbers the tokens; every receiver waits for all the tables).
 __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
-    const int stride = ids_stride(a);
-    const int table_words = kRoutingHeaderWords + a.num_tokens * stride;
-    for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
-        auto word = [&](int i) -> uint32_t {
-            if (i < kRoutingHeaderWords)
-                return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
-            const int t = (i - kRoutingHeaderWords) / stride, k = (i - kRoutingHeaderWords) % stride;
-            return k < a.num_topk ? static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64,
-                                                                          static_cast<int64_t>(t) * a.num_topk + k,
-                                                                          a.num_experts, a.status))
-                                  : ~0u;  // the pad
-        };
-        publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
-                      a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words, word,
-                      a.routing_flags + a.rank, seq, pe, a.rank, a.force_put);
-        if (team.leader()) {
+    const int table_words = kRoutingHeaderWords + a.num_tokens * ids_stride(a);
+    const bool gated = has_put_peer(a);
+    for (int pe = gridDim.x - 1 - blockIdx.x; gated && pe < a.num_ranks; pe += gridDim.x) {
+        if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr)
+            publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
+                          a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words,
+                          [&](int i) { return routing_word(a, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
+                          a.force_put);
+        if (team.leader())
             count_table_sent(a.seq_state, a.half, a.num_ranks, seq);
-            trace_mark(a.trace, kTraceTablePublished);
-        }
     }
+    publish_own_routing_rows(team, a, seq);
+    if (team.leader())
+        trace_mark(a.trace, kTraceTablePublished);
     int parity = 0;
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, parity ^= 1) {
-        send_token(team, a, t, dst[parity], t == static_cast<int>(blockIdx.x) ? seq : 0, deadline_ns);
+        send_token(team, a, t, dst[parity], gated && t == static_cast<int>(blockIdx.x) ? seq : 0, deadline_ns);
         if (team.leader())
             trace_mark(a.trace, kTraceTokensStored);
         raise_token_flags(team, a, t, dst[parity], seq);
