@@ -842,20 +842,17 @@ __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const Rece
     }
 }
 
-// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive, dealt to the team's
-// warps in turn: a warp copies a row at a time, so the last flag is seen late by a warp that still has
-// rows before it (measured at EP4 with a bitmap word per warp: last flags seen ~6 us after the last
-// releases returned). Ends with a team barrier.
+// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a team barrier.
 __device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
                                uint64_t seq, uint64_t deadline_ns) {
     const int expert = a.rank * (a.num_experts / a.num_ranks) + e;
     const int warp = team.thread() / kWarpSize, num_warps = team.size / kWarpSize;
-    for (int i = 0; i < r.num_words; ++i) {
+    for (int i = warp; i < r.num_words; i += num_warps) {
         const uint32_t word = r.bits[i];
         for (uint32_t left = word; left != 0; left &= left - 1) {
             const int bit = __ffs(left) - 1;
             const int row = r.word_base[i] + __popc(word & ((1u << bit) - 1));
-            if (row % a.num_parts == part && row / a.num_parts % num_warps == warp)
+            if (row % a.num_parts == part)
                 receive_row(a, e, expert, row, i / r.words_per_source, (i % r.words_per_source) * kWarpSize + bit,
                             seq, deadline_ns);
         }
