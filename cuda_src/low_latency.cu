@@ -7,9 +7,9 @@
 // that replays a call keeps counting.
 //
 // Dispatch (rank s sends its T tokens; every rank holds L = E / R experts):
-//   send: s publishes its routing table (T and its top-k ids) to every rank, then writes each token
-//         once per destination *rank* (not per expert), FP8-quantised or BF16, into slot (s, t) of
-//         that rank's buffer and raises the slot's flag.
+//   send: s publishes its routing table (T and its top-k ids) to every rank, each block the rows of
+//         its own tokens, then writes each token once per destination *rank* (not per expert),
+//         FP8-quantised or BF16, into slot (s, t) of that rank's buffer and raises the slot's flag.
 //   recv: rank r reads every routing table, lays out each local expert's rows by (source rank,
 //         source token), and fans each arrived token out into the rows of its local experts.
 // Combine (the reverse; rank r holds the expert outputs x[L, R * T_max, H]):
@@ -128,11 +128,12 @@ __device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phas
     }
 }
 
-// A dispatch's token data waits until its routing tables have gone out. Every receiver needs every table
-// before it can lay out a single row, and whatever is stored once the tokens flood the links queues
-// behind them (measured: tables landing ~10 us into a 21 us dispatch); sent first, they land in a few
-// microseconds and the receivers' layout overlaps the flood. By a team's leader, after the team
-// stored one table (or, on the put path, its put was issued).
+// When some peer takes puts, a dispatch's token data waits until the whole tables have gone out. Every
+// receiver needs every table before it can lay out a single row, and a table stored once the tokens
+// flood the links queues behind them (measured: tables landing ~10 us into a 21 us dispatch); sent
+// first, they land in a few microseconds and the receivers' layout overlaps the flood. (Direct peers
+// need no such wait: each block's routing rows lead its own tokens.) By a team's leader, after the
+// team stored one table (or, on the put path, its put was issued).
 __device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, int num_ranks, uint64_t seq) {
     auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
     if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
