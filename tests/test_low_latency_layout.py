@@ -1,5 +1,5 @@
 """Low-latency launch module: the ctypes argument structs mirror the C++ ones, and the buffer layout
-arithmetic (no GPU needed)."""
+arithmetic, and the benchmark names every trace point the kernels stamp (no GPU needed)."""
 
 import re
 
@@ -72,3 +72,22 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
     with pytest.raises(ValueError, match="use fewer ranks per Buffer"):
         low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
     assert low_latency.check_dispatch_shared_bytes("c", most, ranks) == low_latency.dispatch_shared_bytes(most, ranks)
+
+
+def trace_constants(text: str) -> set[int]:
+    return {int(v) for v in re.findall(r"constexpr int kTrace\w+ = (\d+);", text)}
+
+
+def kernel_trace_points() -> tuple[set[int], set[int]]:
+    """The dispatch's and the combine's kTrace* constants in low_latency.cu (the combine shares start,
+    tables published and end with the dispatch)."""
+    source = (source_root() / "low_latency.cu").read_text()
+    dispatch_part, combine_part = source.split("// Trace points", 1)[1].split("// Combine (", 1)
+    return trace_constants(dispatch_part), trace_constants(combine_part.split("\n\n", 1)[0]) | {0, 1, 9}
+
+
+def test_bench_names_every_trace_point_the_kernels_stamp():
+    from cuep import bench
+    dispatch, combine = kernel_trace_points()
+    assert set(bench.DISPATCH_TRACE) == dispatch and set(bench.COMBINE_TRACE) == combine
+    assert max(dispatch | combine) < low_latency.TRACE_POINTS
