@@ -1,5 +1,5 @@
-"""Low-latency launch module: the ctypes argument structs mirror the C++ ones, and the buffer layout
-arithmetic, and the benchmark names every trace point the kernels stamp (no GPU needed)."""
+"""Low-latency launch module (no GPU needed): the ctypes argument structs mirror the C++ ones, the
+buffer layout arithmetic holds, and the benchmark names every trace point the kernels stamp."""
 
 import re
 
