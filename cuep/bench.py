@@ -20,7 +20,7 @@ TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 BACK_TO_BACK = 20  # low-latency graph replays timed as one run
 TRACE_SAMPLES = 50
 # Trace points of cuda_src/low_latency.cu (kTrace*), in the order a block passes them.
-DISPATCH_TRACE = {0: "start", 1: "routing tables published", 2: "token stores issued", 3: "send done",
+DISPATCH_TRACE = {0: "start", 1: "routing rows published", 2: "token stores issued", 3: "send done",
                   4: "routing tables arrived", 10: "unit's routed ids read", 5: "unit laid out",
                   6: "token flag releases returned", 7: "last row's token flag seen", 8: "rows copied", 9: "end"}
 COMBINE_TRACE = {0: "start", 1: "weight tables published", 2: "pair rows and weights ready", 3: "partial stored",
