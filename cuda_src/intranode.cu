@@ -794,6 +794,8 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
 // peer p at [p * max_rows, ...)) followed by a landing region of the same size (rows from peer p at
 // [p * max_rows, ...)). rank_prefix[num_ranks + 1] counts the rows this rank receives from (pull) or
 // sends back to (push) each peer. The contents are whatever the buffer holds; only bytes are timed.
+namespace cuep {
+
 // Both probes: `copy_row(dst, src, lane)` each row this rank exchanges, warp by warp.
 template <typename CopyRow>
 __device__ __forceinline__ void probe_rows(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank,
@@ -816,14 +818,6 @@ __device__ __forceinline__ void probe_rows(const uint64_t* peer_bases, const int
                      row_at(rank, static_cast<int64_t>(peer) * max_rows + j), lane);
         return true;
     });
-}
-
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
-                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
-    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
-               [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, row_bytes, lane); });
-    last_block_finished(state, next_row, num_ranks);
 }
 
 #if CUEP_ENABLE_SM90_FEATURES
@@ -862,6 +856,16 @@ __device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* s
     bulk_stores_read();  // the next row reloads these stages
 }
 #endif
+
+}  // namespace cuep
+
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
+                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
+               [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, row_bytes, lane); });
+    last_block_finished(state, next_row, num_ranks);
+}
 
 // The same probe with the copies made by the Hopper bulk-copy unit (TMA) instead of the warps' loads
 // and stores: one lane per warp drives each row through 2 KB of shared memory. Hopper path only (the

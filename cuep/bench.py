@@ -208,13 +208,13 @@ def bench_ceiling(args) -> None:
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
     remote_rows = sum(received) - received[rank]
     results = {}
+    stream = buffer._comm_stream
     bulk_modes = (False, True) if ctx.library.spec.sm90_features else (False,)
     copies = [(pull, row_bytes, bulk) for pull in (True, False) for row_bytes in (bf16_row, fp8_row)
               for bulk in bulk_modes]
     for pull, row_bytes, bulk in copies:
         name = ("pull" if pull else "push") + (" (TMA)" if bulk else "")
         for sms in args.sms or TUNE_SMS:
-            stream = buffer._comm_stream
             cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight
             comm.Barrier()
             with stream:
