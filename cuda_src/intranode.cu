@@ -196,6 +196,15 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t nu
     }
 }
 
+// Block-wide: thread p < num_ranks runs `wait_for(p)`, which waits for peer p and returns false (after
+// recording the peer) on a timeout. True unless some peer's wait timed out.
+template <typename WaitFor>
+__device__ __forceinline__ bool wait_for_every_peer(int num_ranks, WaitFor wait_for) {
+    const int peer = static_cast<int>(threadIdx.x);
+    const bool timed_out = peer < num_ranks && !wait_for(peer);
+    return !__syncthreads_or(timed_out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sender side: wait for the buffer, publish the meta header, stage tokens.
 
@@ -204,13 +213,12 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t nu
 // (after recording the peer) on a timeout.
 __device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t pulled_epoch,
                                        uint64_t deadline_ns, int32_t* status) {
-    bool timed_out = false;
-    const int receiver = threadIdx.x;
-    if (receiver < num_ranks && !wait_at_least_until(&control->done[receiver], pulled_epoch, deadline_ns)) {
+    return wait_for_every_peer(num_ranks, [&](int receiver) {
+        if (wait_at_least_until(&control->done[receiver], pulled_epoch, deadline_ns))
+            return true;
         record_timeout(status, receiver, kPhaseIntranodeReuse);
-        timed_out = true;
-    }
-    return !__syncthreads_or(timed_out);
+        return false;
+    });
 }
 
 // Block 0 of each epoch's first kernel: the header receivers read, then its epoch. It also clears
@@ -306,27 +314,22 @@ __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, i
 // Returns false (after recording the peer) on a timeout.
 __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases, int rank, int num_ranks,
                                   uint64_t epoch, uint64_t deadline_ns, int32_t* status) {
-    bool timed_out = false;
-    const int source = threadIdx.x;
-    if (source < num_ranks) {
+    return wait_for_every_peer(num_ranks, [&](int source) {
         auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
         SenderControl* control = control_of(base);
-        if (wait_at_least_until(&control->meta_epoch, epoch, deadline_ns)) {
-            const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
-            const int64_t num_tokens = meta->num_tokens;
-            plans[source] = SourcePlan{base + meta->x_offset,
-                                       reinterpret_cast<const float*>(base + meta->scales_offset),
-                                       reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
-                                       reinterpret_cast<const float*>(base + meta->topk_weights_offset),
-                                       reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) +
-                                           rank * num_tokens,
-                                       control->staged[epoch % 2], num_tokens, rows_per_chunk(num_tokens)};
-        } else {
+        if (!wait_at_least_until(&control->meta_epoch, epoch, deadline_ns)) {
             record_timeout(status, source, kPhaseIntranodeStaged);
-            timed_out = true;
+            return false;
         }
-    }
-    return !__syncthreads_or(timed_out);
+        const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
+        const int64_t num_tokens = meta->num_tokens;
+        plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
+                                   reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
+                                   reinterpret_cast<const float*>(base + meta->topk_weights_offset),
+                                   reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens,
+                                   control->staged[epoch % 2], num_tokens, rows_per_chunk(num_tokens)};
+        return true;
+    });
 }
 
 // Lane 0 waits until the chunk holding `token` is fully staged at its source, remembering the
@@ -601,18 +604,15 @@ __device__ bool open_landing_region(SenderControl* control, int num_ranks, uint6
 // Waits until every source has opened its landing region for this combine; reads its chunk size.
 __device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_bases, int num_ranks, uint64_t epoch,
                                      uint64_t deadline_ns, int32_t* status) {
-    bool timed_out = false;
-    const int source = threadIdx.x;
-    if (source < num_ranks) {
+    return wait_for_every_peer(num_ranks, [&](int source) {
         const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[source]));
-        if (wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
-            landing_chunks[source] = static_cast<int>(ld_volatile_global(&control->landing_chunk));
-        } else {
+        if (!wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
             record_timeout(status, source, kPhaseIntranodeLanding);
-            timed_out = true;
+            return false;
         }
-    }
-    return !__syncthreads_or(timed_out);
+        landing_chunks[source] = static_cast<int>(ld_volatile_global(&control->landing_chunk));
+        return true;
+    });
 }
 
 // Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source

@@ -157,6 +157,20 @@ def bench_normal(args) -> None:
             args.warmup, args.iters)
         results[("combine bf16", sms)] = _median_us(
             lambda: buffer.combine(recv_x, handle, topk_weights=recv_w, config=config), args.warmup, args.iters)
+        # The same calls replayed from CUDA graphs, BACK_TO_BACK between one pair of events: the GPU's time
+        # per call without the host's launch and the per-call events (the comm-stream hops stay).
+        graphs = _Graphs()
+        for name, call in (("dispatch bf16 (cached)", lambda: buffer.dispatch(x, handle=handle, config=config)),
+                           ("dispatch fp8 (cached)", lambda: buffer.dispatch((x_fp8, scales), handle=handle,
+                                                                             config=config)),
+                           ("combine bf16", lambda: buffer.combine(recv_x, handle, topk_weights=recv_w,
+                                                                   config=config))):
+            graph = graphs.capture(call)
+            with graphs.stream:
+                runs = _times_us(lambda _, g=graph: [graphs.launch(g) for _ in range(BACK_TO_BACK)], 1,
+                                 max(1, args.iters // 3))
+            results[(f"graph x{BACK_TO_BACK}: {name}", sms)] = float(np.median(runs)) / BACK_TO_BACK
+        graphs.stream.synchronize()
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
 
