@@ -20,6 +20,8 @@ never polled.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +91,7 @@ class HalfLayout:
     end: int
 
 
+@functools.lru_cache(maxsize=64)  # every eager call asks; a decode loop asks for one shape
 def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     dispatch_slot = _align(max(2 * hidden, hidden + hidden // SCALE_BLOCK * 4), _SLOT_ALIGN)  # BF16, or FP8 + scales
     combine_slot = _align(2 * hidden, _SLOT_ALIGN)
@@ -290,7 +293,7 @@ def _carve(cupy, specs) -> dict[str, Any]:
     offsets, total = [], 0
     for _, shape, dtype in specs:
         offsets.append(total)
-        total += _align(int(np.prod(shape)) * np.dtype(dtype).itemsize, _SLOT_ALIGN)
+        total += _align(math.prod(shape) * np.dtype(dtype).itemsize, _SLOT_ALIGN)  # math.prod: ~30x numpy's
     base = cupy.empty(total, dtype=cupy.uint8)
     return {name: cupy.ndarray(shape, dtype=dtype, memptr=base.data + offset)
             for (name, shape, dtype), offset in zip(specs, offsets)}
