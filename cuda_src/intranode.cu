@@ -67,10 +67,12 @@ struct SenderControl {
     uint64_t done[kMaxRanks];         // done[r]: newest epoch receiver r has finished pulling from here
     uint64_t landing_epoch;           // newest combine whose landing region is open (see combine below)
     uint64_t landing_chunk;           // landing rows per arrival counter in that combine
+    uint64_t push_open;               // newest dispatch epoch whose push landing region is open (push dispatch)
     uint32_t staged[2][kMaxChunks];   // tokens staged per chunk, for the dispatch epochs of each parity
     uint32_t landed[2][kMaxChunks];   // combine rows landed per chunk, for the combine epochs of each parity
+    uint32_t pushed[2][kMaxChunks];   // dispatch rows pushed here per chunk, for the dispatch epochs of each parity
 };
-constexpr int64_t kControlBytes = 20 * 1024;  // mirrors CONTROL_BYTES
+constexpr int64_t kControlBytes = 28 * 1024;  // mirrors CONTROL_BYTES
 constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
 static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its share of the meta region");
 
@@ -141,16 +143,22 @@ struct StageArgs {
 // rank to the same source at once, leaving the other links idle; instead each warp starts on a
 // different source (staggered by rank and warp) and claims kRowsPerClaim rows at a time from
 // per-source counters, moving on to the next source when one is exhausted. `copy_row` returns
-// false to stop this warp (a wait timed out).
+// false to stop this warp (a wait timed out). Rows of `skip_source` are left out.
 constexpr int kRowsPerClaim = 2;
 
 template <typename CopyRow>
 __device__ __forceinline__ void for_each_row_spread_over_sources(int32_t* next_row, const int32_t* rank_prefix,
-                                                                 int rank, int num_ranks, CopyRow copy_row) {
+                                                                 int rank, int num_ranks, CopyRow copy_row,
+                                                                 int skip_source = -1) {
     const int lane = threadIdx.x % kWarpSize;
     const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
     int source = (rank + 1 + warp) % num_ranks;
     for (int exhausted = 0; exhausted < num_ranks;) {
+        if (source == skip_source) {
+            source = (source + 1) % num_ranks;
+            ++exhausted;
+            continue;
+        }
         int first = 0;
         if (lane == 0)
             first = atomicAdd(next_row + source, kRowsPerClaim);
@@ -221,15 +229,22 @@ __device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, ui
     });
 }
 
-// Block 0 of each epoch's first kernel: the header receivers read, then its epoch. It also clears
-// the other parity's staging counters, which the next epoch uses and nobody reads before this
-// epoch's header is out.
+// Block 0 of each dispatch epoch, pull or push form, once its buffer is free: clears the counters of
+// the other parity, which the next epoch uses (in either form) and nobody touches before this
+// epoch's header or push landing region is out.
+__device__ void clear_next_epoch_counters(SenderControl* control, uint64_t epoch) {
+    for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads) {
+        control->staged[(epoch + 1) % 2][c] = 0;
+        control->pushed[(epoch + 1) % 2][c] = 0;
+    }
+}
+
+// Block 0 of each pull epoch's first kernel: the header receivers read, then its epoch.
 __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_per_expert, int num_experts,
                              uint64_t epoch) {
     auto* meta = reinterpret_cast<SenderMeta*>(args.buffer);
     SenderControl* control = control_of(args.buffer);
-    for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
-        control->staged[(epoch + 1) % 2][c] = 0;
+    clear_next_epoch_counters(control, epoch);
     if (threadIdx.x == 0) {
         meta->num_tokens = args.num_tokens;
         meta->x_offset = kMetaBytes;
@@ -450,10 +465,12 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
 //   recv_info = [num_recv_tokens, num_send_copies, rank_prefix[num_ranks + 1],
 //                num_recv_tokens_per_expert[num_local_experts] (aligned)]
 //   combine_offsets[num_ranks] (this rank's first landing row in each source),
-//   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer).
+//   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer),
+//   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
+//   destination's received rows, then each destination's received row count).
 extern "C" __global__ void __launch_bounds__(kNumThreads)
 cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int num_experts, int expert_alignment,
-                      int32_t* recv_info, int32_t* combine_offsets, int32_t* send_offsets) {
+                      int32_t* recv_info, int32_t* combine_offsets, int32_t* send_offsets, int32_t* push_offsets) {
     __shared__ int32_t recv_from[kMaxRanks];
     const int num_local_experts = num_experts / num_ranks;
     if (static_cast<int>(threadIdx.x) < num_ranks) {
@@ -464,6 +481,16 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
         for (int r = 0; r < rank; ++r)
             before += meta->send_count[r];
         combine_offsets[source] = before;
+
+        const int dst = threadIdx.x;
+        int32_t before_this_rank = 0, total = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            const int32_t count = reinterpret_cast<const volatile SenderMeta*>(peer_bases[s])->send_count[dst];
+            before_this_rank += s < rank ? count : 0;
+            total += count;
+        }
+        push_offsets[dst] = before_this_rank;
+        push_offsets[num_ranks + dst] = total;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -571,6 +598,217 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
 }
 
 // ---------------------------------------------------------------------------------------------
+// Cached dispatch, push form (cuep_intranode_dispatch_push). Each receiver's buffer holds a landing
+// region laid out like its received rows: row i of recv_x lands at row i, followed by its scales.
+// Block 0 of every rank opens its region once the previous dispatch's readers are done with the
+// buffer (SenderControl::push_open). Pusher warps write each of this rank's tokens, one read of it
+// for every receiver, into the receivers' landing rows (rows for this rank itself go straight into
+// recv_x) and count them in the receiver's per-chunk counters (SenderControl::pushed); the other
+// warps, and the pushers once done, copy each landed row into recv_x as soon as its chunk is
+// complete. Pushing rather than pulling: on this fabric SM pushes move ~10% more than pulls
+// (docs/performance.md, v0.4.3), and the sender's tokens need no staging copy.
+namespace cuep {
+
+// Rows a pusher warp (push dispatch or combine) has landed but not yet counted: consecutive rows of
+// one chunk of one receiver are counted together, behind one system-scope fence instead of one per
+// row. Every lane holds the same state; the warp calls add() after a row's stores and flush() when
+// it stops pushing.
+struct PendingArrivals {
+    uint32_t* counter = nullptr;
+    uint32_t rows = 0;
+
+    __device__ __forceinline__ void flush(int lane) {
+        __syncwarp();
+        if (lane == 0 && rows > 0) {
+            __threadfence_system();
+            atomicAdd_system(counter, rows);
+        }
+        counter = nullptr;
+        rows = 0;
+    }
+
+    __device__ __forceinline__ void add(uint32_t* chunk_counter, int lane) {
+        if (chunk_counter != counter)
+            flush(lane);
+        counter = chunk_counter;
+        ++rows;
+    }
+};
+
+// Consecutive tokens a pusher takes at a time. Its rows to one receiver are then consecutive landing
+// rows, counted behind one fence; more would let the rows land out of order for the copy-out.
+constexpr int kTokensPerRun = 2;
+
+// A landing row: the token's hidden bytes, then its scales (FP8); rows start 16-byte aligned.
+struct PushShape {
+    const uint8_t* x;
+    int64_t hidden_bytes;
+    const float* scales;
+    int64_t scale_token_stride, scale_channel_stride;
+    int num_scales;
+    int64_t row_bytes;  // mirrors push_row_bytes in cuep/kernels/intranode.py
+};
+
+// One warp writes `token`'s hidden vector to `dst_x` and its scales to `dst_scales`.
+__device__ __forceinline__ void write_token(const PushShape& shape, int token, uint8_t* dst_x, float* dst_scales,
+                                            int lane) {
+    warp_copy(dst_x, shape.x + token * shape.hidden_bytes, shape.hidden_bytes, lane);
+    for (int s = lane; s < shape.num_scales; s += kWarpSize)
+        dst_scales[s] = shape.scales[token * shape.scale_token_stride + s * shape.scale_channel_stride];
+}
+
+// Block 0 of this rank's push dispatch: once every receiver has finished pulling the last dispatch
+// from this buffer (a pull-form epoch may precede this one), clear the next epoch's counters and open
+// the landing region for `epoch`. Returns false on a timeout.
+__device__ bool open_push_landing(SenderControl* control, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
+                                  int32_t* status) {
+    if (!wait_until_buffer_free(control, num_ranks, epoch - 1, deadline_ns, status))
+        return false;
+    clear_next_epoch_counters(control, epoch);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys_global(&control->push_open, epoch);
+    }
+    return true;
+}
+
+// Waits until every receiver has opened its landing region for this dispatch.
+__device__ bool wait_push_landings(const uint64_t* peer_bases, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
+                                   int32_t* status) {
+    return wait_for_every_peer(num_ranks, [&](int receiver) {
+        const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[receiver]));
+        if (wait_at_least_until(&control->push_open, epoch, deadline_ns))
+            return true;
+        record_timeout(status, receiver, kPhaseIntranodeOpen);
+        return false;
+    });
+}
+
+// Landing rows of `chunk` that peers push: the chunk's rows less those this rank writes itself
+// ([self_first, self_last), straight into recv_x).
+__device__ __forceinline__ uint32_t pushed_rows_in_chunk(int chunk, int chunk_rows, int num_rows, int self_first,
+                                                         int self_last) {
+    const int first = chunk * chunk_rows, last = min(first + chunk_rows, num_rows);
+    const int own = max(0, min(last, self_last) - max(first, self_first));
+    return static_cast<uint32_t>(last - first - own);
+}
+
+// What a pusher warp needs about the receivers: this rank's first landing row at each and each one's
+// rows per arrival counter.
+struct PushTargets {
+    const uint64_t* peer_bases;
+    const int32_t* first_row;
+    const int* chunk_rows;
+};
+
+// Pusher warp `pusher` of `num_pushers`: runs of kTokensPerRun tokens, dealt in turn so that every
+// receiver's landing rows fill front to back; each run goes to its receivers in an order staggered
+// by warp, so the links share the load.
+__device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, const PushTargets& targets, int rank,
+                            int num_ranks, int num_tokens, int pusher, int num_pushers, uint64_t epoch,
+                            uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
+    PendingArrivals pending;
+    for (int first = pusher * kTokensPerRun; first < num_tokens; first += num_pushers * kTokensPerRun) {
+        const int last = min(first + kTokensPerRun, num_tokens);
+        for (int i = 0; i < num_ranks; ++i) {
+            const int dst = (rank + 1 + pusher + i) % num_ranks;
+            auto* base = reinterpret_cast<uint8_t*>(targets.peer_bases[dst]);
+            for (int token = first; token < last; ++token) {
+                const int pos = ld_nc_global(send_pos + static_cast<int64_t>(token) * num_ranks + dst);
+                if (pos < 0)
+                    continue;
+                if (dst == rank) {
+                    const int64_t row = own_first_row + pos;
+                    write_token(shape, token, recv_x + row * shape.hidden_bytes, recv_scales + row * shape.num_scales,
+                                lane);
+                    continue;
+                }
+                const int slot = targets.first_row[dst] + pos;
+                uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * shape.row_bytes;
+                write_token(shape, token, landing, reinterpret_cast<float*>(landing + shape.hidden_bytes), lane);
+                pending.add(control_of(base)->pushed[epoch % 2] + slot / targets.chunk_rows[dst], lane);
+            }
+        }
+    }
+    pending.flush(lane);
+}
+
+// One warp copies landed row `row` into recv_x (and its scales into recv_scales).
+__device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8_t* landing, int64_t row,
+                                             uint8_t* recv_x, float* recv_scales, int lane) {
+    const uint8_t* src = landing + row * shape.row_bytes;
+    warp_copy<false>(recv_x + row * shape.hidden_bytes, src, shape.hidden_bytes, lane);
+    const auto* scales_in = reinterpret_cast<const int32_t*>(src + shape.hidden_bytes);
+    auto* scales_out = reinterpret_cast<int32_t*>(recv_scales) + row * shape.num_scales;
+    for (int s = lane; s < shape.num_scales; s += kWarpSize)
+        scales_out[s] = ld_volatile_global(scales_in + s);
+}
+
+}  // namespace cuep
+
+// Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
+// kWarpsPerBlock - 1), the rest copy landed rows out from the start.
+extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
+cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
+                             int64_t scale_channel_stride, int num_scales, int num_tokens, const int32_t* send_pos,
+                             const int32_t* push_offsets, int push_warps, int64_t row_bytes,
+                             const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
+                             uint8_t* recv_x, float* recv_scales, uint64_t* state, int32_t* status, int32_t* next_row,
+                             uint64_t timeout_ns) {
+    __shared__ int32_t rank_prefix[kMaxRanks + 1];
+    __shared__ int32_t first_row[kMaxRanks];
+    __shared__ int chunk_rows[kMaxRanks];
+    __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
+    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        first_row[threadIdx.x] = push_offsets[threadIdx.x];
+        chunk_rows[threadIdx.x] = rows_per_chunk(push_offsets[num_ranks + threadIdx.x]);
+    }
+    if (lane < num_ranks)
+        confirmed[warp_in_block][lane] = -1;
+    auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
+
+    bool ok = blockIdx.x != 0 || open_push_landing(control_of(own), num_ranks, epoch, deadline_ns, status);
+    ok = wait_push_landings(peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
+    const PushShape shape{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, row_bytes};
+    const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
+    if (ok && warp_in_block < pushers_per_block)
+        push_tokens(shape, send_pos, PushTargets{peer_bases, first_row, chunk_rows}, rank, num_ranks, num_tokens,
+                    blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, epoch, recv_x,
+                    recv_scales, rank_prefix[rank], lane);
+    if (ok) {
+        const int num_recv = rank_prefix[num_ranks];
+        const int own_chunk = rows_per_chunk(num_recv);
+        const uint32_t* pushed = control_of(own)->pushed[epoch % 2];
+        int* warp_confirmed = confirmed[warp_in_block];
+        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
+                                         [&](int source, int row, int, int lane) {
+            const int chunk = row / own_chunk;
+            bool arrived = true;
+            if (lane == 0 && warp_confirmed[source] != chunk) {
+                const uint32_t expected =
+                    pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank], rank_prefix[rank + 1]);
+                arrived = wait_at_least_until(pushed + chunk, expected, deadline_ns);
+                if (arrived)
+                    warp_confirmed[source] = chunk;
+                else
+                    record_timeout(status, source, kPhaseIntranodePushed);
+            }
+            if (!__shfl_sync(kFullWarpMask, arrived, 0))
+                return false;
+            copy_out_row(shape, own + kMetaBytes, row, recv_x, recv_scales, lane);
+            return true;
+        }, rank);
+    }
+    finish_dispatch(peer_bases, rank, num_ranks, epoch, state, next_row);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Combine: one kernel. Pusher warps write each received row (its hidden vector, then its top-k
 // weights) into the source's landing row combine_offsets[source] + (row - rank_prefix[source]) and
 // count it in the source's per-chunk arrival counters; reducer warps sum, in FP32, the copies of each
@@ -614,31 +852,6 @@ __device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_b
         return true;
     });
 }
-
-// Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source
-// are counted together, behind one system-scope fence instead of one per row. Every lane holds the
-// same state; the warp calls add() after a row's stores and flush() when it stops pushing.
-struct PendingArrivals {
-    uint32_t* counter = nullptr;
-    uint32_t rows = 0;
-
-    __device__ __forceinline__ void flush(int lane) {
-        __syncwarp();
-        if (lane == 0 && rows > 0) {
-            __threadfence_system();
-            atomicAdd_system(counter, rows);
-        }
-        counter = nullptr;
-        rows = 0;
-    }
-
-    __device__ __forceinline__ void add(uint32_t* chunk_counter, int lane) {
-        if (chunk_counter != counter)
-            flush(lane);
-        counter = chunk_counter;
-        ++rows;
-    }
-};
 
 struct CombineShape {
     int64_t hidden_bytes;

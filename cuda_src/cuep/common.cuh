@@ -57,5 +57,7 @@ constexpr int kPhaseIntranodeStaged = 6;    // a sender's staged tokens (intrano
 constexpr int kPhaseIntranodeReuse = 7;     // receivers done with the previous dispatch (intranode)
 constexpr int kPhaseIntranodeLanding = 8;   // a source's landing region opening (intranode combine)
 constexpr int kPhaseIntranodeArrival = 9;   // a combined row's arrival (intranode combine)
+constexpr int kPhaseIntranodeOpen = 10;     // a receiver's push landing region opening (intranode dispatch)
+constexpr int kPhaseIntranodePushed = 11;   // a pushed row's arrival (intranode dispatch)
 
 }  // namespace cuep

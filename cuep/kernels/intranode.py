@@ -7,7 +7,10 @@ warps per block that stage them first (``stager_warps``; 0 when the stage kernel
     cuep_intranode_stage(<stage args>, is_token_in_rank, num_tokens_per_expert, num_experts, num_ranks, send_pos,
                          state, status, timeout_ns)
     cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info,
-                          combine_offsets, send_offsets)
+                          combine_offsets, send_offsets, push_offsets)
+    cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
+                                 num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
+                                 rank, num_ranks, recv_x, recv_scales, state, status, next_row, timeout_ns)
     cuep_intranode_dispatch(<stage args>, stage, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows,
                             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, state,
                             status, next_row, timeout_ns)
@@ -20,6 +23,7 @@ warps per block that stage them first (``stager_warps``; 0 when the stage kernel
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,7 +35,7 @@ from ..jit import KernelSpec, Library
 NUM_THREADS = 512
 MAX_RANKS = 8
 META_BYTES = 64 * 1024          # mirrors kMetaBytes
-CONTROL_BYTES = 20 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
+CONTROL_BYTES = 28 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
 META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4
 STATE_WORDS = 3                 # device-side state: finished dispatch epoch, blocks done, finished combine epoch
@@ -76,6 +80,16 @@ def stager_warps(num_ranks: int) -> int:
     return 8 if num_ranks <= 2 else 4
 
 
+def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
+    """One push-dispatch landing row: the hidden bytes, then the FP8 scales."""
+    return _aligned(hidden_bytes + num_scales * 4)
+
+
+def pusher_warps(num_ranks: int) -> int:
+    """Warps per block of a push dispatch that push this rank's tokens before copying rows out."""
+    return int(os.environ.get("CUEP_HT_PUSH_WARPS", "8"))  # EXPERIMENT
+
+
 def landing_row_bytes(hidden: int, num_weights: int) -> int:
     """One combine landing row: the bf16 hidden vector, then the top-k weights."""
     return _aligned(hidden * 2 + num_weights * 4)
@@ -88,6 +102,8 @@ class Handle:
     ``recv_info``: ``[num_recv, num_send_copies, rank_prefix[R + 1], per-expert counts]`` on the GPU.
     ``send_pos[t, r]``: row of token ``t`` among those sent to rank ``r`` (-1 if not sent).
     ``recv_src_idx[i]``: source token index of received row ``i``.
+    ``push_offsets``: ``[2R]`` this rank's first row among each destination's received rows, then each
+    destination's received row count (what a cached push dispatch needs).
     """
 
     num_tokens: int
@@ -97,6 +113,7 @@ class Handle:
     recv_info: Any
     combine_offsets: Any
     send_offsets: Any
+    push_offsets: Any
     send_pos: Any
     recv_src_idx: Any
     is_token_in_rank: Any
@@ -187,9 +204,10 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
         combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
         send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+        push_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
         _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
                 np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
-                combine_offsets.data.ptr, send_offsets.data.ptr)
+                combine_offsets.data.ptr, send_offsets.data.ptr, push_offsets.data.ptr)
         if num_worst_tokens > 0:
             num_rows = num_worst_tokens
         else:
@@ -203,6 +221,17 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
     recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
     recv_src_idx = handle.recv_src_idx if cached else cupy.empty(num_rows, dtype=cupy.int32)
+    row_bytes = push_row_bytes(hidden_bytes, num_scales)
+    if (cached and os.environ.get("CUEP_HT_DISPATCH", "push") == "push"  # EXPERIMENT
+            and META_BYTES + num_rows * row_bytes <= ctx.buffer_bytes):
+        _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
+                np.uint64(_ptr(scales)), *stage_args[3:6], np.int32(num_tokens), handle.send_pos.data.ptr,
+                handle.push_offsets.data.ptr, np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes),
+                ctx.peer_bases.data.ptr, recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
+                recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
+                ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+        ctx.mirror_status(stream)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
     stage = stager_warps(ctx.num_ranks) if cached else 0
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch", *stage_args, np.int32(stage), ctx.peer_bases.data.ptr,
             recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(num_experts),
@@ -214,7 +243,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     if not cached:
         handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
                         num_send_copies=num_copies, recv_info=recv_info, combine_offsets=combine_offsets,
-                        send_offsets=send_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
+                        send_offsets=send_offsets, push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
                         is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 

@@ -9,7 +9,8 @@ TIMED_OUT, PEER, PHASE, OVERFLOW, BAD_EXPERT_IDS = 0, 1, 2, 3, 4
 PHASE_NAMES = {1: "device barrier", 2: "low-latency dispatch (routing table)", 3: "low-latency dispatch (token data)",
                4: "low-latency combine (top-k weights)", 5: "low-latency combine (partial sums)",
                6: "intranode dispatch (staged tokens)", 7: "intranode dispatch (previous dispatch's pulls)",
-               8: "intranode combine (landing region)", 9: "intranode combine (row arrivals)"}
+               8: "intranode combine (landing region)", 9: "intranode combine (row arrivals)",
+               10: "intranode dispatch (a receiver's landing region)", 11: "intranode dispatch (pushed rows)"}
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:

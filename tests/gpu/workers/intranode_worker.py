@@ -142,6 +142,27 @@ def main() -> None:
         np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
         assert recv_topk is None and recv_w is None and per_expert == [] and same_handle is handle
 
+    def cached_dispatches_back_to_back_fp8_then_combine():
+        inputs = all_inputs(lambda s: 600 + 40 * s, 7168, experts, 8, fp8=True)
+        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        topk = [i[2] for i in inputs]
+        for step in range(3):  # back to back: each call's landing region is reused by the next
+            rngs = [np.random.default_rng([SEED, 1000 + step, s]) for s in range(num_ranks)]
+            new = [(rng.integers(0, 256, (len(i[0]), 7168), dtype=np.uint8),
+                    rng.random((len(i[0]), 56), dtype=np.float32)) for rng, i in zip(rngs, inputs)]
+            x_in = (cupy.asarray(new[rank][0]), cupy.asfortranarray(cupy.asarray(new[rank][1])))
+            (recv_x, recv_scales), _, _, _, _, _ = buffer.dispatch(x_in, handle=handle)
+        expected = reference.dispatch([n[0] for n in new], topk, experts, None, [n[1] for n in new])[rank]
+        np.testing.assert_array_equal(recv_x.get(), expected.recv_x)
+        np.testing.assert_array_equal(recv_scales.get(), expected.recv_scales)
+        x_bf16 = [np.random.default_rng([SEED, 2000, s]).standard_normal((len(i[0]), 7168)).astype(BF16)
+                  for s, i in enumerate(inputs)]
+        recv_bf16, _, _, _, _, _ = buffer.dispatch(cupy.asarray(x_bf16[rank]), handle=handle)
+        expected = reference.dispatch(x_bf16, topk, experts)[rank]
+        np.testing.assert_array_equal(bits(recv_bf16.get()), bits(expected.recv_x))
+        routed = [(x_bf16[s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
+        combine_and_check(buffer, routed, experts, recv_bf16, recv_w, handle)
+
     def alignment_and_two_biases():
         inputs = all_inputs(257, 1024, experts, 6)
         recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, alignment=4)
@@ -271,6 +292,8 @@ def main() -> None:
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
         ("without top-k", without_topk),
         ("cached dispatch with new x", cached_dispatch_new_x),
+        ("cached FP8 dispatches back to back, then a cached BF16 dispatch and combine",
+         cached_dispatches_back_to_back_fp8_then_combine),
         ("expert_alignment=4, one and two biases", alignment_and_two_biases),
         ("0 tokens on rank 1", zero_tokens_on_rank_1),
         ("every token to rank 0", every_token_to_rank_0),
