@@ -375,8 +375,8 @@ class Buffer:
         Requirements:
             every rank calls it; non-cached calls need the layout from :meth:`get_dispatch_layout`.
             A non-cached call without ``num_worst_tokens`` waits on the CPU for the received count,
-            to size the outputs. The NVL buffer must hold this call's staged tokens (the error says
-            how much when it does not).
+            to size the outputs. The NVL buffer must hold this call's staged tokens, and for a
+            cached call the rows each rank receives (the error says how much when it does not).
 
         Arguments:
             x: `[num_tokens, hidden]` with `bfloat16` (``ml_dtypes.bfloat16``), or a tuple of

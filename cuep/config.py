@@ -45,28 +45,32 @@ class Config:
                                  num_tokens: int = HINT_TOKENS_PER_RANK, num_topk: int = MAX_TOPK_HINT) -> int:
         """Bytes of NVL buffer for dispatch and combine of ``num_tokens`` tokens per rank.
 
-        Dispatch stages every token once (hidden, FP8 scales, top-k ids and weights, send lists);
-        combine lands one row per (token, rank holding a copy), at most ``min(num_ranks, num_topk)``
-        copies per token. Differs from DeepEP: the hint grows with the tokens per call
-        (``num_tokens``, an addition), because the kernels have no ring buffer to cycle through.
+        A dispatch with a layout stages every token once (hidden, FP8 scales, top-k ids and weights,
+        send lists); a cached dispatch lands every row a rank receives, at most ``num_ranks *
+        num_tokens`` (every token to one rank); combine lands one row per (token, rank holding a
+        copy), at most ``min(num_ranks, num_topk)`` copies per token. Differs from DeepEP: the hint
+        grows with the tokens per call (``num_tokens``, an addition), because the kernels have no
+        ring buffer to cycle through.
         """
         hidden = hidden_bytes // 2
         num_scales = -(-hidden // intranode.SCALE_BLOCK)
         dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
+        cached = intranode.META_BYTES + num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
         copies = num_tokens * min(num_ranks, num_topk)
         combine = intranode.META_BYTES + copies * intranode.landing_row_bytes(hidden, num_topk)
-        return max(dispatch, combine)
+        return max(dispatch, cached, combine)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Internode buffer bytes; 0 until the internode mode exists."""
         return 0
 
 
-# Tuned with `python -m cuep.bench --tune` on 2 and 4 H200s (docs/performance.md, v0.4.0): dispatch is
-# NVLink-bound from ~48 SMs on; combine still gains up to 128. EP8 uses the defaults until measured.
-_DISPATCH_SMS = {2: 64, 4: 48}
+# Tuned with `python -m cuep.bench --tune` on 2 and 4 H200s (docs/performance.md, v0.5.0): the cached
+# (push) dispatch gains up to 128 SMs at 4 ranks and is flat from 64 to 128 at 2; combine gains up to
+# 128. EP8 uses the defaults until measured.
+_DISPATCH_SMS = {2: 96, 4: 128}
 _COMBINE_SMS = {2: 128, 4: 128}
-_DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 48, 128
+_DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 128, 128
 
 
 def get_dispatch_config(num_ranks: int, num_sms: int | None = None) -> Config:

@@ -45,7 +45,8 @@ constexpr int kStatusPeer = 1;      // the rank that never arrived
 constexpr int kStatusPhase = 2;     // which wait (kPhase* below)
 constexpr int kStatusOverflow = 3;  // rows a dispatch needed beyond the num_worst_tokens it was given
 constexpr int kStatusBadExpertIds = 4;  // top-k ids outside [-1, num_experts) that a kernel ignored
-constexpr int kStatusWords = 5;
+constexpr int kStatusLandingRows = 5;   // rows a push dispatch had to land on one rank, beyond its buffer
+constexpr int kStatusWords = 6;
 
 // Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py names them.
 constexpr int kPhaseBarrier = 1;

@@ -7,12 +7,15 @@
 namespace cuep {
 
 // Spin until *flag >= target (flags and counters here only grow; 32- or 64-bit) or until the global
-// timer passes deadline_ns. Returns whether the target was reached.
+// timer passes deadline_ns, pausing `sleep_ns` between polls. Returns whether the target was reached.
 template <typename Flag>
-__device__ __forceinline__ bool wait_at_least_until(const Flag* flag, Flag target, uint64_t deadline_ns) {
+__device__ __forceinline__ bool wait_at_least_until(const Flag* flag, Flag target, uint64_t deadline_ns,
+                                                    uint32_t sleep_ns = 0) {
     while (ld_acquire_sys_global(flag) < target) {
         if (globaltimer_ns() > deadline_ns)
             return false;
+        if (sleep_ns > 0)
+            __nanosleep(sleep_ns);
     }
     return true;
 }

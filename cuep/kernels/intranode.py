@@ -1,8 +1,8 @@
-"""Launch module of ``cuda_src/intranode.cu``: the NVLink dispatch (pull) and combine (push).
+"""Launch module of ``cuda_src/intranode.cu``: the NVLink dispatch (pull when non-cached, push when
+cached) and combine (push).
 
 C++ entries (see the .cu file for the protocol); the first fifteen arguments of stage and dispatch
-describe this rank's tokens and where they are staged (``_stage_args``); dispatch's ``stage`` is the
-warps per block that stage them first (``stager_warps``; 0 when the stage kernel already has)::
+describe this rank's tokens and where they are staged (``_stage_args``)::
 
     cuep_intranode_stage(<stage args>, is_token_in_rank, num_tokens_per_expert, num_experts, num_ranks, send_pos,
                          state, status, timeout_ns)
@@ -10,10 +10,11 @@ warps per block that stage them first (``stager_warps``; 0 when the stage kernel
                           combine_offsets, send_offsets, push_offsets)
     cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                                  num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
-                                 rank, num_ranks, recv_x, recv_scales, state, status, next_row, timeout_ns)
-    cuep_intranode_dispatch(<stage args>, stage, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows,
-                            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, state,
-                            status, next_row, timeout_ns)
+                                 rank, num_ranks, landing_capacity_rows, recv_x, recv_scales, state, status,
+                                 next_row, timeout_ns)
+    cuep_intranode_dispatch(<stage args>, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows, recv_x,
+                            recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status, next_row,
+                            timeout_ns)
     cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
                            num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
                            combined_x, combined_topk_weights, state, status, next_row, timeout_ns)
@@ -23,7 +24,6 @@ warps per block that stage them first (``stager_warps``; 0 when the stage kernel
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,7 +35,7 @@ from ..jit import KernelSpec, Library
 NUM_THREADS = 512
 MAX_RANKS = 8
 META_BYTES = 64 * 1024          # mirrors kMetaBytes
-CONTROL_BYTES = 28 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
+CONTROL_BYTES = 20 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
 META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4
 STATE_WORDS = 3                 # device-side state: finished dispatch epoch, blocks done, finished combine epoch
@@ -70,24 +70,16 @@ def staging_layout(num_tokens: int, hidden_bytes: int, num_scales: int, num_topk
     return StagingLayout(scales, topk_idx, topk_weights, send_lists, send_lists + _aligned(num_ranks * num_tokens * 4))
 
 
-def stager_warps(num_ranks: int) -> int:
-    """Warps per block of a cached dispatch that stage this rank's tokens before they pull.
-
-    Every peer's pull waits for staging, and a peer pulls from one source at 2 ranks but from several
-    at more, so staging must run faster at 2 ranks. Measured on 2 x H200 (BF16 / FP8 dispatch at 64
-    SMs): 2 stagers 299 / 234 us, 4: 257 / 175 us, 6: 228 / 150 us, 8: 229 / 143 us. At 4 ranks the
-    dispatch is flat from 32 to 128 SMs (so from 128 to 512 stager warps) with 4."""
-    return 8 if num_ranks <= 2 else 4
-
-
 def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
     """One push-dispatch landing row: the hidden bytes, then the FP8 scales."""
     return _aligned(hidden_bytes + num_scales * 4)
 
 
-def pusher_warps(num_ranks: int) -> int:
-    """Warps per block of a push dispatch that push this rank's tokens before copying rows out."""
-    return int(os.environ.get("CUEP_HT_PUSH_WARPS", "8"))  # EXPERIMENT
+# Warps per block of a cached (push) dispatch that push this rank's tokens before copying rows out;
+# the other 4 copy landed rows out from the start. Measured on 4 x H200 (BF16 / FP8, graph replays):
+# 8, 10, 12 and 14 pushers at 128 SMs gave 519.3 / 300.7, 506.7 / 289.0, 502.4 / 289.1 and
+# 531.4 / 305.9 us; at 2 ranks 8 and 12 are within 1%.
+PUSHER_WARPS = 12
 
 
 def landing_row_bytes(hidden: int, num_weights: int) -> int:
@@ -158,16 +150,21 @@ def need_nvl_bytes(call: str, ctx: Context, needed: int, what: str) -> None:
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
 
 
+def _scale_args(scales) -> tuple:
+    """``scales, scale_token_stride, scale_channel_stride, num_scales`` (strides in floats) as kernel arguments."""
+    if scales is None:
+        return np.uint64(0), np.int64(0), np.int64(0), np.int32(0)
+    return (np.uint64(scales.data.ptr), np.int64(scales.strides[0] // 4), np.int64(scales.strides[1] // 4),
+            np.int32(scales.shape[1]))
+
+
 def _stage_args(ctx: Context, x, scales, topk_idx, topk_weights, layout: StagingLayout) -> tuple:
     """The first fifteen arguments of the stage and dispatch kernels: this rank's tokens and their staging."""
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
-    scale_strides = (scales.strides[0] // 4, scales.strides[1] // 4) if scales is not None else (0, 0)
-    return (x.data.ptr, np.int64(hidden_bytes), np.uint64(_ptr(scales)), np.int64(scale_strides[0]),
-            np.int64(scale_strides[1]), np.int32(scales.shape[1] if scales is not None else 0),
-            np.uint64(_ptr(topk_idx)), np.uint64(_ptr(topk_weights)),
-            np.int32(topk_idx.shape[1] if topk_idx is not None else 0), np.int32(num_tokens),
-            np.uint64(ctx.buffer_ptr), np.int64(layout.scales_offset), np.int64(layout.topk_idx_offset),
-            np.int64(layout.topk_weights_offset), np.int64(layout.send_lists_offset))
+    return (x.data.ptr, np.int64(hidden_bytes), *_scale_args(scales), np.uint64(_ptr(topk_idx)),
+            np.uint64(_ptr(topk_weights)), np.int32(topk_idx.shape[1] if topk_idx is not None else 0),
+            np.int32(num_tokens), np.uint64(ctx.buffer_ptr), np.int64(layout.scales_offset),
+            np.int64(layout.topk_idx_offset), np.int64(layout.topk_weights_offset), np.int64(layout.send_lists_offset))
 
 
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
@@ -175,14 +172,16 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     """Enqueue a dispatch on ``stream`` (allocating on the current stream) and return
     ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``.
 
-    Cached (``handle`` given): one kernel that stages and pulls at once. Otherwise stage, barrier,
-    notify, the CPU wait for the received count (unless ``num_worst_tokens``), then the pull."""
+    Cached (``handle`` given): :func:`cached_dispatch`. Otherwise stage, barrier, notify, the CPU wait
+    for the received count (unless ``num_worst_tokens``), then the pull."""
+    num_sms = min(num_sms, ctx.device_sms)
+    if handle is not None:
+        recv_x, recv_scales = cached_dispatch(ctx, stream, x, scales, handle, num_sms)
+        return recv_x, recv_scales, None, None, [], handle
     cupy = _deps.cupy()
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-    cached = handle is not None
-    num_sms = min(num_sms, ctx.device_sms)
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_nvl_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     stage_args = _stage_args(ctx, x, scales, topk_idx, topk_weights, layout)
@@ -191,61 +190,71 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
     num_recv = num_copies = None
-    if cached:
-        recv_info, combine_offsets, send_offsets = handle.recv_info, handle.combine_offsets, handle.send_offsets
-        num_rows, num_recv = handle.num_rows, handle.num_recv_tokens
+    send_pos = cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
+    _launch(ctx, stream, ctx.num_ranks + num_sms, "cuep_intranode_stage", *stage_args,
+            np.uint64(_ptr(is_token_in_rank)), np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts),
+            np.int32(ctx.num_ranks), send_pos.data.ptr, ctx.dispatch_state.data.ptr, *waits)
+    ctx.barrier(stream)
+    num_local_experts = num_experts // ctx.num_ranks
+    recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
+    combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+    send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+    push_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
+    _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
+            np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
+            combine_offsets.data.ptr, send_offsets.data.ptr, push_offsets.data.ptr)
+    if num_worst_tokens > 0:
+        num_rows = num_worst_tokens
     else:
-        send_pos = cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
-        _launch(ctx, stream, ctx.num_ranks + num_sms, "cuep_intranode_stage", *stage_args,
-                np.uint64(_ptr(is_token_in_rank)), np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts),
-                np.int32(ctx.num_ranks), send_pos.data.ptr, ctx.dispatch_state.data.ptr, *waits)
-        ctx.barrier(stream)
-        num_local_experts = num_experts // ctx.num_ranks
-        recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
-        combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-        send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-        push_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
-        _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
-                np.int32(ctx.num_ranks), np.int32(num_experts), np.int32(expert_alignment), recv_info.data.ptr,
-                combine_offsets.data.ptr, send_offsets.data.ptr, push_offsets.data.ptr)
-        if num_worst_tokens > 0:
-            num_rows = num_worst_tokens
-        else:
-            info = recv_info.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
-            ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
-            num_recv, num_copies = int(info[0]), int(info[1])
-            num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
+        info = recv_info.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+        ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
+        num_recv, num_copies = int(info[0]), int(info[1])
+        num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
 
     recv_x = cupy.empty((num_rows, x.shape[1]), dtype=x.dtype)
     recv_scales = cupy.empty((num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
     recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
-    recv_src_idx = handle.recv_src_idx if cached else cupy.empty(num_rows, dtype=cupy.int32)
-    row_bytes = push_row_bytes(hidden_bytes, num_scales)
-    if (cached and os.environ.get("CUEP_HT_DISPATCH", "push") == "push"  # EXPERIMENT
-            and META_BYTES + num_rows * row_bytes <= ctx.buffer_bytes):
-        _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
-                np.uint64(_ptr(scales)), *stage_args[3:6], np.int32(num_tokens), handle.send_pos.data.ptr,
-                handle.push_offsets.data.ptr, np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes),
-                ctx.peer_bases.data.ptr, recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
-                recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
-                ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
-        ctx.mirror_status(stream)
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
-    stage = stager_warps(ctx.num_ranks) if cached else 0
-    _launch(ctx, stream, num_sms, "cuep_intranode_dispatch", *stage_args, np.int32(stage), ctx.peer_bases.data.ptr,
+    recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
+    _launch(ctx, stream, num_sms, "cuep_intranode_dispatch", *stage_args, ctx.peer_bases.data.ptr,
             recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(num_experts),
             np.int32(num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), np.uint64(_ptr(recv_topk_idx)),
-            np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr, np.int32(cached),
-            ctx.dispatch_state.data.ptr, ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+            np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr, ctx.dispatch_state.data.ptr,
+            ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     ctx.mirror_status(stream)
-
-    if not cached:
-        handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
-                        num_send_copies=num_copies, recv_info=recv_info, combine_offsets=combine_offsets,
-                        send_offsets=send_offsets, push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
-                        is_token_in_rank=is_token_in_rank)
+    handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
+                    recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
+                    push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
+                    is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
+
+
+def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: int):
+    """Enqueue a cached dispatch (push form) on ``stream``; returns ``(recv_x, recv_scales)``.
+
+    Every receiver's buffer must hold its received rows (``push_row_bytes`` each); this rank checks
+    its own before launching, and the kernel checks every rank's (a rank whose buffer is too small
+    raises here, the others from the kernel's status)."""
+    cupy = _deps.cupy()
+    num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
+    num_scales = scales.shape[1] if scales is not None else 0
+    row_bytes = push_row_bytes(hidden_bytes, num_scales)
+    capacity = (ctx.buffer_bytes - META_BYTES) // row_bytes
+    if handle.num_rows > capacity:
+        raise ValueError(f"dispatch(): this cached dispatch lands {handle.num_rows} rows of {row_bytes} bytes on rank "
+                         f"{ctx.rank}, which needs num_nvl_bytes >= {META_BYTES + handle.num_rows * row_bytes}, but "
+                         f"this Buffer has {ctx.buffer_bytes} (Config.get_nvl_buffer_size_hint gives a size for a "
+                         f"batch)")
+    recv_x = cupy.empty((handle.num_rows, x.shape[1]), dtype=x.dtype)
+    recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
+    _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
+            *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
+            np.int32(PUSHER_WARPS), np.int64(row_bytes), ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
+            np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(min(capacity, np.iinfo(np.int32).max)),
+            recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
+            ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+    ctx.mirror_status(stream)
+    return recv_x, recv_scales
 
 
 def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int):

@@ -287,6 +287,49 @@ def main() -> None:
         short.barrier()
         short.destroy()
 
+    def peer_that_skips_cached_dispatch_times_out():
+        os.environ["CUEP_TIMEOUT_S"] = "3"
+        try:
+            short = cuep.Buffer(comm, num_nvl_bytes=64 << 20)
+        finally:
+            del os.environ["CUEP_TIMEOUT_S"]
+        inputs = all_inputs(100, 512, experts, 4)
+        _, _, handle, _ = dispatch_and_check(short, inputs, experts)
+        comm.Barrier()
+        if rank != 0:
+            try:
+                short.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
+                short.barrier()
+            except cuep.PeerTimeoutError as exc:
+                assert exc.peer == 0 and exc.rank == rank, exc
+            else:
+                raise AssertionError("cached dispatch without rank 0 did not time out")
+        comm.Barrier()
+        if rank == 0:
+            short.barrier()  # the others' barrier announced this epoch before giving up
+        comm.Barrier()
+        short.barrier()
+        short.destroy()
+
+    def cached_dispatch_too_big_for_the_buffer_raises():
+        hidden, tokens = 1024, 300
+        # Room to stage 300 tokens, not to land every rank's 300 on rank 0.
+        small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + tokens * hidden * 2 * 3 // 2 + (256 << 10))
+        inputs = all_inputs(tokens, hidden, experts, 4, masked=0.0, route=lambda t: t % (experts // num_ranks))
+        _, _, handle, _ = dispatch_and_check(small, inputs, experts)
+        errors = []
+        try:
+            small.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
+        except ValueError as exc:  # rank 0, whose own rows do not fit, before any kernel runs
+            errors.append(exc)
+        try:
+            small.barrier()  # the other ranks learn it from the kernel's status
+        except ValueError as exc:
+            errors.append(exc)
+        assert len(errors) == 1 and "num_nvl_bytes" in str(errors[0]), errors
+        small.barrier()
+        small.destroy()
+
     run_cases(comm, [
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
@@ -304,6 +347,9 @@ def main() -> None:
         ("async call keeps inputs alive after the caller drops them", async_inputs_outlive_the_callers_references),
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
+        ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
+        ("a cached dispatch too big for the buffer raises on every rank",
+         cached_dispatch_too_big_for_the_buffer_raises),
     ])
     buffer.destroy()
     if rank == 0:
