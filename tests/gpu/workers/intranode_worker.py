@@ -299,7 +299,7 @@ def main() -> None:
         if rank != 0:
             try:
                 short.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
-                short.barrier()
+                short.barrier(timeout_s=3)  # raises what the dispatch recorded first
             except cuep.PeerTimeoutError as exc:
                 assert exc.peer == 0 and exc.rank == rank, exc
             else:
