@@ -54,7 +54,7 @@ struct SenderMeta {
 };
 constexpr int64_t kMetaBytes = 64 * 1024;  // mirrors META_BYTES in cuep/kernels/intranode.py
 
-// Staging (dispatch) and arrivals (combine) are counted per chunk of consecutive rows, at least
+// Arrivals (cached dispatch and combine) are counted per chunk of consecutive rows, at least
 // kMinChunkRows long, so that at most kMaxChunks counters serve any row count.
 constexpr int kMaxChunks = 1024;
 constexpr int kMinChunkRows = 16;
@@ -321,7 +321,8 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
         plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
                                    reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
                                    reinterpret_cast<const float*>(base + meta->topk_weights_offset),
-                                   reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) + rank * num_tokens};
+                                   reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) +
+                                       rank * num_tokens};
         return true;
     });
 }
@@ -344,8 +345,7 @@ __device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, 
     const bool has_scale_vector = vector_scales && lane < shape.num_scales / kFloatsPerVector;
     const int4* scales_in = reinterpret_cast<const int4*>(plan.scales + token * shape.num_scales);
     const int4 scale_vector = has_scale_vector ? ld_volatile_global(scales_in + lane) : int4{};
-    warp_copy(recv.x + row * shape.hidden_bytes, plan.x + token * shape.hidden_bytes,
-                                   shape.hidden_bytes, lane);
+    warp_copy(recv.x + row * shape.hidden_bytes, plan.x + token * shape.hidden_bytes, shape.hidden_bytes, lane);
     if (has_scale_vector)
         reinterpret_cast<int4*>(recv.scales + static_cast<int64_t>(row) * shape.num_scales)[lane] = scale_vector;
     if (recv.scales != nullptr && !vector_scales) {
@@ -494,7 +494,8 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
                         int64_t scales_offset, int64_t topk_idx_offset, int64_t topk_weights_offset,
                         int64_t send_lists_offset, const uint64_t* peer_bases, const int32_t* recv_info, int rank,
                         int num_ranks, int num_experts, int num_rows, uint8_t* recv_x, float* recv_scales,
-                        int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, uint64_t* state, int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
+                        int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, uint64_t* state,
+                        int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
     const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
@@ -654,6 +655,7 @@ struct RunArrivals {
 __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, const PushTargets& targets, int rank,
                             int num_ranks, int num_tokens, int pusher, int num_pushers, uint64_t epoch,
                             uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
+    // recv_x == nullptr: this rank's own rows are not written (see the overflow check in the kernel).
     // Lane d < num_ranks: receiver d's arrival counters for this epoch and its rows per counter.
     uint32_t* counters = nullptr;
     int chunk_rows = 1;
@@ -672,6 +674,8 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
                 if (pos < 0)
                     continue;
                 if (dst == rank) {
+                    if (recv_x == nullptr)
+                        continue;
                     const int64_t row = own_first_row + pos;
                     write_token(shape, token, recv_x + row * shape.hidden_bytes, recv_scales + row * shape.num_scales,
                                 lane);
@@ -703,14 +707,14 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
 
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
 // kWarpsPerBlock - 1), the rest copy landed rows out from the start. landing_capacity_rows: the
-// landing rows a buffer holds (the same on every rank).
+// landing rows a buffer holds (the same on every rank); num_rows: the rows of recv_x.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                              int64_t scale_channel_stride, int num_scales, int num_tokens, const int32_t* send_pos,
                              const int32_t* push_offsets, int push_warps, int64_t row_bytes,
                              const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
-                             int landing_capacity_rows, uint8_t* recv_x, float* recv_scales, uint64_t* state,
-                             int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
+                             int landing_capacity_rows, int num_rows, uint8_t* recv_x, float* recv_scales,
+                             uint64_t* state, int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int32_t first_row[kMaxRanks];
     __shared__ int chunk_rows[kMaxRanks];
@@ -743,13 +747,20 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
     bool ok = blockIdx.x != 0 || open_push_landing(control_of(own), num_ranks, epoch, deadline_ns, status);
     ok = wait_push_landings(peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
     const PushShape shape{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, row_bytes};
+    // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
+    // fit the landing region), but nothing lands in recv_x beyond its rows.
+    const int num_recv = rank_prefix[num_ranks];
+    const bool fits_recv_x = num_recv <= num_rows;
+    if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0) {
+        status[kStatusOverflow] = num_recv;
+        __threadfence_system();
+    }
     const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
     if (ok && warp_in_block < pushers_per_block)
         push_tokens(shape, send_pos, PushTargets{peer_bases, first_row, chunk_rows}, rank, num_ranks, num_tokens,
-                    blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, epoch, recv_x,
-                    recv_scales, rank_prefix[rank], lane);
-    if (ok) {
-        const int num_recv = rank_prefix[num_ranks];
+                    blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, epoch,
+                    fits_recv_x ? recv_x : nullptr, recv_scales, rank_prefix[rank], lane);
+    if (ok && fits_recv_x) {
         const int own_chunk = rows_per_chunk(num_recv);
         const uint32_t* pushed = control_of(own)->pushed[epoch % 2];
         int* warp_confirmed = confirmed[warp_in_block];

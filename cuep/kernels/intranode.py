@@ -10,8 +10,8 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
                           combine_offsets, send_offsets, push_offsets)
     cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                                  num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
-                                 rank, num_ranks, landing_capacity_rows, recv_x, recv_scales, state, status,
-                                 next_row, timeout_ns)
+                                 rank, num_ranks, landing_capacity_rows, num_rows, recv_x, recv_scales, state,
+                                 status, next_row, timeout_ns)
     cuep_intranode_dispatch(<stage args>, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows, recv_x,
                             recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status, next_row,
                             timeout_ns)
@@ -251,7 +251,7 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
             *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
             np.int32(PUSHER_WARPS), np.int64(row_bytes), ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
             np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(min(capacity, np.iinfo(np.int32).max)),
-            recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
+            np.int32(handle.num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
             ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     ctx.mirror_status(stream)
     return recv_x, recv_scales
