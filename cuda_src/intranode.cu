@@ -114,13 +114,17 @@ struct SourcePlan {
     const int32_t* send_list;     // the source's list of token indices for this rank
 };
 
-// A sender's tokens and where this rank stages them.
-struct StageArgs {
+// A sender's token rows: hidden bytes and, for FP8, scales (any strides, in floats).
+struct TokenRows {
     const uint8_t* x;
     int64_t hidden_bytes;
     const float* scales;
     int64_t scale_token_stride, scale_channel_stride;
     int num_scales;
+};
+
+// A sender's tokens and where this rank stages them.
+struct StageArgs : TokenRows {
     const int64_t* topk_idx;
     const float* topk_weights;
     int num_topk;
@@ -194,6 +198,14 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t nu
     }
 }
 
+// One warp writes `token`'s hidden vector to `dst_x` and its scales (if any) to `dst_scales`.
+__device__ __forceinline__ void copy_token(const TokenRows& rows, int token, uint8_t* dst_x, float* dst_scales,
+                                           int lane) {
+    warp_copy(dst_x, rows.x + token * rows.hidden_bytes, rows.hidden_bytes, lane);
+    for (int s = lane; s < rows.num_scales; s += kWarpSize)
+        dst_scales[s] = rows.scales[token * rows.scale_token_stride + s * rows.scale_channel_stride];
+}
+
 // Block-wide: thread p < num_ranks runs `wait_for(p)`, which waits for peer p and returns false (after
 // recording the peer) on a timeout. True unless some peer's wait timed out.
 template <typename WaitFor>
@@ -255,14 +267,9 @@ __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_pe
 
 // One warp stages one token: its row, scales, top-k ids and weights.
 __device__ __forceinline__ void stage_token(const StageArgs& args, int token, int lane) {
-    warp_copy(args.buffer + kMetaBytes + token * args.hidden_bytes, args.x + token * args.hidden_bytes,
-              args.hidden_bytes, lane);
-    if (args.scales != nullptr) {
-        auto* out = reinterpret_cast<float*>(args.buffer + args.scales_offset) +
-                    static_cast<int64_t>(token) * args.num_scales;
-        for (int s = lane; s < args.num_scales; s += kWarpSize)
-            out[s] = args.scales[token * args.scale_token_stride + s * args.scale_channel_stride];
-    }
+    auto* scales_out = reinterpret_cast<float*>(args.buffer + args.scales_offset);
+    copy_token(args, token, args.buffer + kMetaBytes + token * args.hidden_bytes,
+               scales_out + static_cast<int64_t>(token) * args.num_scales, lane);
     if (args.topk_idx != nullptr && lane < args.num_topk) {
         const int64_t slot = static_cast<int64_t>(token) * args.num_topk + lane;
         reinterpret_cast<int64_t*>(args.buffer + args.topk_idx_offset)[slot] = args.topk_idx[slot];
@@ -404,7 +411,7 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
                      int64_t topk_weights_offset, int64_t send_lists_offset, const bool* is_token_in_rank,
                      const int32_t* num_tokens_per_expert, int num_experts, int num_ranks, int32_t* send_pos,
                      const uint64_t* state, int32_t* status, uint64_t timeout_ns) {
-    const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
+    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
     const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
@@ -496,7 +503,7 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
                         int num_ranks, int num_experts, int num_rows, uint8_t* recv_x, float* recv_scales,
                         int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, uint64_t* state,
                         int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
-    const StageArgs args{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, topk_idx,
+    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
     const RecvArgs recv{recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx};
@@ -559,23 +566,11 @@ constexpr int kTokensPerRun = 2;
 // pushers on the same SM (measured: 1-2 us per dispatch).
 constexpr uint32_t kCopyOutPollSleepNs = 200;
 
-// A landing row: the token's hidden bytes, then its scales (FP8); rows start 16-byte aligned.
-struct PushShape {
-    const uint8_t* x;
-    int64_t hidden_bytes;
-    const float* scales;
-    int64_t scale_token_stride, scale_channel_stride;
-    int num_scales;
+// This rank's token rows, and the landing row they are pushed into: the hidden bytes, then the scales
+// (FP8); rows start 16-byte aligned.
+struct PushShape : TokenRows {
     int64_t row_bytes;  // mirrors push_row_bytes in cuep/kernels/intranode.py
 };
-
-// One warp writes `token`'s hidden vector to `dst_x` and its scales to `dst_scales`.
-__device__ __forceinline__ void write_token(const PushShape& shape, int token, uint8_t* dst_x, float* dst_scales,
-                                            int lane) {
-    warp_copy(dst_x, shape.x + token * shape.hidden_bytes, shape.hidden_bytes, lane);
-    for (int s = lane; s < shape.num_scales; s += kWarpSize)
-        dst_scales[s] = shape.scales[token * shape.scale_token_stride + s * shape.scale_channel_stride];
-}
 
 // Block 0 of this rank's push dispatch: once every receiver has finished pulling the last dispatch
 // from this buffer (a pull-form epoch may precede this one), clear the next epoch's counters and open
@@ -677,13 +672,13 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
                     if (recv_x == nullptr)
                         continue;
                     const int64_t row = own_first_row + pos;
-                    write_token(shape, token, recv_x + row * shape.hidden_bytes, recv_scales + row * shape.num_scales,
+                    copy_token(shape, token, recv_x + row * shape.hidden_bytes, recv_scales + row * shape.num_scales,
                                 lane);
                     continue;
                 }
                 const int slot = targets.first_row[dst] + pos;
                 uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * shape.row_bytes;
-                write_token(shape, token, landing, reinterpret_cast<float*>(landing + shape.hidden_bytes), lane);
+                copy_token(shape, token, landing, reinterpret_cast<float*>(landing + shape.hidden_bytes), lane);
                 if (lane == dst)
                     arrivals.add(slot);
             }
@@ -746,7 +741,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
 
     bool ok = blockIdx.x != 0 || open_push_landing(control_of(own), num_ranks, epoch, deadline_ns, status);
     ok = wait_push_landings(peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
-    const PushShape shape{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales, row_bytes};
+    const PushShape shape{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
     // fit the landing region), but nothing lands in recv_x beyond its rows.
     const int num_recv = rank_prefix[num_ranks];

@@ -265,12 +265,25 @@ def main() -> None:
         np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
         del garbage
 
-    def peer_that_skips_dispatch_times_out():
+    def short_timeout_buffer():
+        """A Buffer whose kernels give up on a missing peer after 3 s."""
         os.environ["CUEP_TIMEOUT_S"] = "3"
         try:
-            short = cuep.Buffer(comm, num_nvl_bytes=64 << 20)
+            return cuep.Buffer(comm, num_nvl_bytes=64 << 20)
         finally:
             del os.environ["CUEP_TIMEOUT_S"]
+
+    def rejoin_and_destroy(short):
+        """After rank 0 skipped a call whose barrier the others entered and gave up on."""
+        comm.Barrier()
+        if rank == 0:
+            short.barrier()  # the others announced this barrier epoch before giving up
+        comm.Barrier()
+        short.barrier()
+        short.destroy()
+
+    def peer_that_skips_dispatch_times_out():
+        short = short_timeout_buffer()
         inputs = all_inputs(100, 512, experts, 4)
         comm.Barrier()
         if rank != 0:
@@ -280,19 +293,10 @@ def main() -> None:
                 assert exc.peer == 0 and exc.rank == rank, exc
             else:
                 raise AssertionError("dispatch without rank 0 did not time out")
-        comm.Barrier()
-        if rank == 0:
-            short.barrier()  # the others announced this epoch before giving up
-        comm.Barrier()
-        short.barrier()
-        short.destroy()
+        rejoin_and_destroy(short)
 
     def peer_that_skips_cached_dispatch_times_out():
-        os.environ["CUEP_TIMEOUT_S"] = "3"
-        try:
-            short = cuep.Buffer(comm, num_nvl_bytes=64 << 20)
-        finally:
-            del os.environ["CUEP_TIMEOUT_S"]
+        short = short_timeout_buffer()
         inputs = all_inputs(100, 512, experts, 4)
         _, _, handle, _ = dispatch_and_check(short, inputs, experts)
         comm.Barrier()
@@ -304,12 +308,7 @@ def main() -> None:
                 assert exc.peer == 0 and exc.rank == rank, exc
             else:
                 raise AssertionError("cached dispatch without rank 0 did not time out")
-        comm.Barrier()
-        if rank == 0:
-            short.barrier()  # the others' barrier announced this epoch before giving up
-        comm.Barrier()
-        short.barrier()
-        short.destroy()
+        rejoin_and_destroy(short)
 
     def cached_dispatch_too_big_for_the_buffer_raises():
         hidden, tokens = 1024, 300
