@@ -789,10 +789,16 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
 namespace cuep {
 
 // Warps of each combine block that reduce from the start; the rest push first. The pushes are bound
-// by NVLink and saturate it with far fewer warps than the ten left (the ceiling probe: 32 SMs), while
+// by NVLink and saturate it with far fewer warps than the eight left (the ceiling probe: 32 SMs), while
 // a reduction that trails the arrivals is the combine's tail (measured at EP2: 4 reducers 226 us,
-// 6 or 8 reducers 218-219 us).
-constexpr int kReducerWarps = 6;
+// 6 or 8 reducers 218-219 us; at EP4, with kTokenParts = 4: 6 reducers 525.8 us, 8 512.2, 10 523.8).
+constexpr int kReducerWarps = 8;
+
+// Each token's reduction is split into this many slices of its hidden vector, claimed one by one,
+// so the tokens whose copies arrive last are summed by several warps at once: the tail after the
+// last arrival shrinks. Measured at EP4 with 8 reducers (graph replay): 1 slice 522.8 us, 2 516.7,
+// 3 514.5, 4 512.2; 7 slices (one load step each) 540.7 with 6 reducers.
+constexpr int kTokenSlices = 4;
 
 // Block 0 of this rank's combine: once every receiver has finished pulling the last dispatch from
 // this buffer, clear the other parity's arrival counters and open the landing region for `epoch`.
@@ -864,9 +870,10 @@ struct CombineShape {
 constexpr int kReduceUnroll = 4;
 constexpr int kCopiesPerLoad = 2;
 
-// One warp sums the landed copies of `token` once each has arrived (lane 0 waits per chunk, keeping
-// the newest confirmed chunk of each sending rank in `confirmed`). Returns false on a timeout.
-__device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* landed, int landing_chunk,
+// One warp sums slice `slice` (of kTokenSlices) of the landed copies of `token` once each has
+// arrived (lane 0 waits per chunk, keeping the newest confirmed chunk of each sending rank in
+// `confirmed`); slice 0 also sums the top-k weights. Returns false on a timeout.
+__device__ bool reduce_token(int token, int slice, const uint8_t* landing, const uint32_t* landed, int landing_chunk,
                              int num_copies_total, const int32_t* send_pos, const int32_t* send_offsets, int num_ranks,
                              const CombineShape& shape, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
                              __nv_bfloat16* combined_x, float* combined_topk_weights, int* confirmed,
@@ -889,7 +896,9 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
     const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
     const int64_t token_vectors = static_cast<int64_t>(token) * num_vectors;
     auto* out = reinterpret_cast<int4*>(combined_x) + token_vectors;
-    for (int first = lane; first < num_vectors; first += kReduceUnroll * kWarpSize) {
+    const int slice_vectors = (num_vectors + kTokenSlices - 1) / kTokenSlices;
+    const int begin = slice * slice_vectors, end = min(num_vectors, begin + slice_vectors);
+    for (int first = begin + lane; first < end; first += kReduceUnroll * kWarpSize) {
         float acc[kReduceUnroll][kBf16PerVector] = {};
 #pragma unroll
         for (int group = 0; group < kMaxRanks; group += kCopiesPerLoad) {
@@ -900,20 +909,20 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
             for (int c = 0; c < kCopiesPerLoad; ++c)
 #pragma unroll
                 for (int u = 0; u < kReduceUnroll; ++u)
-                    if (group + c < num_copies && first + u * kWarpSize < num_vectors)
+                    if (group + c < num_copies && first + u * kWarpSize < end)
                         raw[c][u] = ld_volatile_global(reinterpret_cast<const int4*>(rows[group + c]) + first +
                                                        u * kWarpSize);
 #pragma unroll
             for (int c = 0; c < kCopiesPerLoad; ++c)
 #pragma unroll
                 for (int u = 0; u < kReduceUnroll; ++u)
-                    if (group + c < num_copies && first + u * kWarpSize < num_vectors)
+                    if (group + c < num_copies && first + u * kWarpSize < end)
                         accumulate_bf16x8(acc[u], raw[c][u]);
         }
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u) {
             const int v = first + u * kWarpSize;
-            if (v >= num_vectors)
+            if (v >= end)
                 continue;
             if (bias0 != nullptr)
                 accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias0) + token_vectors + v));
@@ -922,7 +931,7 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
             st_na_global(out + v, floats_to_bf16x8(acc[u]));
         }
     }
-    if (combined_topk_weights != nullptr && lane < shape.num_topk) {
+    if (slice == 0 && combined_topk_weights != nullptr && lane < shape.num_topk) {
         float sum = 0.0f;
         for (int c = 0; c < num_copies; ++c)
             sum += reinterpret_cast<const volatile float*>(rows[c] + shape.hidden_bytes)[lane];
@@ -934,7 +943,7 @@ __device__ bool reduce_token(int token, const uint8_t* landing, const uint32_t* 
 }  // namespace cuep
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
-// token counter. recv_info[1] is this rank's landing row count (copies of its tokens).
+// counter of token slices. recv_info[1] is this rank's landing row count (copies of its tokens).
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
                        const int32_t* send_pos, const int32_t* send_offsets, int rank, int num_ranks, int num_tokens,
@@ -980,13 +989,14 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
     if (ok) {
         const uint32_t* landed = control_of(own)->landed[epoch % 2];
         while (true) {
-            int token = 0;
+            int item = 0;
             if (lane == 0)
-                token = atomicAdd(next_row + num_ranks, 1);
-            token = __shfl_sync(kFullWarpMask, token, 0);
+                item = atomicAdd(next_row + num_ranks, 1);
+            item = __shfl_sync(kFullWarpMask, item, 0);
+            const int token = item / kTokenSlices;
             if (token >= num_tokens)
                 break;
-            if (!reduce_token(token, own + kMetaBytes, landed, own_chunk, num_copies_total, send_pos, send_offsets,
+            if (!reduce_token(token, item % kTokenSlices, own + kMetaBytes, landed, own_chunk, num_copies_total, send_pos, send_offsets,
                               num_ranks, shape, bias0, bias1, combined_x, combined_topk_weights,
                               confirmed[warp_in_block], deadline_ns, status, lane))
                 break;

@@ -207,7 +207,8 @@ def bench_ceiling(args) -> None:
     rates from ``--mode normal``: the difference is what staging, flags and reduction cost. Pull is the
     normal dispatch's pattern, push the normal combine's and the low-latency kernels' (``--tokens 128``
     gives their volume); rows of BF16 and of FP8 with scales; on Hopper each also through the bulk-copy
-    unit (TMA, ``cuep_intranode_bulk_probe``)."""
+    unit (TMA, ``cuep_intranode_bulk_probe``); and each "synced", after a device barrier per launch,
+    which is what one call that must first agree with its peers can reach."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
     from .kernels import intranode as intranode_kernel
@@ -225,17 +226,25 @@ def bench_ceiling(args) -> None:
     results = {}
     stream = buffer._comm_stream
     bulk_modes = (False, True) if ctx.library.spec.sm90_features else (False,)
-    copies = [(pull, row_bytes, bulk) for pull in (True, False) for row_bytes in (bf16_row, fp8_row)
-              for bulk in bulk_modes]
-    for pull, row_bytes, bulk in copies:
-        name = ("pull" if pull else "push") + (" (TMA)" if bulk else "")
+    # (pull, row bytes, bulk, synced): synced puts a device barrier before each launch, as a real call
+    # must agree with its peers before it writes into their buffers; unsynced launches overlap one
+    # launch's tail with the next one's start.
+    copies = [(pull, row_bytes, bulk, synced) for pull in (True, False) for row_bytes in (bf16_row, fp8_row)
+              for bulk, synced in [(bulk, False) for bulk in bulk_modes] + [(False, True)]]
+    for pull, row_bytes, bulk, synced in copies:
+        name = ("pull" if pull else "push") + (" (TMA)" if bulk else "") + (" synced" if synced else "")
+
+        def launch(sms, pull=pull, row_bytes=row_bytes, bulk=bulk, synced=synced):
+            if synced:
+                ctx.barrier(stream)
+            intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms, bulk)
+
         for sms in args.sms or TUNE_SMS:
             cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight
             comm.Barrier()
             with stream:
-                us = _median_us(lambda: [intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms,
-                                                                bulk) for _ in range(BACK_TO_BACK)],
-                                args.warmup, args.iters) / BACK_TO_BACK
+                us = _median_us(lambda: [launch(sms) for _ in range(BACK_TO_BACK)], args.warmup,
+                                args.iters) / BACK_TO_BACK
             results[(name, row_bytes, sms)] = us
     gathered = comm.gather(results, root=0)
     buffer.destroy()
