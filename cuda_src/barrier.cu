@@ -10,7 +10,8 @@
 //   or a network atomic, as NVSHMEM sees fit), then waits until its own signals[p] >= epoch.
 // Epochs only grow, so a peer that arrives late still releases the others, and a signal for a
 // later epoch also satisfies an earlier wait. A wait that passes the deadline records the peer in
-// `status` (see common.cuh) and returns; the host raises PeerTimeoutError naming rank and peer.
+// `status` (see common.cuh; mirrored into pinned host memory) and returns; the host raises
+// PeerTimeoutError naming rank and peer.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -20,18 +21,19 @@
 namespace cuep {
 
 __device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_t epoch,
-                                  uint64_t deadline_ns, int32_t* status) {
+                                  uint64_t deadline_ns, const Status& status) {
     nvshmem_quiet();
     __threadfence_system();
     nvshmemx_signal_op(signals + rank, epoch, NVSHMEM_SIGNAL_SET, peer);
     if (!wait_at_least_until(signals + peer, epoch, deadline_ns))
-        record_timeout(status, peer, kPhaseBarrier);
+        status.record_timeout(peer, kPhaseBarrier);
 }
 
 }  // namespace cuep
 
 extern "C" __global__ void cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter,
-                                        uint64_t timeout_ns, int32_t* status) {
+                                        uint64_t timeout_ns, int32_t* status_words, int32_t* status_host) {
+    const cuep::Status status{status_words, status_host};
     __shared__ uint64_t epoch;
     if (threadIdx.x == 0)
         epoch = ++*epoch_counter;  // a single block runs this kernel

@@ -91,14 +91,14 @@ __device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
 // all its rows, unless `confirmed` (its newest confirmed chunk for this peer) says so already.
 // Returns false, after recording `peer` and `phase`, on a timeout.
 __device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int chunk, int chunk_rows, int64_t num_rows,
-                                                int& confirmed, uint64_t deadline_ns, int32_t* status, int peer,
+                                                int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
                                                 int phase) {
     if (confirmed == chunk)
         return true;
     const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
     const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
     if (!wait_at_least_until(counters + chunk, full, deadline_ns)) {
-        record_timeout(status, peer, phase);
+        status.record_timeout(peer, phase);
         return false;
     }
     confirmed = chunk;
@@ -222,11 +222,11 @@ __device__ __forceinline__ bool wait_for_every_peer(int num_ranks, WaitFor wait_
 // first waits until each receiver has finished pulling dispatch `pulled_epoch` from it. Returns false
 // (after recording the peer) on a timeout.
 __device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t pulled_epoch,
-                                       uint64_t deadline_ns, int32_t* status) {
+                                       uint64_t deadline_ns, const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int receiver) {
         if (wait_at_least_until(&control->done[receiver], pulled_epoch, deadline_ns))
             return true;
-        record_timeout(status, receiver, kPhaseIntranodeReuse);
+        status.record_timeout(receiver, kPhaseIntranodeReuse);
         return false;
     });
 }
@@ -315,12 +315,12 @@ __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, i
 // Waits until every source has published this epoch's header, then reads where its arrays sit.
 // Returns false (after recording the peer) on a timeout.
 __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases, int rank, int num_ranks,
-                                  uint64_t epoch, uint64_t deadline_ns, int32_t* status) {
+                                  uint64_t epoch, uint64_t deadline_ns, const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int source) {
         auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
         SenderControl* control = control_of(base);
         if (!wait_at_least_until(&control->meta_epoch, epoch, deadline_ns)) {
-            record_timeout(status, source, kPhaseIntranodeStaged);
+            status.record_timeout(source, kPhaseIntranodeStaged);
             return false;
         }
         const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
@@ -410,7 +410,8 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
                      int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
                      int64_t topk_weights_offset, int64_t send_lists_offset, const bool* is_token_in_rank,
                      const int32_t* num_tokens_per_expert, int num_experts, int num_ranks, int32_t* send_pos,
-                     const uint64_t* state, int32_t* status, uint64_t timeout_ns) {
+                     const uint64_t* state, int32_t* status_words, int32_t* status_host, uint64_t timeout_ns) {
+    const Status status{status_words, status_host};
     const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
@@ -502,7 +503,8 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
                         int64_t send_lists_offset, const uint64_t* peer_bases, const int32_t* recv_info, int rank,
                         int num_ranks, int num_experts, int num_rows, uint8_t* recv_x, float* recv_scales,
                         int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, uint64_t* state,
-                        int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
+                        int32_t* status_words, int32_t* status_host, int32_t* next_row, uint64_t timeout_ns) {
+    const Status status{status_words, status_host};
     const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
                          topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
@@ -518,8 +520,7 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
 
     const int num_recv = rank_prefix[num_ranks];
     if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0) {  // num_worst_tokens was too small
-        status[kStatusOverflow] = num_recv;
-        __threadfence_system();
+        status.record(kStatusOverflow, num_recv);
     }
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
@@ -576,7 +577,7 @@ struct PushShape : TokenRows {
 // from this buffer (a pull-form epoch may precede this one), clear the next epoch's counters and open
 // the landing region for `epoch`. Returns false on a timeout.
 __device__ bool open_push_landing(SenderControl* control, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
-                                  int32_t* status) {
+                                  const Status& status) {
     if (!wait_until_buffer_free(control, num_ranks, epoch - 1, deadline_ns, status))
         return false;
     clear_next_epoch_counters(control, epoch);
@@ -590,12 +591,12 @@ __device__ bool open_push_landing(SenderControl* control, int num_ranks, uint64_
 
 // Waits until every receiver has opened its landing region for this dispatch.
 __device__ bool wait_push_landings(const uint64_t* peer_bases, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
-                                   int32_t* status) {
+                                   const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int receiver) {
         const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[receiver]));
         if (wait_at_least_until(&control->push_open, epoch, deadline_ns))
             return true;
-        record_timeout(status, receiver, kPhaseIntranodeOpen);
+        status.record_timeout(receiver, kPhaseIntranodeOpen);
         return false;
     });
 }
@@ -709,7 +710,9 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
                              const int32_t* push_offsets, int push_warps, int64_t row_bytes,
                              const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
                              int landing_capacity_rows, int num_rows, uint8_t* recv_x, float* recv_scales,
-                             uint64_t* state, int32_t* status, int32_t* next_row, uint64_t timeout_ns) {
+                             uint64_t* state, int32_t* status_words, int32_t* status_host, int32_t* next_row,
+                             uint64_t timeout_ns) {
+    const Status status{status_words, status_host};
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int32_t first_row[kMaxRanks];
     __shared__ int chunk_rows[kMaxRanks];
@@ -733,8 +736,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
         most_rows = max(most_rows, push_offsets[num_ranks + dst]);
     if (most_rows > landing_capacity_rows) {
         if (blockIdx.x == 0 && threadIdx.x == 0) {
-            status[kStatusLandingRows] = most_rows;
-            __threadfence_system();
+            status.record(kStatusLandingRows, most_rows);
         }
         return;
     }
@@ -747,8 +749,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
     const int num_recv = rank_prefix[num_ranks];
     const bool fits_recv_x = num_recv <= num_rows;
     if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0) {
-        status[kStatusOverflow] = num_recv;
-        __threadfence_system();
+        status.record(kStatusOverflow, num_recv);
     }
     const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
     if (ok && warp_in_block < pushers_per_block)
@@ -770,7 +771,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
                 if (arrived)
                     warp_confirmed[source] = chunk;
                 else
-                    record_timeout(status, source, kPhaseIntranodePushed);
+                    status.record_timeout(source, kPhaseIntranodePushed);
             }
             if (!__shfl_sync(kFullWarpMask, arrived, 0))
                 return false;
@@ -804,7 +805,7 @@ constexpr int kTokenSlices = 4;
 // this buffer, clear the other parity's arrival counters and open the landing region for `epoch`.
 // Returns false on a timeout.
 __device__ bool open_landing_region(SenderControl* control, int num_ranks, uint64_t dispatch_epoch, uint64_t epoch,
-                                    int landing_chunk, uint64_t deadline_ns, int32_t* status) {
+                                    int landing_chunk, uint64_t deadline_ns, const Status& status) {
     for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
         control->landed[(epoch + 1) % 2][c] = 0;
     if (threadIdx.x == 0)
@@ -820,11 +821,11 @@ __device__ bool open_landing_region(SenderControl* control, int num_ranks, uint6
 
 // Waits until every source has opened its landing region for this combine; reads its chunk size.
 __device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_bases, int num_ranks, uint64_t epoch,
-                                     uint64_t deadline_ns, int32_t* status) {
+                                     uint64_t deadline_ns, const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int source) {
         const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[source]));
         if (!wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
-            record_timeout(status, source, kPhaseIntranodeLanding);
+            status.record_timeout(source, kPhaseIntranodeLanding);
             return false;
         }
         landing_chunks[source] = static_cast<int>(ld_volatile_global(&control->landing_chunk));
@@ -877,7 +878,7 @@ __device__ bool reduce_token(int token, int slice, const uint8_t* landing, const
                              int num_copies_total, const int32_t* send_pos, const int32_t* send_offsets, int num_ranks,
                              const CombineShape& shape, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
                              __nv_bfloat16* combined_x, float* combined_topk_weights, int* confirmed,
-                             uint64_t deadline_ns, int32_t* status, int lane) {
+                             uint64_t deadline_ns, const Status& status, int lane) {
     const uint8_t* rows[kMaxRanks];
     int num_copies = 0;
     bool ok = true;
@@ -949,8 +950,9 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
                        const int32_t* send_pos, const int32_t* send_offsets, int rank, int num_ranks, int num_tokens,
                        const uint8_t* x, int64_t hidden_bytes, const float* topk_weights, int num_topk,
                        int64_t landing_row_bytes, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
-                       __nv_bfloat16* combined_x, float* combined_topk_weights, uint64_t* state, int32_t* status,
-                       int32_t* next_row, uint64_t timeout_ns) {
+                       __nv_bfloat16* combined_x, float* combined_topk_weights, uint64_t* state,
+                       int32_t* status_words, int32_t* status_host, int32_t* next_row, uint64_t timeout_ns) {
+    const Status status{status_words, status_host};
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int landing_chunks[kMaxRanks];
     __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
@@ -996,9 +998,9 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
             const int token = item / kTokenSlices;
             if (token >= num_tokens)
                 break;
-            if (!reduce_token(token, item % kTokenSlices, own + kMetaBytes, landed, own_chunk, num_copies_total, send_pos, send_offsets,
-                              num_ranks, shape, bias0, bias1, combined_x, combined_topk_weights,
-                              confirmed[warp_in_block], deadline_ns, status, lane))
+            if (!reduce_token(token, item % kTokenSlices, own + kMetaBytes, landed, own_chunk, num_copies_total,
+                              send_pos, send_offsets, num_ranks, shape, bias0, bias1, combined_x,
+                              combined_topk_weights, confirmed[warp_in_block], deadline_ns, status, lane))
                 break;
         }
     }

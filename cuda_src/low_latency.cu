@@ -142,27 +142,6 @@ __device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, 
     }
 }
 
-struct Status {
-    int32_t* device;  // the words a launch updates atomically
-    int32_t* host;    // pinned host mirror (device-visible), read by the host without a copy
-
-    __device__ bool timed_out() const { return ld_volatile_global(device + kStatusTimedOut) != 0; }
-
-    __device__ void record_timeout(int32_t peer, int32_t phase) const {
-        if (cuep::record_timeout(device, peer, phase)) {  // the first timeout is mirrored for the host
-            host[kStatusPeer] = peer;
-            host[kStatusPhase] = phase;
-            __threadfence_system();
-            *reinterpret_cast<volatile int32_t*>(host + kStatusTimedOut) = 1;
-        }
-    }
-
-    __device__ void record_bad_expert_id() const {
-        device[kStatusBadExpertIds] = 1;
-        *reinterpret_cast<volatile int32_t*>(host + kStatusBadExpertIds) = 1;
-    }
-};
-
 // Wait until *flag >= seq. Gives up at the deadline (recording who never came) or at once when
 // another wait of this launch already timed out: the call's result is void then, and one dead peer
 // must cost one timeout, not one per token.

@@ -98,6 +98,7 @@ class Buffer:
         self._destroyed = False
         self._status = cupy.zeros(kernel_status.STATUS_WORDS, dtype=cupy.int32)
         self._status_host = self._pinned_status_words()
+        self._status_host_ptr = self._device_address_of_pinned(self._status_host.ctypes.data)
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._load_kernels()
         self._intranode = self._intranode_context() if self.num_nvl_bytes else None
@@ -136,11 +137,12 @@ class Buffer:
             library=self._intranode_library, rank=self.rank, num_ranks=self.group_size,
             buffer_ptr=int(self._data.handle), buffer_bytes=self.num_nvl_bytes,
             peer_bases=cupy.asarray(np.array(bases, dtype=np.uint64)), status=self._status,
+            status_host_ptr=self._status_host_ptr,
             next_row=cupy.zeros(self.group_size + 1, dtype=cupy.int32),
             dispatch_state=cupy.zeros(intranode_kernel.STATE_WORDS, dtype=cupy.uint64),
             device_sms=self._device.attributes["MultiProcessorCount"],
             timeout_ns=int(timeout_s * 1e9),
-            barrier=lambda stream: self._enqueue_barrier(stream, timeout_s), mirror_status=self._mirror_status,
+            barrier=lambda stream: self._enqueue_barrier(stream, timeout_s),
             core_stream=self._core_stream, raise_if_failed=self._raise_if_failed)
 
     def _low_latency_context(self) -> low_latency_kernel.Context:
@@ -214,14 +216,8 @@ class Buffer:
     def _enqueue_barrier(self, stream, timeout_s: float) -> None:
         """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
         barrier_kernel.launch(self._barrier_library, self._core_stream(stream), int(self._control.handle),
-                              self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status)
-        self._mirror_status(stream)
-
-    def _mirror_status(self, stream) -> None:
-        """Copy the status words to their pinned host mirror after the work already on ``stream``."""
-        cupy = _deps.cupy()
-        cupy.cuda.runtime.memcpyAsync(self._status_host.ctypes.data, self._status.data.ptr, self._status.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                              self.rank, self.group_size, self._barrier_epoch, timeout_s, self._status,
+                              self._status_host_ptr)
 
     def _keep_alive(self, event, arrays: tuple) -> None:
         """Hold ``arrays`` until ``event`` completes: the comm stream may still read or write them after

@@ -3,7 +3,7 @@
 C++ entry::
 
     cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter, uint64_t timeout_ns,
-                 int32_t* status)
+                 int32_t* status_words, int32_t* status_host)
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def signal_bytes(num_ranks: int) -> int:
 
 
 def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int, epoch_counter,
-           timeout_s: float, status) -> None:
+           timeout_s: float, status, status_host_ptr: int) -> None:
     """Enqueue the next barrier on ``stream`` (``epoch_counter``: a device uint64 the kernel increments,
-    so graph replays keep counting); a timeout is recorded in ``status``."""
+    so graph replays keep counting); a timeout is recorded in ``status`` and in its pinned host mirror
+    (``status_host_ptr``, a device address)."""
     core = _deps.cuda_core()
     threads = min(MAX_THREADS, -(-num_ranks // WARP_SIZE) * WARP_SIZE)
     config = core.LaunchConfig(grid=1, block=threads)
     core.launch(stream, config, library.kernel("cuep_barrier"), np.uint64(signals_ptr), np.int32(rank),
-                np.int32(num_ranks), epoch_counter.data.ptr, np.uint64(int(timeout_s * 1e9)), status.data.ptr)
+                np.int32(num_ranks), epoch_counter.data.ptr, np.uint64(int(timeout_s * 1e9)), status.data.ptr,
+                np.uint64(status_host_ptr))

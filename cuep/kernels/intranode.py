@@ -5,19 +5,19 @@ C++ entries (see the .cu file for the protocol); the first fifteen arguments of 
 describe this rank's tokens and where they are staged (``_stage_args``)::
 
     cuep_intranode_stage(<stage args>, is_token_in_rank, num_tokens_per_expert, num_experts, num_ranks, send_pos,
-                         state, status, timeout_ns)
+                         state, status_words, status_host, timeout_ns)
     cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info,
                           combine_offsets, send_offsets, push_offsets)
     cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                                  num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
                                  rank, num_ranks, landing_capacity_rows, num_rows, recv_x, recv_scales, state,
-                                 status, next_row, timeout_ns)
+                                 status_words, status_host, next_row, timeout_ns)
     cuep_intranode_dispatch(<stage args>, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows, recv_x,
-                            recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status, next_row,
-                            timeout_ns)
+                            recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status_words,
+                            status_host, next_row, timeout_ns)
     cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
                            num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
-                           combined_x, combined_topk_weights, state, status, next_row, timeout_ns)
+                           combined_x, combined_topk_weights, state, status_words, status_host, next_row, timeout_ns)
     cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state, next_row)
     cuep_intranode_bulk_probe(<the same arguments>)  (Hopper path only)
 """
@@ -121,16 +121,16 @@ class Context:
     buffer_ptr: int
     buffer_bytes: int
     peer_bases: Any               # [num_ranks] uint64 device array
-    status: Any                   # [4] int32 device array (timeouts, overflow)
+    status: Any                   # [STATUS_WORDS] int32 device array (timeouts, overflow)
+    status_host_ptr: int          # device address of its pinned host mirror: kernels write both, no copy
     next_row: Any                 # [num_ranks + 1] int32 device array: work counters, zero between kernels
     dispatch_state: Any           # [STATE_WORDS] uint64 device array: dispatch and combine epochs (kState*)
     device_sms: int               # the GPU's SM count: blocks of the fused kernels wait on each other, so
                                   # their grid must fit on the GPU at once
     timeout_ns: int               # bound on every wait inside the dispatch and combine kernels
     barrier: Callable[[Any], None]
-    mirror_status: Callable[[Any], None]  # copies the status words to the host mirror, in stream order
     core_stream: Callable[[Any], Any]
-    raise_if_failed: Callable[[], None]  # reads the status words mirrored after each barrier
+    raise_if_failed: Callable[[], None]  # reads the status words' host mirror
 
 
 def _launch(ctx: Context, stream, grid: int, entry: str, *args) -> None:
@@ -185,7 +185,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_nvl_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     stage_args = _stage_args(ctx, x, scales, topk_idx, topk_weights, layout)
-    waits = (ctx.status.data.ptr, np.uint64(ctx.timeout_ns))
+    waits = (ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), np.uint64(ctx.timeout_ns))
 
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
@@ -220,8 +220,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(num_experts),
             np.int32(num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), np.uint64(_ptr(recv_topk_idx)),
             np.uint64(_ptr(recv_topk_weights)), recv_src_idx.data.ptr, ctx.dispatch_state.data.ptr,
-            ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
-    ctx.mirror_status(stream)
+            ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
                     recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
                     push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
@@ -252,8 +251,7 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
             np.int32(PUSHER_WARPS), np.int64(row_bytes), ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
             np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(min(capacity, np.iinfo(np.int32).max)),
             np.int32(handle.num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr,
-            ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
-    ctx.mirror_status(stream)
+            ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     return recv_x, recv_scales
 
 
@@ -274,8 +272,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
             np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(handle.num_tokens), x.data.ptr,
             np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
             np.uint64(_ptr(bias0)), np.uint64(_ptr(bias1)), combined_x.data.ptr, np.uint64(_ptr(combined_weights)),
-            ctx.dispatch_state.data.ptr, ctx.status.data.ptr, ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
-    ctx.mirror_status(stream)
+            ctx.dispatch_state.data.ptr, ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr,
+            np.uint64(ctx.timeout_ns))
     return combined_x, combined_weights
 
 
