@@ -92,6 +92,7 @@ class Buffer:
         self._comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._core_streams: dict[int, Any] = {}
         self._in_flight: list[tuple[Any, tuple]] = []
+        self._last_call: tuple[int, Any] | None = None  # (stream, event after it): the last layout, dispatch, combine
 
         self._control = nvshmem_world.allocate(control_bytes)
         self._data = nvshmem_world.allocate(data_bytes) if data_bytes else None
@@ -227,28 +228,54 @@ class Buffer:
 
     def _on_comm_stream(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool,
                         enqueue: Callable[[Any], tuple[tuple, tuple]]) -> tuple[tuple, EventOverlap]:
-        """Run ``enqueue(comm_stream)`` after ``previous_event`` (default: the current stream's work).
+        """Run ``enqueue(stream)`` after ``previous_event`` (default: the current stream's work) and after
+        this Buffer's previous call.
 
-        ``enqueue`` launches on the comm stream, allocating on the comm stream or the current one, and
-        returns ``(outputs, inputs)``; both are kept alive until the comm stream is done with them.
+        A call that the current stream waits for anyway (no ``previous_event``, ``async_finish`` or
+        ``allocate_on_comm_stream``) runs on the current stream itself, unless it is being captured:
+        going through the comm stream would only add two cross-stream hops, which cost 12-14 us per
+        call on 4 x H200. Other calls run on the comm stream, allocating there or on the current
+        stream. ``enqueue`` returns ``(outputs, inputs)``; with ``async_finish`` both are kept alive
+        until the comm stream is done with them.
         """
         cupy = _deps.cupy()
         compute_stream = cupy.cuda.get_current_stream()
-        comm_stream = self._comm_stream
-        comm_stream.wait_event(previous_event.event if previous_event is not None else compute_stream.record())
-        with comm_stream if allocate_on_comm_stream else compute_stream:
-            outputs, inputs = enqueue(comm_stream)
-        done = comm_stream.record()
-        if async_finish:
-            self._keep_alive(done, (*inputs, *outputs))
+        capturing = compute_stream.is_capturing()
+        if previous_event is None and not async_finish and not allocate_on_comm_stream and not capturing:
+            self._wait_for_last_call(compute_stream)
+            outputs, inputs = enqueue(compute_stream)
+            stream, done = compute_stream, compute_stream.record()
         else:
-            compute_stream.wait_event(done)
+            stream = comm_stream = self._comm_stream
+            if not capturing:
+                self._wait_for_last_call(comm_stream)
+            comm_stream.wait_event(previous_event.event if previous_event is not None else compute_stream.record())
+            with comm_stream if allocate_on_comm_stream else compute_stream:
+                outputs, inputs = enqueue(comm_stream)
+            done = comm_stream.record()
+            if async_finish:
+                self._keep_alive(done, (*inputs, *outputs))
+            else:
+                compute_stream.wait_event(done)
+        if not capturing:  # a captured call runs when its graph is replayed, ordered by the replay's stream
+            self._last_call = (stream.ptr, done)
         return outputs, EventOverlap(done, extra_arrays=tuple(inputs))
+
+    def _wait_for_last_call(self, stream) -> None:
+        """Order ``stream`` after this Buffer's previous call if that ran on another stream: calls share
+        the buffer's flags and epochs, so they must not overlap."""
+        if self._last_call is not None and self._last_call[0] != stream.ptr:
+            stream.wait_event(self._last_call[1])
 
     # ----------------------------------------------------------------------------------------------
     # Public API
     def get_comm_stream(self):
-        """The CuPy stream on which this Buffer's communication kernels run."""
+        """The CuPy stream on which this Buffer's communication kernels run when a call passes
+        ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream``, or is captured into a CUDA
+        graph. Other calls, which the current stream waits for anyway, run on the current stream.
+
+        Differs from DeepEP: DeepEP runs every call on its comm stream.
+        """
         return self._comm_stream
 
     @staticmethod
