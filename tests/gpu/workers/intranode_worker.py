@@ -265,6 +265,27 @@ def main() -> None:
         np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
         del garbage
 
+    def calls_on_two_streams_are_ordered():
+        # Calls that the current stream waits for run on it, not on the comm stream; two of them on
+        # different streams with no sync between must still run one after the other on the buffer.
+        inputs = all_inputs(1500, 4096, experts, 8)
+        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        topk = [i[2] for i in inputs]
+        new_x = [[np.random.default_rng([SEED, 3000 + k, s]).standard_normal((1500, 4096)).astype(BF16)
+                  for s in range(num_ranks)] for k in range(2)]
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+        received = []
+        for k, stream in enumerate(streams):
+            with stream:
+                recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[k][rank]), handle=handle)
+                received.append(recv_x)
+        with streams[0]:
+            routed = [(new_x[1][s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
+            combine_and_check(buffer, routed, experts, received[1], recv_w, handle)
+        for k, recv_x in enumerate(received):
+            expected = reference.dispatch(new_x[k], topk, experts)[rank]
+            np.testing.assert_array_equal(bits(recv_x.get(stream=streams[k])), bits(expected.recv_x))
+
     def short_timeout_buffer():
         """A Buffer whose kernels give up on a missing peer after 3 s."""
         os.environ["CUEP_TIMEOUT_S"] = "3"
@@ -344,6 +365,7 @@ def main() -> None:
         ("num_worst_tokens (no CPU wait)", num_worst_tokens_no_cpu_wait),
         ("CUDA graph: capture once, replay 5x with new inputs", cuda_graph_capture_then_replay_with_new_inputs),
         ("async call keeps inputs alive after the caller drops them", async_inputs_outlive_the_callers_references),
+        ("calls on two streams with no sync between run in order", calls_on_two_streams_are_ordered),
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
         ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
