@@ -519,9 +519,8 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
     const bool ok = load_source_plans(plans, peer_bases, rank, num_ranks, epoch, deadline_ns, status);
 
     const int num_recv = rank_prefix[num_ranks];
-    if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0) {  // num_worst_tokens was too small
+    if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0)  // num_worst_tokens was too small
         status.record(kStatusOverflow, num_recv);
-    }
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
     for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
@@ -735,9 +734,8 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
     for (int dst = 0; dst < num_ranks; ++dst)
         most_rows = max(most_rows, push_offsets[num_ranks + dst]);
     if (most_rows > landing_capacity_rows) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
+        if (blockIdx.x == 0 && threadIdx.x == 0)
             status.record(kStatusLandingRows, most_rows);
-        }
         return;
     }
 
@@ -748,9 +746,8 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
     // fit the landing region), but nothing lands in recv_x beyond its rows.
     const int num_recv = rank_prefix[num_ranks];
     const bool fits_recv_x = num_recv <= num_rows;
-    if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0) {
+    if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0)
         status.record(kStatusOverflow, num_recv);
-    }
     const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
     if (ok && warp_in_block < pushers_per_block)
         push_tokens(shape, send_pos, PushTargets{peer_bases, first_row, chunk_rows}, rank, num_ranks, num_tokens,
@@ -792,7 +789,7 @@ namespace cuep {
 // Warps of each combine block that reduce from the start; the rest push first. The pushes are bound
 // by NVLink and saturate it with far fewer warps than the eight left (the ceiling probe: 32 SMs), while
 // a reduction that trails the arrivals is the combine's tail (measured at EP2: 4 reducers 226 us,
-// 6 or 8 reducers 218-219 us; at EP4, with kTokenParts = 4: 6 reducers 525.8 us, 8 512.2, 10 523.8).
+// 6 or 8 reducers 218-219 us; at EP4, with kTokenSlices = 4: 6 reducers 525.8 us, 8 512.2, 10 523.8).
 constexpr int kReducerWarps = 8;
 
 // Each token's reduction is split into this many slices of its hidden vector, claimed one by one,
