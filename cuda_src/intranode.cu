@@ -87,22 +87,29 @@ __device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
     return max(kMinChunkRows, static_cast<int>((num_rows + kMaxChunks - 1) / kMaxChunks));
 }
 
-// Lane 0 (the caller) waits until `chunk` of a per-chunk counter array over `num_rows` rows counts
-// all its rows, unless `confirmed` (its newest confirmed chunk for this peer) says so already.
-// Returns false, after recording `peer` and `phase`, on a timeout.
-__device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int chunk, int chunk_rows, int64_t num_rows,
-                                                int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
-                                                int phase) {
+// Lane 0 (the caller) waits until counter `chunk` reaches `expected`, unless `confirmed` (its newest
+// confirmed chunk for this peer) says so already, pausing `sleep_ns` between polls. Returns false,
+// after recording `peer` and `phase`, on a timeout.
+__device__ __forceinline__ bool wait_chunk_count(const uint32_t* counters, int chunk, uint32_t expected,
+                                                 int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
+                                                 int phase, uint32_t sleep_ns = 0) {
     if (confirmed == chunk)
         return true;
-    const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
-    const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
-    if (!wait_at_least_until(counters + chunk, full, deadline_ns)) {
+    if (!wait_at_least_until(counters + chunk, expected, deadline_ns, sleep_ns)) {
         status.record_timeout(peer, phase);
         return false;
     }
     confirmed = chunk;
     return true;
+}
+
+// wait_chunk_count for a chunk of a per-chunk counter array over `num_rows` rows that counts all of them.
+__device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int chunk, int chunk_rows, int64_t num_rows,
+                                                int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
+                                                int phase) {
+    const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
+    const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
+    return wait_chunk_count(counters, chunk, full, confirmed, deadline_ns, status, peer, phase);
 }
 
 // What a receiver needs of one sender, read from the sender's meta at the start of a pull.
@@ -761,15 +768,11 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
                                          [&](int source, int row, int, int lane) {
             const int chunk = row / own_chunk;
             bool arrived = true;
-            if (lane == 0 && warp_confirmed[source] != chunk) {
-                const uint32_t expected =
-                    pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank], rank_prefix[rank + 1]);
-                arrived = wait_at_least_until(pushed + chunk, expected, deadline_ns, kCopyOutPollSleepNs);
-                if (arrived)
-                    warp_confirmed[source] = chunk;
-                else
-                    status.record_timeout(source, kPhaseIntranodePushed);
-            }
+            if (lane == 0)
+                arrived = wait_chunk_count(
+                    pushed, chunk,
+                    pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank], rank_prefix[rank + 1]),
+                    warp_confirmed[source], deadline_ns, status, source, kPhaseIntranodePushed, kCopyOutPollSleepNs);
             if (!__shfl_sync(kFullWarpMask, arrived, 0))
                 return false;
             copy_out_row(shape, own + kMetaBytes, row, recv_x, recv_scales, lane);

@@ -238,12 +238,9 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
     row_bytes = push_row_bytes(hidden_bytes, num_scales)
+    need_nvl_bytes("dispatch()", ctx, META_BYTES + handle.num_rows * row_bytes,
+                   f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
     capacity = (ctx.buffer_bytes - META_BYTES) // row_bytes
-    if handle.num_rows > capacity:
-        raise ValueError(f"dispatch(): this cached dispatch lands {handle.num_rows} rows of {row_bytes} bytes on rank "
-                         f"{ctx.rank}, which needs num_nvl_bytes >= {META_BYTES + handle.num_rows * row_bytes}, but "
-                         f"this Buffer has {ctx.buffer_bytes} (Config.get_nvl_buffer_size_hint gives a size for a "
-                         f"batch)")
     recv_x = cupy.empty((handle.num_rows, x.shape[1]), dtype=x.dtype)
     recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),

@@ -303,32 +303,33 @@ def main() -> None:
         short.barrier()
         short.destroy()
 
-    def peer_that_skips_dispatch_times_out():
-        short = short_timeout_buffer()
-        inputs = all_inputs(100, 512, experts, 4)
+    def times_out_without_rank_0(what, call):
+        """Every rank but 0 runs ``call``, which must raise PeerTimeoutError naming itself and rank 0."""
         comm.Barrier()
         if rank != 0:
             try:
-                dispatch_and_check(short, inputs, experts)
+                call()
             except cuep.PeerTimeoutError as exc:
                 assert exc.peer == 0 and exc.rank == rank, exc
             else:
-                raise AssertionError("dispatch without rank 0 did not time out")
+                raise AssertionError(f"{what} without rank 0 did not time out")
+
+    def peer_that_skips_dispatch_times_out():
+        short = short_timeout_buffer()
+        inputs = all_inputs(100, 512, experts, 4)
+        times_out_without_rank_0("dispatch", lambda: dispatch_and_check(short, inputs, experts))
         rejoin_and_destroy(short)
 
     def peer_that_skips_cached_dispatch_times_out():
         short = short_timeout_buffer()
         inputs = all_inputs(100, 512, experts, 4)
         _, _, handle, _ = dispatch_and_check(short, inputs, experts)
-        comm.Barrier()
-        if rank != 0:
-            try:
-                short.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
-                short.barrier(timeout_s=3)  # raises what the dispatch recorded first
-            except cuep.PeerTimeoutError as exc:
-                assert exc.peer == 0 and exc.rank == rank, exc
-            else:
-                raise AssertionError("cached dispatch without rank 0 did not time out")
+
+        def cached_dispatch_then_barrier():
+            short.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
+            short.barrier(timeout_s=3)  # raises what the dispatch recorded first
+
+        times_out_without_rank_0("cached dispatch", cached_dispatch_then_barrier)
         rejoin_and_destroy(short)
 
     def cached_dispatch_too_big_for_the_buffer_raises():
