@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,9 @@ def as_device_array(call: str, name: str, value: Any):
     else:
         raise TypeError(f"{call}: {name} must be a GPU array (CuPy, or anything exporting __dlpack__ or "
                         f"__cuda_array_interface__), got {type(value).__module__}.{type(value).__name__}")
-    device = cupy.cuda.Device().id
-    if array.device.id != device:
-        raise ValueError(f"{call}: {name} is on GPU {array.device.id}, but this rank's Buffer uses GPU {device}")
+    device = cupy.cuda.runtime.getDevice()
+    if array.data.device_id != device:
+        raise ValueError(f"{call}: {name} is on GPU {array.data.device_id}, but this rank's Buffer uses GPU {device}")
     return array
 
 
@@ -89,19 +90,22 @@ def check_event_options(call: str, previous_event, async_finish: bool, allocate_
                          f"(the outputs then belong to the communication stream)")
 
 
-def bf16_dtype():
+@functools.cache
+def bf16_dtype() -> np.dtype:
     import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
 
 
 def check_matrix(call: str, name: str, array, dtypes, rows: int | None = None, cols: int | None = None,
                  contiguous: bool = True) -> None:
-    """A 2-D array of one of ``dtypes`` with the given row/column counts (``None``: any)."""
-    names = " or ".join(str(np.dtype(d)) for d in dtypes)
-    if array.dtype not in [np.dtype(d) for d in dtypes]:
+    """A 2-D array of one of ``dtypes`` with the given row/column counts (``None``: any).
+
+    Every eager call runs this, so nothing is formatted unless a check fails."""
+    if array.dtype not in dtypes:
+        names = " or ".join(str(np.dtype(d)) for d in dtypes)
         raise TypeError(f"{call}: {name} must be {names}, got {array.dtype}")
-    expected = f"[{'num_rows' if rows is None else rows}, {'any' if cols is None else cols}]"
     if array.ndim != 2 or (rows is not None and array.shape[0] != rows) or (cols is not None and array.shape[1] != cols):
+        expected = f"[{'num_rows' if rows is None else rows}, {'any' if cols is None else cols}]"
         raise ValueError(f"{call}: {name} must have shape {expected}, got {tuple(array.shape)}")
     if contiguous and not array.flags.c_contiguous:
         raise ValueError(f"{call}: {name} must be C-contiguous; pass cupy.ascontiguousarray({name})")

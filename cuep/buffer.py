@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _checks, _deps, env
 from .errors import CuepError
-from .event import EventOverlap
+from .event import EventOverlap, record_event
 from .jit import get_library
 from .config import Config, get_combine_config, get_dispatch_config
 from .kernels import barrier as barrier_kernel
@@ -22,6 +22,7 @@ from .runtime import world as nvshmem_world
 
 # The low-latency region starts on this boundary after the NVL region in the symmetric allocation.
 LOW_LATENCY_ALIGN = 4096
+_CLEAR_STATUS = bytes(kernel_status.STATUS_WORDS * 4)  # the status words' host mirror while nothing failed
 
 
 class Buffer:
@@ -203,13 +204,14 @@ class Buffer:
         if self._low_latency is not None:
             self._raise_recorded(self._low_latency_status_host, self._low_latency.status,
                                  self._low_latency.timeout_ns / 1e9)
-        self._raise_recorded(self._status_host, self._status,
-                             env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s)
+        self._raise_recorded(self._status_host, self._status, timeout_s)
 
-    def _raise_recorded(self, status_host, status, timeout_s: float) -> None:
+    def _raise_recorded(self, status_host, status, timeout_s: float | None) -> None:
         """Clear one set of status words (host mirror and device) and raise what they recorded."""
-        if status_host.any():
+        # Every call checks both sets: comparing bytes costs ~0.2 us where ndarray.any() costs ~2.
+        if memoryview(status_host).cast("B") != _CLEAR_STATUS:
             recorded = status_host.copy()
+            timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s
             status.fill(0)
             status_host[:] = 0
             kernel_status.raise_if_failed(recorded, self.rank, timeout_s)
@@ -244,15 +246,15 @@ class Buffer:
         if previous_event is None and not async_finish and not allocate_on_comm_stream and not capturing:
             self._wait_for_last_call(compute_stream)
             outputs, inputs = enqueue(compute_stream)
-            stream, done = compute_stream, compute_stream.record()
+            stream, done = compute_stream, record_event(compute_stream)
         else:
             stream = comm_stream = self._comm_stream
             if not capturing:
                 self._wait_for_last_call(comm_stream)
-            comm_stream.wait_event(previous_event.event if previous_event is not None else compute_stream.record())
+            comm_stream.wait_event(previous_event.event if previous_event is not None else record_event(compute_stream))
             with comm_stream if allocate_on_comm_stream else compute_stream:
                 outputs, inputs = enqueue(comm_stream)
-            done = comm_stream.record()
+            done = record_event(comm_stream)
             if async_finish:
                 self._keep_alive(done, (*inputs, *outputs))
             else:
@@ -282,7 +284,7 @@ class Buffer:
     def capture() -> EventOverlap:
         """An :class:`EventOverlap` recorded on the current CuPy stream now (for ``previous_event``)."""
         cupy = _deps.cupy()
-        return EventOverlap(cupy.cuda.get_current_stream().record())
+        return EventOverlap(record_event(cupy.cuda.get_current_stream()))
 
     def barrier(self, timeout_s: float | None = None) -> None:
         """Block until every rank reaches this barrier, on the device, through NVSHMEM.
@@ -586,9 +588,9 @@ class Buffer:
         event = EventOverlap()
         if async_finish:
             comm_stream = self._comm_stream
-            comm_stream.wait_event(cupy.cuda.get_current_stream().record())
+            comm_stream.wait_event(record_event(cupy.cuda.get_current_stream()))
             launch(comm_stream, phases)
-            done = comm_stream.record()
+            done = record_event(comm_stream)
             self._keep_alive(done, keep)
             event = EventOverlap(done, extra_arrays=keep)
         else:
@@ -605,7 +607,7 @@ class Buffer:
             stream = cupy.cuda.get_current_stream()
             pending.pop()(stream, low_latency_kernel.RECV_PHASE)
             # The receive reads the call's arrays (top-k ids, handle) now, long after the call returned.
-            self._keep_alive(stream.record(), keep)
+            self._keep_alive(record_event(stream), keep)
         return event, hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,

@@ -36,3 +36,11 @@ class EventOverlap:
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.event is not None:
             self.current_stream_wait()
+
+
+def record_event(stream):
+    """A ``cupy.cuda.Event`` recorded on ``stream`` now, without timing (as DeepEP's events): a timing
+    event costs more to record, and every call records one."""
+    event = _deps.cupy().cuda.Event(disable_timing=True)
+    event.record(stream)
+    return event

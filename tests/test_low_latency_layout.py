@@ -1,8 +1,10 @@
 """Low-latency launch module (no GPU needed): the ctypes argument structs mirror the C++ ones, the
 buffer layout arithmetic holds, and the benchmark names every trace point the kernels stamp."""
 
+import math
 import re
 
+import numpy as np
 import pytest
 
 from cuep.jit.compiler import source_root
@@ -76,6 +78,28 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
 
 def trace_constants(text: str) -> set[int]:
     return {int(v) for v in re.findall(r"constexpr int kTrace\w+ = (\d+);", text)}
+
+
+@pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])
+def test_dispatch_outputs_share_one_allocation_without_overlap(use_fp8, use_ue8m0):
+    num_ranks, max_tokens, hidden, num_experts, num_topk = 4, 96, 1536, 32, 7
+    regions, storage_bytes = low_latency.dispatch_regions(num_ranks, max_tokens, hidden, num_experts, num_topk,
+                                                         use_fp8, use_ue8m0, np.dtype(np.uint16))
+    spans = sorted((r.offset, r.offset + math.prod(r.shape) * np.dtype(r.dtype).itemsize) for r in regions.values())
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start
+    assert spans[-1][1] <= storage_bytes
+    assert all(r.offset % 128 == 0 for r in regions.values())
+    rows = num_ranks * max_tokens
+    assert regions["recv_x"].shape == (num_experts // num_ranks, rows, hidden)
+    assert np.dtype(regions["recv_x"].dtype).itemsize == (1 if use_fp8 else 2)
+    scales = regions["recv_scales"]
+    if use_fp8:
+        columns = hidden // 128 // (4 if use_ue8m0 else 1)
+        assert scales.shape == (num_experts // num_ranks, rows, columns)
+        assert scales.strides == (4 * rows * columns, 4, 4 * rows)  # column-major in the last two dims
+    else:
+        assert math.prod(scales.shape) == 0
 
 
 def kernel_trace_points() -> tuple[set[int], set[int]]:

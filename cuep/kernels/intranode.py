@@ -24,6 +24,7 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -133,10 +134,13 @@ class Context:
     raise_if_failed: Callable[[], None]  # reads the status words' host mirror
 
 
+@functools.lru_cache(maxsize=32)
+def _launch_config(grid: int):
+    return _deps.cuda_core().LaunchConfig(grid=grid, block=NUM_THREADS)
+
+
 def _launch(ctx: Context, stream, grid: int, entry: str, *args) -> None:
-    core = _deps.cuda_core()
-    core.launch(ctx.core_stream(stream), core.LaunchConfig(grid=grid, block=NUM_THREADS), ctx.library.kernel(entry),
-                *args)
+    _deps.cuda_core().launch(ctx.core_stream(stream), _launch_config(grid), ctx.library.kernel(entry), *args)
 
 
 def _ptr(array) -> int:

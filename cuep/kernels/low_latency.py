@@ -23,7 +23,7 @@ import ctypes
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -208,6 +208,7 @@ class Context:
     trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
 
     functions: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)       # see Plan
 
     def function(self, entry: str):
         """The driver handle of ``entry`` (a CUkernel, which launches as a CUfunction), looked up once."""
@@ -246,13 +247,28 @@ class Context:
         return self._data_start + half * self.half_capacity
 
 
+@dataclass(frozen=True)
+class View:
+    """One array carved out of a call's single allocation: ``strides`` ``None`` means C order."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    offset: int
+    strides: tuple[int, ...] | None = None
+
+    def of(self, cupy, storage):
+        return cupy.ndarray(self.shape, dtype=self.dtype, memptr=storage.data + self.offset, strides=self.strides)
+
+
 @dataclass
 class Handle:
     """What a low-latency dispatch leaves for its combine (opaque to users).
 
-    ``recv_src_info[e, i]``: source token of row ``i`` of local expert ``e``; ``layout_range[e, s]``:
-    ``(first row << 32) | rows`` that came from rank ``s``; ``combine_rows[s, t, k]``: the flat row of
-    the combine input holding choice ``k`` of token ``t`` of rank ``s``, -1 when the expert is elsewhere.
+    It holds the dispatch's allocation, whose regions (``regions``, from the call's plan) the kernels
+    read through their addresses: ``recv_src_info[e, i]``, source token of row ``i`` of local expert
+    ``e``; ``layout_range[e, s]``, ``(first row << 32) | rows`` that came from rank ``s``;
+    ``combine_rows[s, t, k]``, the flat row of the combine input holding choice ``k`` of token ``t`` of
+    rank ``s`` (-1 when the expert is elsewhere); ``source_tokens[s]``, tokens rank ``s`` sent.
     """
 
     num_max_dispatch_tokens_per_rank: int
@@ -260,33 +276,26 @@ class Handle:
     num_experts: int
     num_tokens: int
     num_topk: int
-    recv_src_info: Any
-    layout_range: Any
-    combine_rows: Any
-    source_tokens: Any
+    storage: Any                  # the dispatch's one allocation (its outputs are views of it too)
+    regions: dict                 # name -> View
 
-
-def _common(ctx: Context, args, half: int, phases: int) -> None:
-    args.phases, args.half = phases, half
-    args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
-    args.flag_stride = MAX_TOKENS_PER_RANK
-    args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
-    args.status = _Status(ctx.status.data.ptr, ctx.status_host_ptr)
-    args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
+    def address(self, name: str) -> int:
+        return self.storage.data.ptr + self.regions[name].offset
 
 
 class Launch:
     """One kernel with its argument struct, relaunchable with other phases (the receive hook)."""
 
-    def __init__(self, ctx: Context, entry: str, args: ctypes.Structure, shared_bytes: int):
-        self.function = ctx.function(entry)
-        self.grid, self.args, self.shared_bytes = ctx.num_sms, args, shared_bytes
+    def __init__(self, function, grid: int, args: ctypes.Structure, shared_bytes: int):
+        self.function, self.grid, self.args, self.shared_bytes = function, grid, args, shared_bytes
+        # cuLaunchKernel's kernelParams as an address: the struct is the kernel's one parameter.
+        self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
 
     def __call__(self, stream, phases: int) -> None:
         driver = _deps.cuda_driver()
         self.args.phases = phases
         (err,) = driver.cuLaunchKernel(self.function, self.grid, 1, 1, NUM_THREADS, 1, 1, self.shared_bytes,
-                                       stream.ptr, ((self.args,), (None,)), 0)
+                                       stream.ptr, ctypes.addressof(self._params), 0)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuep: launching {self.function} failed: {err}")
 
@@ -303,15 +312,93 @@ def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_expert
     return layout
 
 
-def _carve(cupy, specs) -> dict[str, Any]:
-    """Arrays ``name -> (shape, dtype)`` as views of one allocation (each view keeps it alive)."""
-    offsets, total = [], 0
-    for _, shape, dtype in specs:
-        offsets.append(total)
-        total += _align(math.prod(shape) * np.dtype(dtype).itemsize, _SLOT_ALIGN)  # math.prod: ~30x numpy's
-    base = cupy.empty(total, dtype=cupy.uint8)
-    return {name: cupy.ndarray(shape, dtype=dtype, memptr=base.data + offset)
-            for (name, shape, dtype), offset in zip(specs, offsets)}
+def _carve(specs) -> tuple[dict[str, View], int]:
+    """Regions ``name -> View`` for ``(name, shape, dtype, strides)`` packed into one allocation, and its bytes."""
+    regions, total = {}, 0
+    for name, shape, dtype, strides in specs:
+        regions[name] = View(shape, dtype, total, strides)
+        total += _align(math.prod(shape) * np.dtype(dtype).itemsize, _SLOT_ALIGN)
+    return regions, total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every call of one kernel with one shape and one set of options shares, worked out on its
+    first call (the eager decode path counts microseconds): the argument struct with everything but
+    the call's own arrays filled in, and where the call's outputs sit in its one allocation."""
+
+    function: Any
+    grid: int
+    args: bytes
+    shared_bytes: int = 0
+    regions: dict = field(default_factory=dict)   # name -> View
+    storage_bytes: int = 0
+
+    def arguments(self, struct: type[ctypes.Structure]) -> ctypes.Structure:
+        return struct.from_buffer_copy(self.args)
+
+
+_MAX_PLANS = 64  # per Context; a decode loop uses a handful of shapes
+
+
+def _plan(ctx: Context, key: tuple, build: Callable[[], Plan]) -> Plan:
+    plan = ctx.plans.get(key)
+    if plan is None:
+        if len(ctx.plans) >= _MAX_PLANS:
+            ctx.plans.clear()
+        plan = ctx.plans[key] = build()
+    return plan
+
+
+def _common(ctx: Context, args, half: int) -> None:
+    args.phases, args.half = SEND_PHASE | RECV_PHASE, half
+    args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
+    args.flag_stride = MAX_TOKENS_PER_RANK
+    args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
+    args.status = _Status(ctx.status.data.ptr, ctx.status_host_ptr)
+    args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
+
+
+def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool,
+                     use_ue8m0: bool, x_dtype) -> tuple[dict[str, View], int]:
+    """Where a dispatch's outputs and its handle's arrays sit in the call's one allocation, and its bytes."""
+    num_local = num_experts // num_ranks
+    rows = num_ranks * max_tokens
+    columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
+    scale_dtype = np.dtype(np.int32 if use_ue8m0 else np.float32)
+    # Scales are column-major in the last two dims: each scale column is contiguous over rows.
+    scale_strides = (columns * rows * scale_dtype.itemsize, scale_dtype.itemsize, rows * scale_dtype.itemsize)
+    return _carve([
+        ("recv_x", (num_local, rows, hidden), np.uint8 if use_fp8 else x_dtype, None),
+        ("recv_scales", (num_local, rows, columns) if use_fp8 else (0,), scale_dtype,
+         scale_strides if use_fp8 else None),
+        ("recv_count", (num_local,), np.int32, None),
+        ("recv_src_info", (num_local, rows), np.int32, None),
+        ("layout_range", (num_local, num_ranks), np.int64, None),
+        ("combine_rows", (num_ranks, max_tokens, num_topk), np.int32, None),
+        ("source_tokens", (num_ranks,), np.int32, None)])
+
+
+def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                   use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> Plan:
+    """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
+    layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
+    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
+    regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
+                                              use_ue8m0, x_dtype)
+    routing_flags, _, token_flags, _ = ctx.flags(half)
+    data = ctx.data(half)
+    a = DispatchArgs()
+    _common(ctx, a, half)
+    a.hidden, a.num_topk, a.num_experts, a.max_tokens = hidden, num_topk, num_experts, max_tokens
+    a.use_fp8, a.round_scale, a.use_ue8m0 = int(use_fp8), int(round_scale), int(use_ue8m0)
+    a.routing_flags, a.token_flags = routing_flags, token_flags
+    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
+    a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
+    a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
+    a.staging_words = layout.routing_staging_words
+    a.num_parts = max(1, ctx.num_sms // (num_experts // ctx.num_ranks))
+    return Plan(ctx.function("cuep_ll_dispatch"), ctx.num_sms, bytes(a), shared_bytes, regions, storage_bytes)
 
 
 def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats,
@@ -321,66 +408,51 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     cupy = _deps.cupy()
     num_tokens, hidden = x.shape
     num_topk = topk_idx.shape[1]
-    num_local = num_experts // ctx.num_ranks
-    rows = ctx.num_ranks * max_tokens
-    layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
-    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
-    columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
+    key = ("dispatch", half, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
+                                                  round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
-    arrays = _carve(cupy, [
-        ("recv_x", (num_local, rows, hidden), cupy.uint8 if use_fp8 else x.dtype),
-        ("recv_scales", (num_local, columns, rows) if use_fp8 else (0,), cupy.int32 if use_ue8m0 else cupy.float32),
-        ("recv_count", (num_local,), cupy.int32),
-        ("recv_src_info", (num_local, rows), cupy.int32),
-        ("layout_range", (num_local, ctx.num_ranks), cupy.int64),
-        ("combine_rows", (ctx.num_ranks, max_tokens, num_topk), cupy.int32),
-        ("source_tokens", (ctx.num_ranks,), cupy.int32)])
-    recv_x, recv_count = arrays["recv_x"], arrays["recv_count"]
-    # column-major in the last two dims: each scale column is contiguous over rows
-    recv_scales = arrays["recv_scales"].transpose(0, 2, 1) if use_fp8 else None
-    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, recv_src_info=arrays["recv_src_info"],
-                    layout_range=arrays["layout_range"], combine_rows=arrays["combine_rows"],
-                    source_tokens=arrays["source_tokens"])
-    routing_flags, _, token_flags, _ = ctx.flags(half)
-    data = ctx.data(half)
-    a = DispatchArgs()
-    _common(ctx, a, half, SEND_PHASE | RECV_PHASE)
-    a.x, a.num_tokens, a.hidden = x.data.ptr, num_tokens, hidden
-    a.use_fp8, a.round_scale, a.use_ue8m0 = int(use_fp8), int(round_scale), int(use_ue8m0)
-    a.topk_idx, a.ids_are_int64, a.num_topk = topk_idx.data.ptr, int(topk_idx.itemsize == 8), num_topk
-    a.num_experts, a.max_tokens = num_experts, max_tokens
-    a.routing_flags, a.token_flags = routing_flags, token_flags
-    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
-    a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
-    a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
-    a.staging_words = layout.routing_staging_words
-    a.recv_x, a.recv_scales = recv_x.data.ptr, recv_scales.data.ptr if recv_scales is not None else 0
-    a.recv_count, a.recv_src_info = recv_count.data.ptr, handle.recv_src_info.data.ptr
-    a.layout_range, a.combine_rows = handle.layout_range.data.ptr, handle.combine_rows.data.ptr
-    a.source_tokens = handle.source_tokens.data.ptr
+    storage = cupy.empty(plan.storage_bytes, dtype=cupy.uint8)
+    regions = plan.regions
+    recv_x, recv_count = regions["recv_x"].of(cupy, storage), regions["recv_count"].of(cupy, storage)
+    recv_scales = regions["recv_scales"].of(cupy, storage) if use_fp8 else None
+    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
+    base = storage.data.ptr
+    a = plan.arguments(DispatchArgs)
+    a.x, a.num_tokens = x.data.ptr, num_tokens
+    a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
+    a.recv_x, a.recv_count = base + regions["recv_x"].offset, base + regions["recv_count"].offset
+    a.recv_scales = base + regions["recv_scales"].offset if use_fp8 else 0
+    a.recv_src_info, a.layout_range = base + regions["recv_src_info"].offset, base + regions["layout_range"].offset
+    a.combine_rows, a.source_tokens = base + regions["combine_rows"].offset, base + regions["source_tokens"].offset
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
-    a.num_parts = max(1, ctx.num_sms // num_local)
-    launch = Launch(ctx, "cuep_ll_dispatch", a, shared_bytes)
-    return recv_x, recv_scales, recv_count, handle, launch
+    return recv_x, recv_scales, recv_count, handle, Launch(plan.function, plan.grid, a, plan.shared_bytes)
 
 
-def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out):
-    """Build the combine launch writing into ``out``."""
-    layout = check_fits("low_latency_combine()", ctx, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-                        handle.num_experts)
+def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int) -> Plan:
+    layout = check_fits("low_latency_combine()", ctx, max_tokens, hidden, num_experts)
     _, weight_flags, _, token_flags = ctx.flags(half)
     data = ctx.data(half)
     a = CombineArgs()
-    _common(ctx, a, half, SEND_PHASE | RECV_PHASE)
-    a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
-    a.topk_weights = topk_weights.data.ptr
-    a.num_tokens, a.num_topk, a.hidden = handle.num_tokens, handle.num_topk, handle.hidden
-    a.num_experts, a.max_tokens = handle.num_experts, handle.num_max_dispatch_tokens_per_rank
-    a.combine_rows, a.source_tokens = handle.combine_rows.data.ptr, handle.source_tokens.data.ptr
+    _common(ctx, a, half)
+    a.hidden, a.num_experts, a.max_tokens = hidden, num_experts, max_tokens
     a.weight_flags, a.token_flags = weight_flags, token_flags
     a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
+    return Plan(ctx.function("cuep_ll_combine"), ctx.num_sms, bytes(a))
+
+
+def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out) -> Launch:
+    """Build the combine launch writing into ``out``."""
+    max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+    plan = _plan(ctx, ("combine", half, max_tokens, hidden, num_experts),
+                 lambda: _combine_plan(ctx, half, max_tokens, hidden, num_experts))
+    a = plan.arguments(CombineArgs)
+    a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
+    a.topk_weights = topk_weights.data.ptr
+    a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
+    a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
     a.combined_x = out.data.ptr
-    return Launch(ctx, "cuep_ll_combine", a, 0)
+    return Launch(plan.function, plan.grid, a, plan.shared_bytes)

@@ -12,14 +12,14 @@ def test_dispatch_layout_example():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_moe_prefill_example(num_ranks):
     run_or_skip(str(REPO_ROOT / "examples" / "moe_prefill.py"), num_ranks, "--tokens", "1024", "--hidden", "1024",
                 expect="max relative error vs one-GPU computation")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_decode_overlap_example(num_ranks):
     run_or_skip(str(REPO_ROOT / "examples" / "decode_overlap.py"), num_ranks, "--tokens", "96",
                 expect="max relative error vs one-GPU computation")

@@ -6,7 +6,7 @@ from .launch import run_or_skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_layout_matches_reference(num_ranks):
     run_or_skip("layout_worker.py", num_ranks, expect=f"layout worker passed on {num_ranks} ranks")
 

@@ -6,13 +6,13 @@ from .launch import run_or_skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_low_latency_matches_reference(num_ranks):
     run_or_skip("low_latency_worker.py", num_ranks, expect=f"low-latency worker passed on {num_ranks} ranks")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_low_latency_pressure_with_fresh_routing(num_ranks):
     run_or_skip("low_latency_worker.py", num_ranks, "--pressure", "300",
                 expect=f"low-latency pressure: 300 calls checked; passed on {num_ranks} ranks")
