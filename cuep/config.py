@@ -65,11 +65,11 @@ class Config:
         return 0
 
 
-# Tuned with `python -m cuep.bench --tune` on 2 and 4 H200s (docs/performance.md, v0.5.0): the cached
-# (push) dispatch gains up to 128 SMs at 4 ranks and is flat from 64 to 128 at 2; combine gains up to
-# 128. EP8 uses the defaults until measured.
-_DISPATCH_SMS = {2: 96, 4: 128}
-_COMBINE_SMS = {2: 128, 4: 128}
+# Tuned with `python -m cuep.bench --tune` on 2, 4 and 8 H200s (docs/performance.md, v0.5.0 and
+# v0.5.2): the cached (push) dispatch gains up to 128 SMs at 4 and 8 ranks and is flat from 64 to 128
+# at 2; combine gains up to 128 at every rank count.
+_DISPATCH_SMS = {2: 96, 4: 128, 8: 128}
+_COMBINE_SMS = {2: 128, 4: 128, 8: 128}
 _DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 128, 128
 
 

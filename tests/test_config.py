@@ -9,6 +9,7 @@ from cuep.kernels import intranode
 def test_tuned_defaults_and_override():
     assert get_dispatch_config(4).num_sms == 128 and get_combine_config(4).num_sms == 128
     assert get_dispatch_config(2).num_sms == 96 and get_combine_config(2).num_sms == 128
+    assert get_dispatch_config(8).num_sms == 128 and get_combine_config(8).num_sms == 128
     assert get_dispatch_config(4, num_sms=20).num_sms == 20
 
 

@@ -32,9 +32,14 @@ def assert_no_memory_growth(step, calls: int = 1000, warmup: int = 20, slack_byt
 
 
 def run_cases(comm, cases) -> None:
-    """Run ``(name, fn)`` pairs in order; on any failure print it and abort every rank."""
+    """Run ``(name, fn)`` pairs in order; on any failure print it and abort every rank.
+
+    Ranks meet between cases: checking a case against the reference takes each rank a different time
+    on the host (tens of seconds apart at 8 ranks), which must not count against the next case's
+    bounded waits on the device."""
     rank = comm.Get_rank()
     for name, case in cases:
+        comm.Barrier()
         try:
             case()
         except BaseException:
