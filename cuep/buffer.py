@@ -93,7 +93,8 @@ class Buffer:
         self._comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._core_streams: dict[int, Any] = {}
         self._in_flight: list[tuple[Any, tuple]] = []
-        self._last_call: tuple[int, Any] | None = None  # (stream, event after it): the last layout, dispatch, combine
+        # (stream pointer, event after it) of the last layout, dispatch or combine
+        self._last_call: tuple[int, Any] | None = None
 
         self._control = nvshmem_world.allocate(control_bytes)
         self._data = nvshmem_world.allocate(data_bytes) if data_bytes else None

@@ -417,14 +417,14 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     recv_x, recv_count = regions["recv_x"].of(cupy, storage), regions["recv_count"].of(cupy, storage)
     recv_scales = regions["recv_scales"].of(cupy, storage) if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
-    base = storage.data.ptr
+    address = handle.address
     a = plan.arguments(DispatchArgs)
     a.x, a.num_tokens = x.data.ptr, num_tokens
     a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
-    a.recv_x, a.recv_count = base + regions["recv_x"].offset, base + regions["recv_count"].offset
-    a.recv_scales = base + regions["recv_scales"].offset if use_fp8 else 0
-    a.recv_src_info, a.layout_range = base + regions["recv_src_info"].offset, base + regions["layout_range"].offset
-    a.combine_rows, a.source_tokens = base + regions["combine_rows"].offset, base + regions["source_tokens"].offset
+    a.recv_x, a.recv_count = address("recv_x"), address("recv_count")
+    a.recv_scales = address("recv_scales") if use_fp8 else 0
+    a.recv_src_info, a.layout_range = address("recv_src_info"), address("layout_range")
+    a.combine_rows, a.source_tokens = address("combine_rows"), address("source_tokens")
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
     return recv_x, recv_scales, recv_count, handle, Launch(plan.function, plan.grid, a, plan.shared_bytes)
 
