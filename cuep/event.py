@@ -21,20 +21,39 @@ class EventOverlap:
     """
 
     def __init__(self, event=None, extra_arrays: tuple[Any, ...] | None = None):
-        self.event = event
+        self._event = event
+        self._stream = None
         self.extra_arrays = extra_arrays
+
+    @classmethod
+    def after_work_on(cls, stream, extra_arrays: tuple[Any, ...] | None = None) -> "EventOverlap":
+        """The end of the work enqueued on ``stream`` so far, as an event recorded only when first asked
+        for (:attr:`event`, :meth:`current_stream_wait`). A call that the current stream waits for anyway
+        (DeepEP returns no event then) so costs no event record; an event recorded later stands for a
+        later point of the same stream, which every wait on it may safely take instead."""
+        overlap = cls(None, extra_arrays)
+        overlap._stream = stream
+        return overlap
+
+    @property
+    def event(self):
+        """The ``cupy.cuda.Event``, or ``None`` when this EventOverlap stands for no work."""
+        if self._event is None and self._stream is not None:
+            self._event, self._stream = record_event(self._stream), None
+        return self._event
 
     def current_stream_wait(self) -> None:
         """Make the current CuPy stream wait until the event's work is done (no host block)."""
-        if self.event is None:
+        event = self.event
+        if event is None:
             raise ValueError("EventOverlap.current_stream_wait(): this EventOverlap holds no event")
-        _deps.cupy().cuda.get_current_stream().wait_event(self.event)
+        _deps.cupy().cuda.get_current_stream().wait_event(event)
 
     def __enter__(self) -> "EventOverlap":
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if self.event is not None:
+        if self._event is not None or self._stream is not None:
             self.current_stream_wait()
 
 

@@ -210,10 +210,10 @@ class Context:
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
 
-    def function(self, entry: str):
-        """The driver handle of ``entry`` (a CUkernel, which launches as a CUfunction), looked up once."""
+    def function(self, entry: str) -> int:
+        """The driver handle of ``entry`` as an integer (a CUkernel, which launches as a CUfunction), looked up once."""
         if entry not in self.functions:
-            self.functions[entry] = _deps.cuda_driver().CUfunction(int(self.library.kernel(entry).handle))
+            self.functions[entry] = int(self.library.kernel(entry).handle)
         return self.functions[entry]
 
     def flags(self, half: int) -> tuple[int, int, int, int]:
@@ -257,7 +257,8 @@ class View:
     strides: tuple[int, ...] | None = None
 
     def of(self, cupy, storage):
-        return cupy.ndarray(self.shape, dtype=self.dtype, memptr=storage.data + self.offset, strides=self.strides)
+        """This region of ``storage`` (a ``cupy.cuda.MemoryPointer``) as an array."""
+        return cupy.ndarray(self.shape, dtype=self.dtype, memptr=storage + self.offset, strides=self.strides)
 
 
 @dataclass
@@ -276,28 +277,31 @@ class Handle:
     num_experts: int
     num_tokens: int
     num_topk: int
-    storage: Any                  # the dispatch's one allocation (its outputs are views of it too)
+    storage: Any                  # the dispatch's one allocation, a MemoryPointer (its outputs are views of it too)
     regions: dict                 # name -> View
 
     def address(self, name: str) -> int:
-        return self.storage.data.ptr + self.regions[name].offset
+        return self.storage.ptr + self.regions[name].offset
 
 
 class Launch:
     """One kernel with its argument struct, relaunchable with other phases (the receive hook)."""
 
-    def __init__(self, function, grid: int, args: ctypes.Structure, shared_bytes: int):
+    def __init__(self, function: int, grid: int, args: ctypes.Structure, shared_bytes: int):
         self.function, self.grid, self.args, self.shared_bytes = function, grid, args, shared_bytes
         # cuLaunchKernel's kernelParams as an address: the struct is the kernel's one parameter.
         self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
 
     def __call__(self, stream, phases: int) -> None:
-        driver = _deps.cuda_driver()
+        # CuPy's driver binding launches in ~6 us of host time, cuda.bindings' cuLaunchKernel in ~14
+        # (nvidia-h100-x1's host); the eager decode path is host-bound.
+        cupy = _deps.cupy()
         self.args.phases = phases
-        (err,) = driver.cuLaunchKernel(self.function, self.grid, 1, 1, NUM_THREADS, 1, 1, self.shared_bytes,
-                                       stream.ptr, ctypes.addressof(self._params), 0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuep: launching {self.function} failed: {err}")
+        try:
+            cupy.cuda.driver.launchKernel(self.function, self.grid, 1, 1, NUM_THREADS, 1, 1, self.shared_bytes,
+                                          stream.ptr, ctypes.addressof(self._params), 0)
+        except cupy.cuda.driver.CUDADriverError as exc:
+            raise RuntimeError(f"cuep: launching low-latency kernel {self.function:#x} failed: {exc}") from None
 
 
 def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> HalfLayout:
@@ -412,7 +416,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
-    storage = cupy.empty(plan.storage_bytes, dtype=cupy.uint8)
+    storage = cupy.cuda.alloc(plan.storage_bytes)  # a pool allocation, without an array object around it
     regions = plan.regions
     recv_x, recv_count = regions["recv_x"].of(cupy, storage), regions["recv_count"].of(cupy, storage)
     recv_scales = regions["recv_scales"].of(cupy, storage) if use_fp8 else None

@@ -282,9 +282,16 @@ def main() -> None:
         with streams[0]:
             routed = [(new_x[1][s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
             combine_and_check(buffer, routed, experts, received[1], recv_w, handle)
+        expected = [reference.dispatch(new_x[k], topk, experts)[rank].recv_x for k in range(2)]
         for k, recv_x in enumerate(received):
-            expected = reference.dispatch(new_x[k], topk, experts)[rank]
-            np.testing.assert_array_equal(bits(recv_x.get(stream=streams[k])), bits(expected.recv_x))
+            np.testing.assert_array_equal(bits(recv_x.get(stream=streams[k])), bits(expected[k]))
+        # Such a call's event is recorded when first used: a stream that waits on it sees the call's output.
+        with streams[0]:
+            recv_x, _, _, _, _, event = buffer.dispatch(cupy.asarray(new_x[0][rank]), handle=handle)
+        with streams[1]:
+            event.current_stream_wait()
+            copied = recv_x.copy()
+        np.testing.assert_array_equal(bits(copied.get(stream=streams[1])), bits(expected[0]))
 
     def short_timeout_buffer():
         """A Buffer whose kernels give up on a missing peer after 3 s."""
