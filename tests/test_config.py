@@ -10,6 +10,7 @@ def test_tuned_defaults_and_override():
     assert get_dispatch_config(4).num_sms == 128 and get_combine_config(4).num_sms == 128
     assert get_dispatch_config(2).num_sms == 96 and get_combine_config(2).num_sms == 128
     assert get_dispatch_config(8).num_sms == 128 and get_combine_config(8).num_sms == 128
+    assert [intranode.pusher_warps(r) for r in (2, 4, 8)] == [12, 11, 12]
     assert get_dispatch_config(4, num_sms=20).num_sms == 20
 
 

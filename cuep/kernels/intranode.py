@@ -77,10 +77,17 @@ def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
 
 
 # Warps per block of a cached (push) dispatch that push this rank's tokens before copying rows out;
-# the other 4 copy landed rows out from the start. Measured on 4 x H200 (BF16 / FP8, graph replays):
-# 8, 10, 12 and 14 pushers at 128 SMs gave 519.3 / 300.7, 506.7 / 289.0, 502.4 / 289.1 and
-# 531.4 / 305.9 us; at 2 ranks 8 and 12 are within 1%.
-PUSHER_WARPS = 12
+# the others copy landed rows out from the start. Measured on H200s at 128 SMs (BF16 / FP8 us, graph
+# replays, v0.5.3): at 4 ranks 9, 10, 11, 12 and 13 pushers gave 492.4 / 274.2, 489.4-490.8 /
+# 273.4-274.1, 485.5-488.9 / 272.5-273.1, 487.9-488.9 / 273.2-274.0 and 500.1 / 282.4; at 8 ranks
+# 11 and 12 gave 867.3-867.7 / 485.6-486.5 and 863.1-864.0 / 484.8-486.6; at 2 ranks 8 and 12 were
+# within 1% (v0.5.0).
+_PUSHER_WARPS = {4: 11}
+_DEFAULT_PUSHER_WARPS = 12
+
+
+def pusher_warps(num_ranks: int) -> int:
+    return _PUSHER_WARPS.get(num_ranks, _DEFAULT_PUSHER_WARPS)
 
 
 def landing_row_bytes(hidden: int, num_weights: int) -> int:
@@ -249,7 +256,8 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
     recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
             *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
-            np.int32(PUSHER_WARPS), np.int64(row_bytes), ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
+            np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes), ctx.peer_bases.data.ptr,
+            handle.recv_info.data.ptr,
             np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(min(capacity, np.iinfo(np.int32).max)),
             np.int32(handle.num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr,
             ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
