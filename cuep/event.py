@@ -8,7 +8,7 @@ from . import _deps
 
 
 class EventOverlap:
-    """A captured CUDA event on cuep's communication stream, for overlapping communication with compute.
+    """A CUDA event after a cuep call's work, for overlapping communication with compute.
 
     Use ``event.current_stream_wait()`` to make the current CuPy stream wait for the event, or
     ``with event: ...`` to run the block first and wait at its end (the block's kernels overlap with
@@ -30,7 +30,8 @@ class EventOverlap:
         """The end of the work enqueued on ``stream`` so far, as an event recorded only when first asked
         for (:attr:`event`, :meth:`current_stream_wait`). A call that the current stream waits for anyway
         (DeepEP returns no event then) so costs no event record; an event recorded later stands for a
-        later point of the same stream, which every wait on it may safely take instead."""
+        later point of the same stream, which every wait on it may safely take instead. Ask for it
+        before a CUDA-graph capture begins on ``stream``, or the record becomes part of the graph."""
         overlap = cls(None, extra_arrays)
         overlap._stream = stream
         return overlap
