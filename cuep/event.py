@@ -54,7 +54,7 @@ class EventOverlap:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if self._event is not None or self._stream is not None:
+        if self.event is not None:
             self.current_stream_wait()
 
 

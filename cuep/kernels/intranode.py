@@ -257,10 +257,10 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
             *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
             np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes), ctx.peer_bases.data.ptr,
-            handle.recv_info.data.ptr,
-            np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(min(capacity, np.iinfo(np.int32).max)),
-            np.int32(handle.num_rows), recv_x.data.ptr, np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr,
-            ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
+            handle.recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
+            np.int32(min(capacity, np.iinfo(np.int32).max)), np.int32(handle.num_rows), recv_x.data.ptr,
+            np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
+            np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     return recv_x, recv_scales
 
 

@@ -331,7 +331,7 @@ class Plan:
     first call (the eager decode path counts microseconds): the argument struct with everything but
     the call's own arrays filled in, and where the call's outputs sit in its one allocation."""
 
-    function: Any
+    function: int                 # Context.function's driver handle
     grid: int
     args: bytes
     shared_bytes: int = 0
