@@ -68,6 +68,7 @@ struct SenderControl {
     uint64_t push_open;               // newest dispatch epoch whose push landing region is open (push dispatch)
     uint32_t landed[2][kMaxChunks];   // combine rows landed per chunk, for the combine epochs of each parity
     uint32_t pushed[2][kMaxChunks];   // dispatch rows pushed here per chunk, for the dispatch epochs of each parity
+    uint32_t probe_blocks[2];         // awaited ceiling probe: sender blocks done here, per launch parity
 };
 constexpr int64_t kControlBytes = 20 * 1024;  // mirrors CONTROL_BYTES
 constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
@@ -78,6 +79,7 @@ static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
 constexpr int kStateCombineEpoch = 2;
+constexpr int kStateProbeEpoch = 3;
 
 __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
@@ -1082,12 +1084,35 @@ __device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* s
 
 }  // namespace cuep
 
+// awaited = 1 (push only): each block then counts itself done in every receiver's probe_blocks, after a
+// system fence, and block 0 waits until all peers' blocks have counted here. That is the least any
+// call that pushes must do before it may use what it received: the floor of a combine, with no landing
+// handshake and no reduction. Every rank must launch with the same grid.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
-                     int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
+                     int64_t row_bytes, int max_rows, int pull, int awaited, uint64_t* state, int32_t* next_row,
+                     uint64_t timeout_ns) {
+    const uint64_t epoch = ld_volatile_global(state + kStateProbeEpoch) + 1;
     probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
                [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, row_bytes, lane); });
-    last_block_finished(state, next_row, num_ranks);
+    if (awaited) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            for (int peer = 0; peer < num_ranks; ++peer)
+                atomicAdd_system(&control_of(reinterpret_cast<uint8_t*>(peer_bases[peer]))->probe_blocks[epoch % 2], 1u);
+            if (blockIdx.x == 0) {
+                // A peer's next launch counts in the other parity, and its launch after that only once
+                // this rank's next launch has counted there, so clearing the count here is safe.
+                uint32_t* arrived = control_of(reinterpret_cast<uint8_t*>(peer_bases[rank]))->probe_blocks + epoch % 2;
+                wait_at_least_until(arrived, static_cast<uint32_t>(num_ranks) * gridDim.x,
+                                    globaltimer_ns() + timeout_ns);
+                *arrived = 0;
+            }
+        }
+    }
+    if (last_block_finished(state, next_row, num_ranks))
+        state[kStateProbeEpoch] = epoch;
 }
 
 // The same probe with the copies made by the Hopper bulk-copy unit (TMA) instead of the warps' loads

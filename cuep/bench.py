@@ -207,8 +207,10 @@ def bench_ceiling(args) -> None:
     rates from ``--mode normal``: the difference is what staging, flags and reduction cost. Pull is the
     normal dispatch's pattern, push the normal combine's and the low-latency kernels' (``--tokens 128``
     gives their volume); rows of BF16 and of FP8 with scales; on Hopper each also through the bulk-copy
-    unit (TMA, ``cuep_intranode_bulk_probe``); and each "synced", after a device barrier per launch,
-    which is what one call that must first agree with its peers can reach."""
+    unit (TMA, ``cuep_intranode_bulk_probe``); each "synced", after a device barrier per launch, which
+    is what one call that must first agree with its peers can reach; and the push "awaited", each launch
+    ending only once its peers' rows have landed, the floor of any call that pushes and uses what it
+    received (a combine with neither landing handshake nor reduction)."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
     from .kernels import intranode as intranode_kernel
@@ -226,18 +228,22 @@ def bench_ceiling(args) -> None:
     results = {}
     stream = buffer._comm_stream
     bulk_modes = (False, True) if ctx.library.spec.sm90_features else (False,)
-    # (pull, row bytes, bulk, synced): synced puts a device barrier before each launch, as a real call
-    # must agree with its peers before it writes into their buffers; unsynced launches overlap one
-    # launch's tail with the next one's start.
-    copies = [(pull, row_bytes, bulk, synced) for pull in (True, False) for row_bytes in (bf16_row, fp8_row)
-              for bulk, synced in [(bulk, False) for bulk in bulk_modes] + [(False, True)]]
-    for pull, row_bytes, bulk, synced in copies:
-        name = ("pull" if pull else "push") + (" (TMA)" if bulk else "") + (" synced" if synced else "")
+    # (pull, bulk, synced, awaited) per row size. synced puts a device barrier before each launch, as a
+    # real call must agree with its peers before it writes into their buffers; unsynced launches overlap
+    # one launch's tail with the next one's start. awaited pushes end only when every peer's rows have
+    # landed, which any call that pushes must wait for before its results can be used.
+    kinds = [(pull, bulk, False, False) for pull in (True, False) for bulk in bulk_modes]
+    kinds += [(True, False, True, False), (False, False, True, False), (False, False, False, True)]
+    copies = [(pull, row_bytes, bulk, synced, awaited) for row_bytes in (bf16_row, fp8_row)
+              for pull, bulk, synced, awaited in kinds]
+    for pull, row_bytes, bulk, synced, awaited in copies:
+        name = ("pull" if pull else "push") + (" (TMA)" if bulk else "") + (" synced" if synced else "") + \
+            (" awaited" if awaited else "")
 
-        def launch(sms, pull=pull, row_bytes=row_bytes, bulk=bulk, synced=synced):
+        def launch(sms, pull=pull, row_bytes=row_bytes, bulk=bulk, synced=synced, awaited=awaited):
             if synced:
                 ctx.barrier(stream)
-            intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms, bulk)
+            intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms, bulk, awaited)
 
         for sms in args.sms or TUNE_SMS:
             cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight

@@ -18,8 +18,10 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
     cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
                            num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
                            combined_x, combined_topk_weights, state, status_words, status_host, next_row, timeout_ns)
-    cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state, next_row)
-    cuep_intranode_bulk_probe(<the same arguments>)  (Hopper path only)
+    cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, awaited, state,
+                         next_row, timeout_ns)
+    cuep_intranode_bulk_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state,
+                              next_row)  (Hopper path only)
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ META_BYTES = 64 * 1024          # mirrors kMetaBytes
 CONTROL_BYTES = 20 * 1024       # mirrors kControlBytes: the protocol's flags, at the end of the meta region
 META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4
-STATE_WORDS = 3                 # device-side state: finished dispatch epoch, blocks done, finished combine epoch
+STATE_WORDS = 4                 # device-side state: finished dispatch epoch, blocks done, finished combine epoch,
+                                # finished probe epoch
 ALIGN = 16
 SCALE_BLOCK = 128
 
@@ -292,18 +295,27 @@ def probe_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
 
 
 def probe(ctx: Context, stream, rank_prefix, max_rows: int, row_bytes: int, pull: bool, num_sms: int,
-          bulk: bool = False) -> None:
+          bulk: bool = False, awaited: bool = False) -> None:
     """Enqueue the NVLink ceiling probe: the row copies of a dispatch (``pull``) or a combine, nothing else.
 
     ``rank_prefix``: ``[num_ranks + 1]`` int32 device array, the prefix sum of the rows exchanged with
     each peer (at most ``max_rows`` each). ``bulk``: copy with the Hopper bulk-copy unit (TMA) instead of
-    the warps' loads and stores. It overwrites this rank's and its peers' buffers past the meta region,
-    so every rank must run it with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
+    the warps' loads and stores. ``awaited`` (push only): the launch also ends only once every peer's
+    rows have landed here, counted once per sender block, the least a call that pushes must wait for.
+    It overwrites this rank's and its peers' buffers past the meta region, so every rank must run it,
+    with the same ``num_sms``, with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
     need_nvl_bytes("probe()", ctx, probe_bytes(ctx.num_ranks, max_rows, row_bytes), f"probing {max_rows} rows a peer")
     if bulk and not ctx.library.spec.sm90_features:
         raise ValueError(f"probe(): bulk=True needs the Hopper path, but the intranode kernels were built as "
                          f"{ctx.library.spec.name}")
-    entry = "cuep_intranode_bulk_probe" if bulk else "cuep_intranode_probe"
-    _launch(ctx, stream, min(num_sms, ctx.device_sms), entry, ctx.peer_bases.data.ptr,
-            rank_prefix.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int64(row_bytes),
-            np.int32(max_rows), np.int32(pull), ctx.dispatch_state.data.ptr, ctx.next_row.data.ptr)
+    if awaited and (pull or bulk):
+        raise ValueError("probe(): awaited=True times the warps' pushes only (pull=False, bulk=False)")
+    args = (ctx.peer_bases.data.ptr, rank_prefix.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
+            np.int64(row_bytes), np.int32(max_rows), np.int32(pull))
+    grid = min(num_sms, ctx.device_sms)
+    if bulk:
+        _launch(ctx, stream, grid, "cuep_intranode_bulk_probe", *args, ctx.dispatch_state.data.ptr,
+                ctx.next_row.data.ptr)
+    else:
+        _launch(ctx, stream, grid, "cuep_intranode_probe", *args, np.int32(awaited), ctx.dispatch_state.data.ptr,
+                ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
