@@ -74,9 +74,20 @@ def staging_layout(num_tokens: int, hidden_bytes: int, num_scales: int, num_topk
     return StagingLayout(scales, topk_idx, topk_weights, send_lists, send_lists + _aligned(num_ranks * num_tokens * 4))
 
 
+# Landing rows start on a 128-byte line. Rows pushed over NVLink at a stride that is not a multiple of
+# 128 bytes split each warp's stores over one more line: measured on H200s at EP4 (push probe, 64
+# SMs), 14368-byte rows took 476.3 us against 459.8 for the same rows at 14464, and 7392-byte rows
+# 246.0 us against 241.7 at 7424.
+LANDING_ROW_ALIGN = 128
+
+
+def _landing_aligned(nbytes: int) -> int:
+    return -(-nbytes // LANDING_ROW_ALIGN) * LANDING_ROW_ALIGN
+
+
 def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
     """One push-dispatch landing row: the hidden bytes, then the FP8 scales."""
-    return _aligned(hidden_bytes + num_scales * 4)
+    return _landing_aligned(hidden_bytes + num_scales * 4)
 
 
 # Warps per block of a cached (push) dispatch that push this rank's tokens before copying rows out;
@@ -95,7 +106,7 @@ def pusher_warps(num_ranks: int) -> int:
 
 def landing_row_bytes(hidden: int, num_weights: int) -> int:
     """One combine landing row: the bf16 hidden vector, then the top-k weights."""
-    return _aligned(hidden * 2 + num_weights * 4)
+    return _landing_aligned(hidden * 2 + num_weights * 4)
 
 
 @dataclass
