@@ -1099,8 +1099,10 @@ cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence_system();
-            for (int peer = 0; peer < num_ranks; ++peer)
-                atomicAdd_system(&control_of(reinterpret_cast<uint8_t*>(peer_bases[peer]))->probe_blocks[epoch % 2], 1u);
+            for (int peer = 0; peer < num_ranks; ++peer) {
+                SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[peer]));
+                atomicAdd_system(&control->probe_blocks[epoch % 2], 1u);
+            }
             if (blockIdx.x == 0) {
                 // A peer's next launch counts in the other parity, and its launch after that only once
                 // this rank's next launch has counted there, so clearing the count here is safe.

@@ -81,6 +81,10 @@ class Buffer:
         self._destroyed = True  # until construction completes
 
         wait_for_all(self.comm, "Buffer()")  # the collectives below cannot time out themselves
+        sizes = sorted(set(self.comm.allgather((self.num_nvl_bytes, self.num_rdma_bytes))))
+        if len(sizes) > 1:  # symmetric memory; the kernels also derive offsets from the size
+            raise ValueError(f"{call}: num_nvl_bytes and num_rdma_bytes must be the same on every rank, got "
+                             f"(num_nvl_bytes, num_rdma_bytes) pairs {sizes}")
         self.topology = discover_topology(self.comm)
         self.rank, self.group_size = self.topology.rank, self.topology.num_ranks
         control_bytes = barrier_kernel.signal_bytes(self.group_size)

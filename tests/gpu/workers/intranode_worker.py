@@ -358,6 +358,14 @@ def main() -> None:
         small.barrier()
         small.destroy()
 
+    def buffer_sizes_that_differ_between_ranks_raise():
+        try:
+            cuep.Buffer(comm, num_nvl_bytes=(1 << 20) * (1 + rank))
+        except ValueError as exc:  # on every rank, before any memory is allocated
+            assert "num_nvl_bytes" in str(exc), exc
+        else:
+            raise AssertionError("a Buffer with a different num_nvl_bytes on each rank was created")
+
     run_cases(comm, [
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
@@ -379,6 +387,7 @@ def main() -> None:
         ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
         ("a cached dispatch too big for the buffer raises on every rank",
          cached_dispatch_too_big_for_the_buffer_raises),
+        ("buffer sizes that differ between ranks raise on every rank", buffer_sizes_that_differ_between_ranks_raise),
     ])
     buffer.destroy()
     if rank == 0:
