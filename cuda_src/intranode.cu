@@ -576,7 +576,7 @@ constexpr int kTokensPerRun = 2;
 constexpr uint32_t kCopyOutPollSleepNs = 200;
 
 // This rank's token rows, and the landing row they are pushed into: the hidden bytes, then the scales
-// (FP8); rows start 16-byte aligned.
+// (FP8); rows start on a 128-byte line (LANDING_ROW_ALIGN in cuep/kernels/intranode.py).
 struct PushShape : TokenRows {
     int64_t row_bytes;  // mirrors push_row_bytes in cuep/kernels/intranode.py
 };
@@ -1105,7 +1105,8 @@ cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int
             }
             if (blockIdx.x == 0) {
                 // A peer's next launch counts in the other parity, and its launch after that only once
-                // this rank's next launch has counted there, so clearing the count here is safe.
+                // this rank's next launch has counted there, so clearing the count here is safe. At the
+                // deadline it gives up instead of hanging (that launch's time is then meaningless).
                 uint32_t* arrived = control_of(reinterpret_cast<uint8_t*>(peer_bases[rank]))->probe_blocks + epoch % 2;
                 wait_at_least_until(arrived, static_cast<uint32_t>(num_ranks) * gridDim.x,
                                     globaltimer_ns() + timeout_ns);
