@@ -85,6 +85,11 @@ __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
 }
 
+// Rank r's SenderControl, as this GPU addresses it.
+__device__ __forceinline__ SenderControl* control_of_rank(const uint64_t* peer_bases, int r) {
+    return control_of(reinterpret_cast<uint8_t*>(peer_bases[r]));
+}
+
 __device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
     return max(kMinChunkRows, static_cast<int>((num_rows + kMaxChunks - 1) / kMaxChunks));
 }
@@ -402,7 +407,7 @@ __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ra
     if (!last_block_finished(state, next_row, num_ranks))
         return;
     for (int source = 0; source < num_ranks; ++source)
-        st_release_sys_global(&control_of(reinterpret_cast<uint8_t*>(peer_bases[source]))->done[rank], epoch);
+        st_release_sys_global(&control_of_rank(peer_bases, source)->done[rank], epoch);
     state[kStateEpoch] = epoch;
 }
 
@@ -601,7 +606,7 @@ __device__ bool open_push_landing(SenderControl* control, int num_ranks, uint64_
 __device__ bool wait_push_landings(const uint64_t* peer_bases, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
                                    const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int receiver) {
-        const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[receiver]));
+        const SenderControl* control = control_of_rank(peer_bases, receiver);
         if (wait_at_least_until(&control->push_open, epoch, deadline_ns))
             return true;
         status.record_timeout(receiver, kPhaseIntranodeOpen);
@@ -664,7 +669,7 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
     uint32_t* counters = nullptr;
     int chunk_rows = 1;
     if (lane < num_ranks) {
-        counters = control_of(reinterpret_cast<uint8_t*>(targets.peer_bases[lane]))->pushed[epoch % 2];
+        counters = control_of_rank(targets.peer_bases, lane)->pushed[epoch % 2];
         chunk_rows = targets.chunk_rows[lane];
     }
     RunArrivals arrivals;
@@ -825,7 +830,7 @@ __device__ bool open_landing_region(SenderControl* control, int num_ranks, uint6
 __device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_bases, int num_ranks, uint64_t epoch,
                                      uint64_t deadline_ns, const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int source) {
-        const SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[source]));
+        const SenderControl* control = control_of_rank(peer_bases, source);
         if (!wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
             status.record_timeout(source, kPhaseIntranodeLanding);
             return false;
@@ -1099,15 +1104,13 @@ cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence_system();
-            for (int peer = 0; peer < num_ranks; ++peer) {
-                SenderControl* control = control_of(reinterpret_cast<uint8_t*>(peer_bases[peer]));
-                atomicAdd_system(&control->probe_blocks[epoch % 2], 1u);
-            }
+            for (int peer = 0; peer < num_ranks; ++peer)
+                atomicAdd_system(&control_of_rank(peer_bases, peer)->probe_blocks[epoch % 2], 1u);
             if (blockIdx.x == 0) {
                 // A peer's next launch counts in the other parity, and its launch after that only once
                 // this rank's next launch has counted there, so clearing the count here is safe. At the
                 // deadline it gives up instead of hanging (that launch's time is then meaningless).
-                uint32_t* arrived = control_of(reinterpret_cast<uint8_t*>(peer_bases[rank]))->probe_blocks + epoch % 2;
+                uint32_t* arrived = control_of_rank(peer_bases, rank)->probe_blocks + epoch % 2;
                 wait_at_least_until(arrived, static_cast<uint32_t>(num_ranks) * gridDim.x,
                                     globaltimer_ns() + timeout_ns);
                 *arrived = 0;
