@@ -6,14 +6,22 @@
 //
 //   [0, kMetaBytes)      SenderMeta: the sender's token count, where its staged arrays start,
 //                        send_count[dst] and the per-expert counts from its layout; at its end,
-//                        SenderControl: the flags of the dispatch protocol below
-//   [kMetaBytes, ...)    non-cached dispatch: staged x rows, scales, top-k ids, weights, send lists
+//                        SenderControl: the flags of the protocol below
+//   two regions of region_bytes each, used in turn: intranode call k (dispatches and combines
+//   counted together, from 1, equal on every rank) uses region k % 2 (region_offset below) for
+//                        non-cached dispatch: staged x rows, scales, top-k ids, weights, send lists
 //                        cached dispatch: landing rows, one per received row (push form, below)
 //                        combine:  landing rows, one per (token, rank that holds a copy)
 //
-// Dispatches are numbered (epochs 1, 2, ..., counted on the device, equal on every rank). A rank's
-// buffer is written for epoch e (staged, or pushed into) only once every receiver has finished
-// pulling epoch e - 1 from it (SenderControl::done), so no barrier is needed after a dispatch.
+// Why two regions: a call may write into a peer's region the moment it starts, with no handshake.
+// Call k ends on each rank only once every peer has started call k (SenderControl::started), so
+// when call k + 1 starts here every peer has finished call k - 1, the last user of the region that
+// call k + 1 uses. Each call also clears, before it announces itself, the arrival counters of the
+// other region, which the next call counts in.
+//
+// Dispatches are also numbered on their own (epochs 1, 2, ...). A non-cached dispatch's header (in
+// the meta region, not in a region) is rewritten only once every receiver has finished the previous
+// dispatch (SenderControl::done).
 //
 // Non-cached dispatch: (1) stage (cuep_intranode_stage): copy tokens, scan is_token_in_rank into
 // per-destination send lists; (2) barrier; (3) notify: each receiver reads every sender's meta and
@@ -24,12 +32,11 @@
 // Cached dispatch (one kernel, cuep_intranode_dispatch_push): the senders push each token into its
 // receivers' landing rows and the receivers copy them out as they complete; see that kernel.
 //
-// Combine (push, one kernel, cuep_intranode_combine): each source opens its landing region once
-// every receiver has finished pulling the last dispatch from it (SenderControl::done). Each rank
-// then writes the rows it received back into the landing region of their source, at the slot the
-// dispatch plan assigned, counting every row in the source's per-chunk arrival counters; meanwhile
-// the source sums, in FP32, the copies of each of its tokens as soon as they have landed, adds the
-// optional biases, and writes the result. No barrier: the counters order everything.
+// Combine (push, one kernel, cuep_intranode_combine): each rank writes the rows it received back
+// into the landing region of their source, at the slot the dispatch plan assigned, counting every
+// row in the source's per-chunk arrival counters; meanwhile the source sums, in FP32, the copies of
+// each of its tokens as soon as they have landed, adds the optional biases, and writes the result.
+// No barrier: the counters order everything.
 #include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
 #include <cuep/ptx.cuh>
@@ -45,7 +52,8 @@ constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight
 constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
 // Written by a sender's stage kernel at the start of its buffer, read remotely by receivers.
-// Offsets are in bytes from the buffer's start; the host computes them (cuep/kernels/intranode.py).
+// Offsets are in bytes from the buffer's start (the stage kernel adds its region's base to the
+// region-relative offsets the host computes, cuep/kernels/intranode.py).
 struct SenderMeta {
     int64_t num_tokens;
     int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
@@ -59,23 +67,21 @@ constexpr int64_t kMetaBytes = 64 * 1024;  // mirrors META_BYTES in cuep/kernels
 constexpr int kMaxChunks = 1024;
 constexpr int kMinChunkRows = 16;
 
-// The dispatch protocol's flags, at the end of the meta region (zeroed when the Buffer is made).
+// The protocol's flags, at the end of the meta region (zeroed when the Buffer is made).
 struct SenderControl {
-    uint64_t meta_epoch;              // newest epoch whose SenderMeta header this sender has published
-    uint64_t done[kMaxRanks];         // done[r]: newest epoch receiver r has finished pulling from here
-    uint64_t landing_epoch;           // newest combine whose landing region is open (see combine below)
-    uint64_t landing_chunk;           // landing rows per arrival counter in that combine
-    uint64_t push_open;               // newest dispatch epoch whose push landing region is open (push dispatch)
-    uint32_t landed[2][kMaxChunks];   // combine rows landed per chunk, for the combine epochs of each parity
-    uint32_t pushed[2][kMaxChunks];   // dispatch rows pushed here per chunk, for the dispatch epochs of each parity
-    uint32_t probe_blocks[2];         // awaited ceiling probe: sender blocks done here, per launch parity
+    uint64_t meta_epoch;               // newest epoch whose SenderMeta header this sender has published
+    uint64_t done[kMaxRanks];          // done[r]: newest dispatch epoch receiver r has finished here
+    uint64_t started[kMaxRanks];       // started[r]: newest intranode call rank r has started
+    uint32_t arrivals[2][kMaxChunks];  // rows pushed here per chunk (cached dispatch, combine), per region
+    uint32_t probe_blocks[2];          // awaited ceiling probe: sender blocks done here, per launch parity
 };
 constexpr int64_t kControlBytes = 20 * 1024;  // mirrors CONTROL_BYTES
 constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
 static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its share of the meta region");
 
-// Per-rank state on the device: the last finished dispatch and combine epochs, and the blocks of the
-// running dispatch or combine kernel that are done (the last one finishes the epoch).
+// Per-rank state on the device: the last finished dispatch and combine epochs (their sum is the
+// number of finished intranode calls), and the blocks of the running dispatch or combine kernel that
+// are done (the last one finishes the epoch).
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
 constexpr int kStateCombineEpoch = 2;
@@ -90,33 +96,50 @@ __device__ __forceinline__ SenderControl* control_of_rank(const uint64_t* peer_b
     return control_of(reinterpret_cast<uint8_t*>(peer_bases[r]));
 }
 
+// This rank's next intranode call: the one a dispatch or combine kernel runs.
+__device__ __forceinline__ uint64_t next_call(const uint64_t* state) {
+    return ld_volatile_global(state + kStateEpoch) + ld_volatile_global(state + kStateCombineEpoch) + 1;
+}
+
+// Where intranode call `call`'s region starts in a buffer (the same offset on every rank).
+__device__ __forceinline__ int64_t region_offset(uint64_t call, int64_t region_bytes) {
+    return kMetaBytes + static_cast<int64_t>(call % 2) * region_bytes;
+}
+
 __device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
     return max(kMinChunkRows, static_cast<int>((num_rows + kMaxChunks - 1) / kMaxChunks));
 }
 
-// Lane 0 (the caller) waits until counter `chunk` reaches `expected`, unless `confirmed` (its newest
-// confirmed chunk for this peer) says so already, pausing `sleep_ns` between polls. Returns false,
-// after recording `peer` and `phase`, on a timeout.
+// The call a wait on pushed rows belongs to: if it times out, the peer to blame is the first one
+// that never started the call (its rows may share the awaited chunk with the awaited row's).
+struct PushedCall {
+    const SenderControl* own;
+    uint64_t call;
+    int num_ranks;
+};
+
+// The calling lane waits until counter `chunk` reaches `expected`, unless `confirmed` (its newest
+// confirmed chunk for this peer) says so already, pausing `sleep_ns` between polls. Returns false on a
+// timeout, after recording a peer of `pushed` that has not started the call, or else `peer`, and `phase`.
 __device__ __forceinline__ bool wait_chunk_count(const uint32_t* counters, int chunk, uint32_t expected,
-                                                 int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
-                                                 int phase, uint32_t sleep_ns = 0) {
+                                                 int& confirmed, uint64_t deadline_ns, const Status& status,
+                                                 const PushedCall& pushed, int peer, int phase,
+                                                 uint32_t sleep_ns = 0) {
     if (confirmed == chunk)
         return true;
     if (!wait_at_least_until(counters + chunk, expected, deadline_ns, sleep_ns)) {
+        for (int p = 0; p < pushed.num_ranks; ++p) {
+            if (ld_acquire_sys_global(&pushed.own->started[p]) < pushed.call) {
+                peer = p;
+                phase = kPhaseIntranodeStarted;
+                break;
+            }
+        }
         status.record_timeout(peer, phase);
         return false;
     }
     confirmed = chunk;
     return true;
-}
-
-// wait_chunk_count for a chunk of a per-chunk counter array over `num_rows` rows that counts all of them.
-__device__ __forceinline__ bool wait_chunk_full(const uint32_t* counters, int chunk, int chunk_rows, int64_t num_rows,
-                                                int& confirmed, uint64_t deadline_ns, const Status& status, int peer,
-                                                int phase) {
-    const int64_t left = num_rows - static_cast<int64_t>(chunk) * chunk_rows;
-    const auto full = static_cast<uint32_t>(left < chunk_rows ? left : chunk_rows);
-    return wait_chunk_count(counters, chunk, full, confirmed, deadline_ns, status, peer, phase);
 }
 
 // What a receiver needs of one sender, read from the sender's meta at the start of a pull.
@@ -144,7 +167,7 @@ struct StageArgs : TokenRows {
     int num_topk;
     int num_tokens;
     uint8_t* buffer;
-    int64_t scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
+    int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
 };
 
 // Received rows come grouped by source rank. Walking them in order would send every warp of every
@@ -232,9 +255,9 @@ __device__ __forceinline__ bool wait_for_every_peer(int num_ranks, WaitFor wait_
 // ---------------------------------------------------------------------------------------------
 // Sender side: wait for the buffer, publish the meta header, stage tokens.
 
-// Every block that writes into this rank's buffer (a dispatch's staging, a combine's landing rows)
-// first waits until each receiver has finished pulling dispatch `pulled_epoch` from it. Returns false
-// (after recording the peer) on a timeout.
+// Every block of a non-cached dispatch's stage kernel first waits until each receiver has finished
+// dispatch `pulled_epoch`, so that no one still reads this rank's header. Returns false (after
+// recording the peer) on a timeout.
 __device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, uint64_t pulled_epoch,
                                        uint64_t deadline_ns, const Status& status) {
     return wait_for_every_peer(num_ranks, [&](int receiver) {
@@ -245,12 +268,32 @@ __device__ bool wait_until_buffer_free(SenderControl* control, int num_ranks, ui
     });
 }
 
-// Block 0 of each dispatch epoch, staged or pushed, once its buffer is free: clears the other
-// parity's arrival counters, which the next epoch uses and nobody touches before this epoch's
-// header or landing region is out.
-__device__ void clear_next_epoch_counters(SenderControl* control, uint64_t epoch) {
+// Block 0 of every intranode call, before anything else it publishes: clears the arrival counters of
+// the other region, which the next call counts in (the previous call, their last user, has consumed
+// every count), then tells every peer that this rank has started `call`.
+__device__ void announce_call(SenderControl* own, const uint64_t* peer_bases, int rank, int num_ranks,
+                              uint64_t call) {
     for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
-        control->pushed[(epoch + 1) % 2][c] = 0;
+        own->arrivals[(call + 1) % 2][c] = 0;
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        __threadfence_system();
+        st_release_sys_global(&control_of_rank(peer_bases, threadIdx.x)->started[rank], call);
+    }
+}
+
+// The block that finishes a call (thread 0) waits until every peer has started it, so that the next
+// call may write into any peer's other region at once (see the top of this file). Returns false,
+// after recording the peer, on a timeout.
+__device__ bool every_peer_started(const SenderControl* own, int num_ranks, uint64_t call, uint64_t deadline_ns,
+                                   const Status& status) {
+    for (int peer = 0; peer < num_ranks; ++peer) {
+        if (!wait_at_least_until(&own->started[peer], call, deadline_ns)) {
+            status.record_timeout(peer, kPhaseIntranodeStarted);
+            return false;
+        }
+    }
+    return true;
 }
 
 // Block 0 of each non-cached dispatch's stage kernel: the header receivers read, then its epoch.
@@ -258,10 +301,9 @@ __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_pe
                              uint64_t epoch) {
     auto* meta = reinterpret_cast<SenderMeta*>(args.buffer);
     SenderControl* control = control_of(args.buffer);
-    clear_next_epoch_counters(control, epoch);
     if (threadIdx.x == 0) {
         meta->num_tokens = args.num_tokens;
-        meta->x_offset = kMetaBytes;
+        meta->x_offset = args.x_offset;
         meta->scales_offset = args.scales_offset;
         meta->topk_idx_offset = args.topk_idx_offset;
         meta->topk_weights_offset = args.topk_weights_offset;
@@ -282,7 +324,7 @@ __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_pe
 // One warp stages one token: its row, scales, top-k ids and weights.
 __device__ __forceinline__ void stage_token(const StageArgs& args, int token, int lane) {
     auto* scales_out = reinterpret_cast<float*>(args.buffer + args.scales_offset);
-    copy_token(args, token, args.buffer + kMetaBytes + token * args.hidden_bytes,
+    copy_token(args, token, args.buffer + args.x_offset + token * args.hidden_bytes,
                scales_out + static_cast<int64_t>(token) * args.num_scales, lane);
     if (args.topk_idx != nullptr && lane < args.num_topk) {
         const int64_t slot = static_cast<int64_t>(token) * args.num_topk + lane;
@@ -385,7 +427,7 @@ __device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, 
 
 // Called by every thread at the end of a dispatch or combine kernel: true only for thread 0 of the
 // block that finishes last, after it has cleared the block count and the work counters
-// (next_row[0, num_ranks]) for the next kernel.
+// (next_row[0, num_ranks]) for the next kernel. That thread then finishes the call.
 __device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_ranks) {
     __syncthreads();
     if (threadIdx.x != 0)
@@ -400,12 +442,13 @@ __device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_
     return true;
 }
 
-// The last block of a dispatch kernel tells every source this rank is done with its buffer and
-// records the epoch as finished.
-__device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t* state,
-                                int32_t* next_row) {
+// The last block of a dispatch kernel waits until every peer has started this call, tells every
+// source this rank is done with its dispatch, and records the epoch as finished.
+__device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t call,
+                                uint64_t* state, int32_t* next_row, uint64_t deadline_ns, const Status& status) {
     if (!last_block_finished(state, next_row, num_ranks))
         return;
+    every_peer_started(control_of_rank(peer_bases, rank), num_ranks, call, deadline_ns, status);
     for (int source = 0; source < num_ranks; ++source)
         st_release_sys_global(&control_of_rank(peer_bases, source)->done[rank], epoch);
     state[kStateEpoch] = epoch;
@@ -417,24 +460,30 @@ using namespace cuep;
 
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
-// copy rows. Block 0 also publishes the header.
+// copy rows. Block 0 also announces the call and publishes the header. The array offsets are relative
+// to the call's region.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                      int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
                      int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
                      int64_t topk_weights_offset, int64_t send_lists_offset, const bool* is_token_in_rank,
                      const int32_t* num_tokens_per_expert, int num_experts, int num_ranks, int32_t* send_pos,
-                     const uint64_t* state, int32_t* status_words, int32_t* status_host, uint64_t timeout_ns) {
+                     const uint64_t* peer_bases, int rank, int64_t region_bytes, const uint64_t* state,
+                     int32_t* status_words, int32_t* status_host, uint64_t timeout_ns) {
     const Status status{status_words, status_host};
-    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
-                         topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
-                         topk_weights_offset, send_lists_offset};
     const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t call = next_call(state);
+    const int64_t region = region_offset(call, region_bytes);
+    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
+                         topk_weights, num_topk, num_tokens, buffer, region, region + scales_offset,
+                         region + topk_idx_offset, region + topk_weights_offset, region + send_lists_offset};
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
     if (!wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch - 1, deadline_ns, status))
         return;
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0) {
+        announce_call(control_of(args.buffer), peer_bases, rank, num_ranks, call);
         publish_meta(args, num_tokens_per_expert, num_experts, epoch);
+    }
     if (static_cast<int>(blockIdx.x) < num_ranks) {
         auto* send_list = reinterpret_cast<int32_t*>(args.buffer + args.send_lists_offset) +
                           static_cast<int64_t>(blockIdx.x) * args.num_tokens;
@@ -453,7 +502,8 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
 // Non-cached dispatch, step 3: notify (one block). Reads every sender's meta and writes this rank's plan:
 //   recv_info = [num_recv_tokens, num_send_copies, rank_prefix[num_ranks + 1],
 //                num_recv_tokens_per_expert[num_local_experts] (aligned)]
-//   combine_offsets[num_ranks] (this rank's first landing row in each source),
+//   combine_offsets[2 * num_ranks] (this rank's first landing row in each source, then each source's
+//   landing row count: the copies of its tokens that the dispatch sent),
 //   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer),
 //   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
 //   destination's received rows, then each destination's received row count).
@@ -466,10 +516,13 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
         const int source = threadIdx.x;
         const auto* meta = reinterpret_cast<const volatile SenderMeta*>(peer_bases[source]);
         recv_from[source] = meta->send_count[rank];
-        int32_t before = 0;
-        for (int r = 0; r < rank; ++r)
-            before += meta->send_count[r];
+        int32_t before = 0, copies = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+            before += r < rank ? meta->send_count[r] : 0;
+            copies += meta->send_count[r];
+        }
         combine_offsets[source] = before;
+        combine_offsets[num_ranks + source] = copies;
 
         const int dst = threadIdx.x;
         int32_t before_this_rank = 0, total = 0;
@@ -508,7 +561,7 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 4: pull. One warp per received row, source tokens from the sources'
 // send lists; rows land in order of (source rank, source token). The first fifteen arguments are the
-// stage kernel's (only the row shape is read here).
+// stage kernel's (only the row shape is read here; the sources' headers say where their arrays sit).
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                         int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx,
@@ -520,12 +573,13 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
                         int32_t* status_words, int32_t* status_host, int32_t* next_row, uint64_t timeout_ns) {
     const Status status{status_words, status_host};
     const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
-                         topk_weights, num_topk, num_tokens, buffer, scales_offset, topk_idx_offset,
+                         topk_weights, num_topk, num_tokens, buffer, 0, scales_offset, topk_idx_offset,
                          topk_weights_offset, send_lists_offset};
     const RecvArgs recv{recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx};
     __shared__ SourcePlan plans[kMaxRanks];
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t call = next_call(state);
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     if (static_cast<int>(threadIdx.x) <= num_ranks)
@@ -558,16 +612,15 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
             return true;
         });
     }
-    finish_dispatch(peer_bases, rank, num_ranks, epoch, state, next_row);
+    finish_dispatch(peer_bases, rank, num_ranks, epoch, call, state, next_row, deadline_ns, status);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Cached dispatch, push form (cuep_intranode_dispatch_push). Each receiver's buffer holds a landing
 // region laid out like its received rows: row i of recv_x lands at row i, followed by its scales.
-// Block 0 of every rank opens its region once the previous dispatch's readers are done with the
-// buffer (SenderControl::push_open). Pusher warps write each of this rank's tokens, one read of it
-// for every receiver, into the receivers' landing rows (rows for this rank itself go straight into
-// recv_x) and count them in the receiver's per-chunk counters (SenderControl::pushed); the other
+// Pusher warps write each of this rank's tokens, one read of it for every receiver, into the
+// receivers' landing rows in this call's region (rows for this rank itself go straight into recv_x)
+// and count them in the receiver's per-chunk counters (SenderControl::arrivals); the other
 // warps, and the pushers once done, copy each landed row into recv_x as soon as its chunk is
 // complete. Pushing rather than pulling: on this fabric SM pushes move ~10% more than pulls
 // (docs/performance.md, v0.4.3), and the sender's tokens need no staging copy.
@@ -586,34 +639,6 @@ struct PushShape : TokenRows {
     int64_t row_bytes;  // mirrors push_row_bytes in cuep/kernels/intranode.py
 };
 
-// Block 0 of this rank's push dispatch: once every receiver has finished pulling the last dispatch
-// from this buffer (a pull-form epoch may precede this one), clear the next epoch's counters and open
-// the landing region for `epoch`. Returns false on a timeout.
-__device__ bool open_push_landing(SenderControl* control, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
-                                  const Status& status) {
-    if (!wait_until_buffer_free(control, num_ranks, epoch - 1, deadline_ns, status))
-        return false;
-    clear_next_epoch_counters(control, epoch);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release_sys_global(&control->push_open, epoch);
-    }
-    return true;
-}
-
-// Waits until every receiver has opened its landing region for this dispatch.
-__device__ bool wait_push_landings(const uint64_t* peer_bases, int num_ranks, uint64_t epoch, uint64_t deadline_ns,
-                                   const Status& status) {
-    return wait_for_every_peer(num_ranks, [&](int receiver) {
-        const SenderControl* control = control_of_rank(peer_bases, receiver);
-        if (wait_at_least_until(&control->push_open, epoch, deadline_ns))
-            return true;
-        status.record_timeout(receiver, kPhaseIntranodeOpen);
-        return false;
-    });
-}
-
 // Landing rows of `chunk` that peers push: the chunk's rows less those this rank writes itself
 // ([self_first, self_last), straight into recv_x).
 __device__ __forceinline__ uint32_t pushed_rows_in_chunk(int chunk, int chunk_rows, int num_rows, int self_first,
@@ -623,10 +648,11 @@ __device__ __forceinline__ uint32_t pushed_rows_in_chunk(int chunk, int chunk_ro
     return static_cast<uint32_t>(last - first - own);
 }
 
-// What a pusher warp needs about the receivers: this rank's first landing row at each and each one's
-// rows per arrival counter.
+// What a pusher warp needs about the receivers: where this call's region starts, this rank's first
+// landing row at each and each one's rows per arrival counter.
 struct PushTargets {
     const uint64_t* peer_bases;
+    int64_t region;
     const int32_t* first_row;
     const int* chunk_rows;
 };
@@ -662,14 +688,14 @@ struct RunArrivals {
 // receiver's landing rows fill front to back; each run goes to its receivers in an order staggered
 // by warp, so the links share the load.
 __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, const PushTargets& targets, int rank,
-                            int num_ranks, int num_tokens, int pusher, int num_pushers, uint64_t epoch,
+                            int num_ranks, int num_tokens, int pusher, int num_pushers, uint64_t call,
                             uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
     // recv_x == nullptr: this rank's own rows are not written (see the overflow check in the kernel).
-    // Lane d < num_ranks: receiver d's arrival counters for this epoch and its rows per counter.
+    // Lane d < num_ranks: receiver d's arrival counters for this call and its rows per counter.
     uint32_t* counters = nullptr;
     int chunk_rows = 1;
     if (lane < num_ranks) {
-        counters = control_of_rank(targets.peer_bases, lane)->pushed[epoch % 2];
+        counters = control_of_rank(targets.peer_bases, lane)->arrivals[call % 2];
         chunk_rows = targets.chunk_rows[lane];
     }
     RunArrivals arrivals;
@@ -691,7 +717,7 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
                     continue;
                 }
                 const int slot = targets.first_row[dst] + pos;
-                uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * shape.row_bytes;
+                uint8_t* landing = base + targets.region + static_cast<int64_t>(slot) * shape.row_bytes;
                 copy_token(shape, token, landing, reinterpret_cast<float*>(landing + shape.hidden_bytes), lane);
                 if (lane == dst)
                     arrivals.add(slot);
@@ -716,21 +742,23 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
 
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
 // kWarpsPerBlock - 1), the rest copy landed rows out from the start. landing_capacity_rows: the
-// landing rows a buffer holds (the same on every rank); num_rows: the rows of recv_x.
+// landing rows a region holds (the same on every rank); num_rows: the rows of recv_x.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                              int64_t scale_channel_stride, int num_scales, int num_tokens, const int32_t* send_pos,
                              const int32_t* push_offsets, int push_warps, int64_t row_bytes,
                              const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
-                             int landing_capacity_rows, int num_rows, uint8_t* recv_x, float* recv_scales,
-                             uint64_t* state, int32_t* status_words, int32_t* status_host, int32_t* next_row,
-                             uint64_t timeout_ns) {
+                             int64_t region_bytes, int landing_capacity_rows, int num_rows, uint8_t* recv_x,
+                             float* recv_scales, uint64_t* state, int32_t* status_words, int32_t* status_host,
+                             int32_t* next_row, uint64_t timeout_ns) {
     const Status status{status_words, status_host};
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int32_t first_row[kMaxRanks];
     __shared__ int chunk_rows[kMaxRanks];
     __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
     const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
+    const uint64_t call = next_call(state);
+    const int64_t region = region_offset(call, region_bytes);
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     if (static_cast<int>(threadIdx.x) <= num_ranks)
@@ -741,6 +769,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
     }
     if (lane < num_ranks)
         confirmed[warp_in_block][lane] = -1;
+    __syncthreads();
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
     // Every rank reads the same row counts (and has the same buffer size), so either all of them run
     // this dispatch or none does, and no one waits for a peer that will not come.
@@ -753,47 +782,50 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
         return;
     }
 
-    bool ok = blockIdx.x != 0 || open_push_landing(control_of(own), num_ranks, epoch, deadline_ns, status);
-    ok = wait_push_landings(peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
+    if (blockIdx.x == 0)
+        announce_call(control_of(own), peer_bases, rank, num_ranks, call);
     const PushShape shape{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
-    // fit the landing region), but nothing lands in recv_x beyond its rows.
+    // fit the landing region) and this rank still awaits them, but nothing is written to recv_x.
     const int num_recv = rank_prefix[num_ranks];
     const bool fits_recv_x = num_recv <= num_rows;
     if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0)
         status.record(kStatusOverflow, num_recv);
     const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
-    if (ok && warp_in_block < pushers_per_block)
-        push_tokens(shape, send_pos, PushTargets{peer_bases, first_row, chunk_rows}, rank, num_ranks, num_tokens,
-                    blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, epoch,
+    if (warp_in_block < pushers_per_block)
+        push_tokens(shape, send_pos, PushTargets{peer_bases, region, first_row, chunk_rows}, rank, num_ranks,
+                    num_tokens, blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, call,
                     fits_recv_x ? recv_x : nullptr, recv_scales, rank_prefix[rank], lane);
-    if (ok && fits_recv_x) {
-        const int own_chunk = rows_per_chunk(num_recv);
-        const uint32_t* pushed = control_of(own)->pushed[epoch % 2];
-        int* warp_confirmed = confirmed[warp_in_block];
-        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
-                                         [&](int source, int row, int, int lane) {
-            const int chunk = row / own_chunk;
-            bool arrived = true;
-            if (lane == 0)
-                arrived = wait_chunk_count(
-                    pushed, chunk,
-                    pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank], rank_prefix[rank + 1]),
-                    warp_confirmed[source], deadline_ns, status, source, kPhaseIntranodePushed, kCopyOutPollSleepNs);
-            if (!__shfl_sync(kFullWarpMask, arrived, 0))
-                return false;
-            copy_out_row(shape, own + kMetaBytes, row, recv_x, recv_scales, lane);
-            return true;
-        }, rank);
-    }
-    finish_dispatch(peer_bases, rank, num_ranks, epoch, state, next_row);
+    const int own_chunk = rows_per_chunk(num_recv);
+    const uint32_t* pushed = control_of(own)->arrivals[call % 2];
+    int* warp_confirmed = confirmed[warp_in_block];
+    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int, int lane) {
+        const int chunk = row / own_chunk;
+        bool arrived = true;
+        if (lane == 0)
+            arrived = wait_chunk_count(pushed, chunk,
+                                       pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank],
+                                                            rank_prefix[rank + 1]),
+                                       warp_confirmed[source], deadline_ns, status,
+                                       PushedCall{control_of(own), call, num_ranks}, source, kPhaseIntranodePushed,
+                                       kCopyOutPollSleepNs);
+        if (!__shfl_sync(kFullWarpMask, arrived, 0))
+            return false;
+        if (fits_recv_x)
+            copy_out_row(shape, own + region, row, recv_x, recv_scales, lane);
+        return true;
+    }, rank);
+    finish_dispatch(peer_bases, rank, num_ranks, epoch, call, state, next_row, deadline_ns, status);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Combine: one kernel. Pusher warps write each received row (its hidden vector, then its top-k
-// weights) into the source's landing row combine_offsets[source] + (row - rank_prefix[source]) and
-// count it in the source's per-chunk arrival counters; reducer warps sum, in FP32, the copies of each
-// of this rank's tokens as soon as they have landed. Pushers join the reduction when no row is left.
+// weights) into its source's landing row combine_offsets[source] + (row - rank_prefix[source]) in this
+// call's region and count it in the source's per-chunk arrival counters; reducer warps sum, in FP32,
+// the copies of each of this rank's tokens as soon as they have landed. Pushers join the reduction
+// when no row is left. A rank's own rows go through its landing region too: summed straight from x
+// instead, they cost 6 us more at EP4 (docs/performance.md, v0.5.5), as the reducers then read them
+// from HBM rather than from L2.
 namespace cuep {
 
 // Warps of each combine block that reduce from the start; the rest push first. The pushes are bound
@@ -805,40 +837,9 @@ constexpr int kReducerWarps = 8;
 // Each token's reduction is split into this many slices of its hidden vector, claimed one by one,
 // so the tokens whose copies arrive last are summed by several warps at once: the tail after the
 // last arrival shrinks. Measured at EP4 with 8 reducers (graph replay): 1 slice 522.8 us, 2 516.7,
-// 3 514.5, 4 512.2; 7 slices (one load step each) 540.7 with 6 reducers.
+// 3 514.5, 4 512.2; 7 slices (one load step each) 540.7 with 6 reducers; again on v0.5.5: 4 slices
+// 482.8-483.0 us, 6 484.8, 8 483.1.
 constexpr int kTokenSlices = 4;
-
-// Block 0 of this rank's combine: once every receiver has finished pulling the last dispatch from
-// this buffer, clear the other parity's arrival counters and open the landing region for `epoch`.
-// Returns false on a timeout.
-__device__ bool open_landing_region(SenderControl* control, int num_ranks, uint64_t dispatch_epoch, uint64_t epoch,
-                                    int landing_chunk, uint64_t deadline_ns, const Status& status) {
-    for (int c = threadIdx.x; c < kMaxChunks; c += kNumThreads)
-        control->landed[(epoch + 1) % 2][c] = 0;
-    if (threadIdx.x == 0)
-        control->landing_chunk = landing_chunk;
-    if (!wait_until_buffer_free(control, num_ranks, dispatch_epoch, deadline_ns, status))
-        return false;
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release_sys_global(&control->landing_epoch, epoch);
-    }
-    return true;
-}
-
-// Waits until every source has opened its landing region for this combine; reads its chunk size.
-__device__ bool wait_landing_regions(int* landing_chunks, const uint64_t* peer_bases, int num_ranks, uint64_t epoch,
-                                     uint64_t deadline_ns, const Status& status) {
-    return wait_for_every_peer(num_ranks, [&](int source) {
-        const SenderControl* control = control_of_rank(peer_bases, source);
-        if (!wait_at_least_until(&control->landing_epoch, epoch, deadline_ns)) {
-            status.record_timeout(source, kPhaseIntranodeLanding);
-            return false;
-        }
-        landing_chunks[source] = static_cast<int>(ld_volatile_global(&control->landing_chunk));
-        return true;
-    });
-}
 
 // Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source
 // are counted together, behind one system-scope fence instead of one per row. Every lane holds the
@@ -878,33 +879,45 @@ struct CombineShape {
 constexpr int kReduceUnroll = 4;
 constexpr int kCopiesPerLoad = 2;
 
+// This rank's landing rows in this call's region and their per-chunk arrival counters.
+struct LandedCopies {
+    const uint8_t* rows;
+    const uint32_t* arrivals;
+    int chunk_rows, num_rows;
+    PushedCall pushed;
+};
+
 // One warp sums slice `slice` (of kTokenSlices) of the landed copies of `token` once each has
-// arrived (lane 0 waits per chunk, keeping the newest confirmed chunk of each sending rank in
-// `confirmed`); slice 0 also sums the top-k weights. Returns false on a timeout.
-__device__ bool reduce_token(int token, int slice, const uint8_t* landing, const uint32_t* landed, int landing_chunk,
-                             int num_copies_total, const int32_t* send_pos, const int32_t* send_offsets, int num_ranks,
-                             const CombineShape& shape, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
-                             __nv_bfloat16* combined_x, float* combined_topk_weights, int* confirmed,
-                             uint64_t deadline_ns, const Status& status, int lane) {
+// arrived; slice 0 also sums the top-k weights. Lane r < num_ranks looks up rank r's copy and waits
+// for its chunk (keeping the newest chunk it confirmed for rank r in `confirmed[r]`), so the checks
+// of all copies take one round trip. Returns false on a timeout.
+__device__ bool reduce_token(int token, int slice, const LandedCopies& landed, const int32_t* send_pos,
+                             const int32_t* send_offsets, int num_ranks, const CombineShape& shape,
+                             const __nv_bfloat16* bias0, const __nv_bfloat16* bias1, __nv_bfloat16* combined_x,
+                             float* combined_topk_weights, int* confirmed, uint64_t deadline_ns, const Status& status,
+                             int lane) {
+    const int pos = lane < num_ranks ? send_pos[static_cast<int64_t>(token) * num_ranks + lane] : -1;
+    const int slot = pos >= 0 ? send_offsets[lane] + pos : 0;
+    bool ok = true;
+    if (pos >= 0) {
+        const int chunk = slot / landed.chunk_rows;
+        const int rows_in_chunk = min(landed.chunk_rows, landed.num_rows - chunk * landed.chunk_rows);
+        ok = wait_chunk_count(landed.arrivals, chunk, static_cast<uint32_t>(rows_in_chunk), confirmed[lane],
+                              deadline_ns, status, landed.pushed, lane, kPhaseIntranodeArrival);
+    }
+    if (!__all_sync(kFullWarpMask, ok))
+        return false;
     const uint8_t* rows[kMaxRanks];
     int num_copies = 0;
-    bool ok = true;
-    for (int r = 0; r < num_ranks; ++r) {
-        const int pos = send_pos[static_cast<int64_t>(token) * num_ranks + r];
-        if (pos < 0)
-            continue;
-        const int slot = send_offsets[r] + pos;
-        if (lane == 0 && ok)
-            ok = wait_chunk_full(landed, slot / landing_chunk, landing_chunk, num_copies_total, confirmed[r],
-                                 deadline_ns, status, r, kPhaseIntranodeArrival);
-        rows[num_copies++] = landing + static_cast<int64_t>(slot) * shape.landing_row_bytes;
+    for (uint32_t holders = __ballot_sync(kFullWarpMask, pos >= 0); holders != 0; holders &= holders - 1) {
+        const int copy_slot = __shfl_sync(kFullWarpMask, slot, __ffs(holders) - 1);
+        rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
     }
-    if (!__shfl_sync(kFullWarpMask, ok, 0))
-        return false;
     const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
     const int64_t token_vectors = static_cast<int64_t>(token) * num_vectors;
     auto* out = reinterpret_cast<int4*>(combined_x) + token_vectors;
     const int slice_vectors = (num_vectors + kTokenSlices - 1) / kTokenSlices;
+    const uint64_t read_once = evict_first_policy();
     const int begin = slice * slice_vectors, end = min(num_vectors, begin + slice_vectors);
     for (int first = begin + lane; first < end; first += kReduceUnroll * kWarpSize) {
         float acc[kReduceUnroll][kBf16PerVector] = {};
@@ -918,8 +931,8 @@ __device__ bool reduce_token(int token, int slice, const uint8_t* landing, const
 #pragma unroll
                 for (int u = 0; u < kReduceUnroll; ++u)
                     if (group + c < num_copies && first + u * kWarpSize < end)
-                        raw[c][u] = ld_volatile_global(reinterpret_cast<const int4*>(rows[group + c]) + first +
-                                                       u * kWarpSize);
+                        raw[c][u] = ld_relaxed_gpu_global(
+                            reinterpret_cast<const int4*>(rows[group + c]) + first + u * kWarpSize, read_once);
 #pragma unroll
             for (int c = 0; c < kCopiesPerLoad; ++c)
 #pragma unroll
@@ -936,7 +949,7 @@ __device__ bool reduce_token(int token, int slice, const uint8_t* landing, const
                 accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias0) + token_vectors + v));
             if (bias1 != nullptr)
                 accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias1) + token_vectors + v));
-            st_na_global(out + v, floats_to_bf16x8(acc[u]));
+            st_global(out + v, floats_to_bf16x8(acc[u]), read_once);
         }
     }
     if (slice == 0 && combined_topk_weights != nullptr && lane < shape.num_topk) {
@@ -952,67 +965,81 @@ __device__ bool reduce_token(int token, int slice, const uint8_t* landing, const
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
 // counter of token slices. recv_info[1] is this rank's landing row count (copies of its tokens).
+// combine_offsets: see the notify kernel; region_bytes: the size of each of the two regions.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
                        const int32_t* send_pos, const int32_t* send_offsets, int rank, int num_ranks, int num_tokens,
                        const uint8_t* x, int64_t hidden_bytes, const float* topk_weights, int num_topk,
-                       int64_t landing_row_bytes, const __nv_bfloat16* bias0, const __nv_bfloat16* bias1,
-                       __nv_bfloat16* combined_x, float* combined_topk_weights, uint64_t* state,
-                       int32_t* status_words, int32_t* status_host, int32_t* next_row, uint64_t timeout_ns) {
+                       int64_t landing_row_bytes, int64_t region_bytes, const __nv_bfloat16* bias0,
+                       const __nv_bfloat16* bias1, __nv_bfloat16* combined_x, float* combined_topk_weights,
+                       uint64_t* state, int32_t* status_words, int32_t* status_host, int32_t* next_row,
+                       uint64_t timeout_ns) {
     const Status status{status_words, status_host};
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int landing_chunks[kMaxRanks];
     __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
     const uint64_t epoch = ld_volatile_global(state + kStateCombineEpoch) + 1;
-    const uint64_t dispatch_epoch = ld_volatile_global(state + kStateEpoch);
+    const uint64_t call = next_call(state);
+    const int64_t region = region_offset(call, region_bytes);
     const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
-    const int num_copies_total = recv_info[1];
-    const int own_chunk = rows_per_chunk(num_copies_total);
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
     if (static_cast<int>(threadIdx.x) <= num_ranks)
         rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
+    if (static_cast<int>(threadIdx.x) < num_ranks)
+        landing_chunks[threadIdx.x] = rows_per_chunk(combine_offsets[num_ranks + threadIdx.x]);
     if (lane < num_ranks)
         confirmed[warp_in_block][lane] = -1;
+    __syncthreads();
+    // Every rank reads the same landing row counts (and has the same buffer size), so either all of
+    // them run this combine or none does, and no one waits for a peer that will not come.
+    int most_rows = 0;
+    for (int source = 0; source < num_ranks; ++source)
+        most_rows = max(most_rows, combine_offsets[num_ranks + source]);
+    if (most_rows * landing_row_bytes > region_bytes) {
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            status.record(kStatusLandingRows, most_rows);
+        return;
+    }
 
-    bool ok = blockIdx.x != 0 ||
-              open_landing_region(control_of(own), num_ranks, dispatch_epoch, epoch, own_chunk, deadline_ns, status);
-    ok = wait_landing_regions(landing_chunks, peer_bases, num_ranks, epoch, deadline_ns, status) && ok;
+    if (blockIdx.x == 0)
+        announce_call(control_of(own), peer_bases, rank, num_ranks, call);
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
-    if (ok && warp_in_block >= kReducerWarps) {
+    if (warp_in_block >= kReducerWarps) {
         PendingArrivals pending;
         for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
                                          [&](int source, int row, int j, int lane) {
             const int slot = combine_offsets[source] + j;
             auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
-            uint8_t* landing = base + kMetaBytes + static_cast<int64_t>(slot) * landing_row_bytes;
+            uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
             warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
             if (topk_weights != nullptr && lane < num_topk)
                 reinterpret_cast<float*>(landing + hidden_bytes)[lane] =
                     topk_weights[static_cast<int64_t>(row) * num_topk + lane];
-            pending.add(control_of(base)->landed[epoch % 2] + slot / landing_chunks[source], lane);
+            pending.add(control_of(base)->arrivals[call % 2] + slot / landing_chunks[source], lane);
             return true;
         });
         pending.flush(lane);
     }
-    if (ok) {
-        const uint32_t* landed = control_of(own)->landed[epoch % 2];
-        while (true) {
-            int item = 0;
-            if (lane == 0)
-                item = atomicAdd(next_row + num_ranks, 1);
-            item = __shfl_sync(kFullWarpMask, item, 0);
-            const int token = item / kTokenSlices;
-            if (token >= num_tokens)
-                break;
-            if (!reduce_token(token, item % kTokenSlices, own + kMetaBytes, landed, own_chunk, num_copies_total,
-                              send_pos, send_offsets, num_ranks, shape, bias0, bias1, combined_x,
-                              combined_topk_weights, confirmed[warp_in_block], deadline_ns, status, lane))
-                break;
-        }
+    const int num_copies_total = recv_info[1];
+    const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rows_per_chunk(num_copies_total),
+                              num_copies_total, PushedCall{control_of(own), call, num_ranks}};
+    while (true) {
+        int item = 0;
+        if (lane == 0)
+            item = atomicAdd(next_row + num_ranks, 1);
+        item = __shfl_sync(kFullWarpMask, item, 0);
+        const int token = item / kTokenSlices;
+        if (token >= num_tokens)
+            break;
+        if (!reduce_token(token, item % kTokenSlices, landed, send_pos, send_offsets, num_ranks, shape, bias0, bias1,
+                          combined_x, combined_topk_weights, confirmed[warp_in_block], deadline_ns, status, lane))
+            break;
     }
-    if (last_block_finished(state, next_row, num_ranks))
+    if (last_block_finished(state, next_row, num_ranks)) {
+        every_peer_started(control_of(own), num_ranks, call, deadline_ns, status);
         state[kStateCombineEpoch] = epoch;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

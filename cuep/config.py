@@ -48,17 +48,19 @@ class Config:
         A dispatch with a layout stages every token once (hidden, FP8 scales, top-k ids and weights,
         send lists); a cached dispatch lands every row a rank receives, at most ``num_ranks *
         num_tokens`` (every token to one rank); combine lands one row per (token, rank holding a
-        copy), at most ``min(num_ranks, num_topk)`` copies per token. Differs from DeepEP: the hint
-        grows with the tokens per call (``num_tokens``, an addition), because the kernels have no
-        ring buffer to cycle through.
+        copy), at most ``min(num_ranks, num_topk)`` copies per token. The buffer holds room for the
+        largest of these twice: successive calls use two regions in turn, so that none has to wait
+        for its peers before it writes into their buffers. Differs from DeepEP: the hint grows with
+        the tokens per call (``num_tokens``, an addition), because the kernels have no ring buffer to
+        cycle through.
         """
         hidden = hidden_bytes // 2
         num_scales = -(-hidden // intranode.SCALE_BLOCK)
         dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
-        cached = intranode.META_BYTES + num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
+        cached = num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
         copies = num_tokens * min(num_ranks, num_topk)
-        combine = intranode.META_BYTES + copies * intranode.landing_row_bytes(hidden, num_topk)
-        return max(dispatch, cached, combine)
+        combine = copies * intranode.landing_row_bytes(hidden, num_topk)
+        return intranode.nvl_bytes_for(max(dispatch, cached, combine))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Internode buffer bytes; 0 until the internode mode exists."""

@@ -56,9 +56,8 @@ constexpr int kPhaseLowLatencyWeights = 4;  // a source's top-k weights (low-lat
 constexpr int kPhaseLowLatencyPartial = 5;  // a combined partial sum
 constexpr int kPhaseIntranodeStaged = 6;    // a sender's staged tokens (intranode dispatch)
 constexpr int kPhaseIntranodeReuse = 7;     // receivers done with the previous dispatch (intranode)
-constexpr int kPhaseIntranodeLanding = 8;   // a source's landing region opening (intranode combine)
+constexpr int kPhaseIntranodeStarted = 8;   // a peer starting the same call (intranode dispatch or combine)
 constexpr int kPhaseIntranodeArrival = 9;   // a combined row's arrival (intranode combine)
-constexpr int kPhaseIntranodeOpen = 10;     // a receiver's push landing region opening (intranode dispatch)
 constexpr int kPhaseIntranodePushed = 11;   // a pushed row's arrival (intranode dispatch)
 
 }  // namespace cuep

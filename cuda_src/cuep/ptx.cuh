@@ -87,6 +87,29 @@ __device__ __forceinline__ ulonglong2 ld_volatile_global(const ulonglong2* ptr) 
 // line this SM cached earlier can be stale.
 __device__ __forceinline__ int4 ld_cg_global(const int4* ptr) { return __ldcg(ptr); }
 
+// An L2 cache policy that evicts first the lines it is applied to: for data read or written once,
+// so that it leaves L2 to data still waiting to be read (the combine's landed rows).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// Load of data a peer wrote during this kernel, after an acquire of its flag (relaxed at GPU scope,
+// so served by L2, never by a stale L1 line), under L2 cache policy `policy`.
+__device__ __forceinline__ int4 ld_relaxed_gpu_global(const int4* ptr, uint64_t policy) {
+    int4 v;
+    asm volatile("ld.relaxed.gpu.global.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr), "l"(policy));
+    return v;
+}
+
+// Store that this SM will not read again (no L1 allocation), under L2 cache policy `policy`.
+__device__ __forceinline__ void st_global(int4* ptr, const int4& v, uint64_t policy) {
+    asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.s32 [%0], {%1, %2, %3, %4}, %5;"
+                 :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy) : "memory");
+}
+
 // Store that will not be read again by this SM: skip L1 allocation.
 __device__ __forceinline__ void st_na_global(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"

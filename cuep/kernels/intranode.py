@@ -5,23 +5,27 @@ C++ entries (see the .cu file for the protocol); the first fifteen arguments of 
 describe this rank's tokens and where they are staged (``_stage_args``)::
 
     cuep_intranode_stage(<stage args>, is_token_in_rank, num_tokens_per_expert, num_experts, num_ranks, send_pos,
-                         state, status_words, status_host, timeout_ns)
+                         peer_bases, rank, region_bytes, state, status_words, status_host, timeout_ns)
     cuep_intranode_notify(peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info,
                           combine_offsets, send_offsets, push_offsets)
     cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                                  num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
-                                 rank, num_ranks, landing_capacity_rows, num_rows, recv_x, recv_scales, state,
-                                 status_words, status_host, next_row, timeout_ns)
+                                 rank, num_ranks, region_bytes, landing_capacity_rows, num_rows, recv_x,
+                                 recv_scales, state, status_words, status_host, next_row, timeout_ns)
     cuep_intranode_dispatch(<stage args>, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows, recv_x,
                             recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status_words,
                             status_host, next_row, timeout_ns)
     cuep_intranode_combine(peer_bases, recv_info, combine_offsets, send_pos, send_offsets, rank, num_ranks,
-                           num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, bias0, bias1,
-                           combined_x, combined_topk_weights, state, status_words, status_host, next_row, timeout_ns)
+                           num_tokens, x, hidden_bytes, topk_weights, num_topk, landing_row_bytes, region_bytes,
+                           bias0, bias1, combined_x, combined_topk_weights, state, status_words, status_host,
+                           next_row, timeout_ns)
     cuep_intranode_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, awaited, state,
                          next_row, timeout_ns)
     cuep_intranode_bulk_probe(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, state,
                               next_row)  (Hopper path only)
+
+After the meta region the buffer holds two regions of ``region_bytes(num_nvl_bytes)`` each; successive
+dispatches and combines use them in turn (see the .cu file), so a call needs room in one region only.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class StagingLayout:
-    """Where a sender's dispatch arrays sit in its buffer (byte offsets from its start)."""
+    """Where a sender's dispatch arrays sit in its call's region (byte offsets from the region's start;
+    ``end``: the bytes they take)."""
 
     scales_offset: int
     topk_idx_offset: int
@@ -67,7 +72,7 @@ class StagingLayout:
 
 
 def staging_layout(num_tokens: int, hidden_bytes: int, num_scales: int, num_topk: int, num_ranks: int) -> StagingLayout:
-    scales = META_BYTES + _aligned(num_tokens * hidden_bytes)
+    scales = _aligned(num_tokens * hidden_bytes)
     topk_idx = scales + _aligned(num_tokens * num_scales * 4)
     topk_weights = topk_idx + _aligned(num_tokens * num_topk * 8)
     send_lists = topk_weights + _aligned(num_tokens * num_topk * 4)
@@ -83,6 +88,16 @@ LANDING_ROW_ALIGN = 128
 
 def _landing_aligned(nbytes: int) -> int:
     return -(-nbytes // LANDING_ROW_ALIGN) * LANDING_ROW_ALIGN
+
+
+def region_bytes(num_nvl_bytes: int) -> int:
+    """The size of each of the two regions after the meta region (128-byte lines)."""
+    return max(0, (num_nvl_bytes - META_BYTES) // 2) // LANDING_ROW_ALIGN * LANDING_ROW_ALIGN
+
+
+def nvl_bytes_for(region_need: int) -> int:
+    """The smallest ``num_nvl_bytes`` whose regions each hold ``region_need`` bytes."""
+    return META_BYTES + 2 * _landing_aligned(region_need)
 
 
 def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
@@ -168,10 +183,13 @@ def _ptr(array) -> int:
     return 0 if array is None else array.data.ptr
 
 
-def need_nvl_bytes(call: str, ctx: Context, needed: int, what: str) -> None:
-    if needed > ctx.buffer_bytes:
-        raise ValueError(f"{call}: {what} needs an NVL buffer of {needed} bytes, but this Buffer has num_nvl_bytes="
-                         f"{ctx.buffer_bytes}; create it with num_nvl_bytes >= {needed} "
+def need_region_bytes(call: str, ctx: Context, region_need: int, what: str) -> None:
+    """Raises ValueError unless each of the buffer's two regions holds ``region_need`` bytes."""
+    if region_need > region_bytes(ctx.buffer_bytes):
+        needed = nvl_bytes_for(region_need)
+        raise ValueError(f"{call}: {what} needs an NVL buffer of {needed} bytes (two regions of {region_need}, "
+                         f"used in turn by successive calls), but this Buffer has num_nvl_bytes={ctx.buffer_bytes}; "
+                         f"create it with num_nvl_bytes >= {needed} "
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
 
 
@@ -208,7 +226,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
-    need_nvl_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
+    need_region_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     stage_args = _stage_args(ctx, x, scales, topk_idx, topk_weights, layout)
     waits = (ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), np.uint64(ctx.timeout_ns))
 
@@ -218,11 +236,12 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     send_pos = cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
     _launch(ctx, stream, ctx.num_ranks + num_sms, "cuep_intranode_stage", *stage_args,
             np.uint64(_ptr(is_token_in_rank)), np.uint64(_ptr(num_tokens_per_expert)), np.int32(num_experts),
-            np.int32(ctx.num_ranks), send_pos.data.ptr, ctx.dispatch_state.data.ptr, *waits)
+            np.int32(ctx.num_ranks), send_pos.data.ptr, ctx.peer_bases.data.ptr, np.int32(ctx.rank),
+            np.int64(region_bytes(ctx.buffer_bytes)), ctx.dispatch_state.data.ptr, *waits)
     ctx.barrier(stream)
     num_local_experts = num_experts // ctx.num_ranks
     recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
-    combine_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
+    combine_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
     send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
     push_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
     _launch(ctx, stream, 1, "cuep_intranode_notify", ctx.peer_bases.data.ptr, np.int32(ctx.rank),
@@ -256,22 +275,23 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
 def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: int):
     """Enqueue a cached dispatch (push form) on ``stream``; returns ``(recv_x, recv_scales)``.
 
-    Every receiver's buffer must hold its received rows (``push_row_bytes`` each); this rank checks
+    Every receiver's region must hold its received rows (``push_row_bytes`` each); this rank checks
     its own before launching, and the kernel checks every rank's (a rank whose buffer is too small
     raises here, the others from the kernel's status)."""
     cupy = _deps.cupy()
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
     row_bytes = push_row_bytes(hidden_bytes, num_scales)
-    need_nvl_bytes("dispatch()", ctx, META_BYTES + handle.num_rows * row_bytes,
-                   f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
-    capacity = (ctx.buffer_bytes - META_BYTES) // row_bytes
+    need_region_bytes("dispatch()", ctx, handle.num_rows * row_bytes,
+                      f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
+    region = region_bytes(ctx.buffer_bytes)
+    capacity = region // row_bytes
     recv_x = cupy.empty((handle.num_rows, x.shape[1]), dtype=x.dtype)
     recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
             *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
             np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes), ctx.peer_bases.data.ptr,
-            handle.recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
+            handle.recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int64(region),
             np.int32(min(capacity, np.iinfo(np.int32).max)), np.int32(handle.num_rows), recv_x.data.ptr,
             np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
             np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
@@ -287,14 +307,15 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     row_bytes = landing_row_bytes(hidden, num_topk)
     num_sms = min(num_sms, ctx.device_sms)
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
-    need_nvl_bytes("combine()", ctx, META_BYTES + copies * row_bytes, f"combining {handle.num_tokens} tokens")
+    need_region_bytes("combine()", ctx, copies * row_bytes, f"combining {handle.num_tokens} tokens")
     combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
     combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
     _launch(ctx, stream, num_sms, "cuep_intranode_combine", ctx.peer_bases.data.ptr, handle.recv_info.data.ptr,
             handle.combine_offsets.data.ptr, handle.send_pos.data.ptr, handle.send_offsets.data.ptr,
             np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int32(handle.num_tokens), x.data.ptr,
             np.int64(hidden * x.itemsize), np.uint64(_ptr(topk_weights)), np.int32(num_topk), np.int64(row_bytes),
-            np.uint64(_ptr(bias0)), np.uint64(_ptr(bias1)), combined_x.data.ptr, np.uint64(_ptr(combined_weights)),
+            np.int64(region_bytes(ctx.buffer_bytes)), np.uint64(_ptr(bias0)), np.uint64(_ptr(bias1)),
+            combined_x.data.ptr, np.uint64(_ptr(combined_weights)),
             ctx.dispatch_state.data.ptr, ctx.status.data.ptr, np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr,
             np.uint64(ctx.timeout_ns))
     return combined_x, combined_weights
@@ -315,7 +336,10 @@ def probe(ctx: Context, stream, rank_prefix, max_rows: int, row_bytes: int, pull
     rows have landed here, counted once per sender block, the least a call that pushes must wait for.
     It overwrites this rank's and its peers' buffers past the meta region, so every rank must run it,
     with the same ``num_sms``, with no dispatch or combine in flight (``cuep.bench --mode ceiling``)."""
-    need_nvl_bytes("probe()", ctx, probe_bytes(ctx.num_ranks, max_rows, row_bytes), f"probing {max_rows} rows a peer")
+    needed = probe_bytes(ctx.num_ranks, max_rows, row_bytes)
+    if needed > ctx.buffer_bytes:
+        raise ValueError(f"probe(): probing {max_rows} rows a peer needs num_nvl_bytes >= {needed}, but this Buffer "
+                         f"has {ctx.buffer_bytes}")
     if bulk and not ctx.library.spec.sm90_features:
         raise ValueError(f"probe(): bulk=True needs the Hopper path, but the intranode kernels were built as "
                          f"{ctx.library.spec.name}")

@@ -9,8 +9,8 @@ TIMED_OUT, PEER, PHASE, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS = 0, 1, 2, 3, 4, 
 PHASE_NAMES = {1: "device barrier", 2: "low-latency dispatch (routing table)", 3: "low-latency dispatch (token data)",
                4: "low-latency combine (top-k weights)", 5: "low-latency combine (partial sums)",
                6: "intranode dispatch (staged tokens)", 7: "intranode dispatch (previous dispatch's pulls)",
-               8: "intranode combine (landing region)", 9: "intranode combine (row arrivals)",
-               10: "intranode dispatch (a receiver's landing region)", 11: "intranode dispatch (pushed rows)"}
+               8: "intranode dispatch or combine (a peer starting the same call)",
+               9: "intranode combine (row arrivals)", 11: "intranode dispatch (pushed rows)"}
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
@@ -20,7 +20,7 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
                          f"num_worst_tokens; its received arrays were cut short. Pass num_worst_tokens >= "
                          f"num_ranks * num_tokens")
     if int(status_host[LANDING_ROWS]):
-        raise ValueError(f"dispatch(): a cached dispatch seen by rank {rank} had to land "
+        raise ValueError(f"dispatch()/combine(): a cached dispatch or a combine seen by rank {rank} had to land "
                          f"{int(status_host[LANDING_ROWS])} rows on one rank, more than its NVL buffer holds, so it "
                          f"moved nothing; create the Buffer with a larger num_nvl_bytes "
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")

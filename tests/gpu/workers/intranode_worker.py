@@ -163,6 +163,38 @@ def main() -> None:
         routed = [(x_bf16[s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
         combine_and_check(buffer, routed, experts, recv_bf16, recv_w, handle)
 
+    spin = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(unsigned long long ns) {
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+    }""", "spin")
+
+    def skewed_ranks_run_calls_back_to_back():
+        """Cached dispatches and combines, one after another with no host sync, each call started up to
+        2 ms late on some ranks (a spin kernel before it): peers push into a late rank's buffer while it
+        still runs its previous call, which uses the other region."""
+        inputs = all_inputs(700, 2048, experts, 8)
+        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
+        topk = [i[2] for i in inputs]
+        delays = np.random.default_rng([SEED, 4000]).integers(0, 2_000_000, size=(8, num_ranks))
+        delays[:, ::2] = 0  # even ranks always on time, so they get ahead of the others
+        outputs = []
+        for step in range(4):
+            new_x = [np.random.default_rng([SEED, 4001 + step, s]).standard_normal((700, 2048)).astype(BF16)
+                     for s in range(num_ranks)]
+            spin((1,), (1,), (np.uint64(delays[2 * step, rank]),))
+            recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[rank]), handle=handle)
+            spin((1,), (1,), (np.uint64(delays[2 * step + 1, rank]),))
+            combined, _, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+            outputs.append((new_x, recv_x, combined))
+        for new_x, recv_x, combined in outputs:
+            expected = reference.dispatch(new_x, topk, experts, [i[3] for i in inputs])
+            np.testing.assert_array_equal(bits(recv_x.get()), bits(expected[rank].recv_x))
+            want_x, _ = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
+                                          [700] * num_ranks, [r.recv_topk_weights for r in expected])
+            np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
+
     def alignment_and_two_biases():
         inputs = all_inputs(257, 1024, experts, 6)
         recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, alignment=4)
@@ -339,10 +371,22 @@ def main() -> None:
         times_out_without_rank_0("cached dispatch", cached_dispatch_then_barrier)
         rejoin_and_destroy(short)
 
+    def peer_that_skips_combine_times_out():
+        short = short_timeout_buffer()
+        inputs = all_inputs(100, 512, experts, 4)
+        recv_x, recv_w, handle, _ = dispatch_and_check(short, inputs, experts)
+
+        def combine_then_barrier():
+            short.combine(recv_x, handle, topk_weights=recv_w)  # pushes into rank 0's buffer at once
+            short.barrier(timeout_s=3)  # raises what the combine recorded first
+
+        times_out_without_rank_0("combine", combine_then_barrier)
+        rejoin_and_destroy(short)
+
     def cached_dispatch_too_big_for_the_buffer_raises():
         hidden, tokens = 1024, 300
-        # Room to stage 300 tokens, not to land every rank's 300 on rank 0.
-        small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + tokens * hidden * 2 * 3 // 2 + (256 << 10))
+        # Regions with room to stage 300 tokens, not to land every rank's 300 on rank 0.
+        small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + 2 * (tokens * hidden * 2 * 3 // 2 + (256 << 10)))
         inputs = all_inputs(tokens, hidden, experts, 4, masked=0.0, route=lambda t: t % (experts // num_ranks))
         _, _, handle, _ = dispatch_and_check(small, inputs, experts)
         errors = []
@@ -373,6 +417,7 @@ def main() -> None:
         ("cached dispatch with new x", cached_dispatch_new_x),
         ("cached FP8 dispatches back to back, then a cached BF16 dispatch and combine",
          cached_dispatches_back_to_back_fp8_then_combine),
+        ("ranks that start calls late, no host sync between calls", skewed_ranks_run_calls_back_to_back),
         ("expert_alignment=4, one and two biases", alignment_and_two_biases),
         ("0 tokens on rank 1", zero_tokens_on_rank_1),
         ("every token to rank 0", every_token_to_rank_0),
@@ -385,6 +430,7 @@ def main() -> None:
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
         ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
+        ("a peer that skips a combine makes the others time out", peer_that_skips_combine_times_out),
         ("a cached dispatch too big for the buffer raises on every rank",
          cached_dispatch_too_big_for_the_buffer_raises),
         ("buffer sizes that differ between ranks raise on every rank", buffer_sizes_that_differ_between_ranks_raise),
