@@ -296,6 +296,21 @@ __device__ bool every_peer_started(const SenderControl* own, int num_ranks, uint
     return true;
 }
 
+// Whether every rank's landing rows in this call (rows_per_rank[r], `row_bytes` each) fit one region;
+// if not, records the largest count. Every rank reads the same counts and has the same buffer size,
+// so either all of them run the call or none does, and no one waits for a peer that will not come.
+__device__ bool every_landing_fits(const int32_t* rows_per_rank, int num_ranks, int64_t row_bytes,
+                                   int64_t region_bytes, const Status& status) {
+    int most_rows = 0;
+    for (int r = 0; r < num_ranks; ++r)
+        most_rows = max(most_rows, rows_per_rank[r]);
+    if (most_rows * row_bytes <= region_bytes)
+        return true;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        status.record(kStatusLandingRows, most_rows);
+    return false;
+}
+
 // Block 0 of each non-cached dispatch's stage kernel: the header receivers read, then its epoch.
 __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_per_expert, int num_experts,
                              uint64_t epoch) {
@@ -741,14 +756,14 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
 }  // namespace cuep
 
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
-// kWarpsPerBlock - 1), the rest copy landed rows out from the start. landing_capacity_rows: the
-// landing rows a region holds (the same on every rank); num_rows: the rows of recv_x.
+// kWarpsPerBlock - 1), the rest copy landed rows out from the start. region_bytes: the size of each of
+// the two regions (the same on every rank); num_rows: the rows of recv_x.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
 cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
                              int64_t scale_channel_stride, int num_scales, int num_tokens, const int32_t* send_pos,
                              const int32_t* push_offsets, int push_warps, int64_t row_bytes,
                              const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
-                             int64_t region_bytes, int landing_capacity_rows, int num_rows, uint8_t* recv_x,
+                             int64_t region_bytes, int num_rows, uint8_t* recv_x,
                              float* recv_scales, uint64_t* state, int32_t* status_words, int32_t* status_host,
                              int32_t* next_row, uint64_t timeout_ns) {
     const Status status{status_words, status_host};
@@ -771,16 +786,8 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
         confirmed[warp_in_block][lane] = -1;
     __syncthreads();
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    // Every rank reads the same row counts (and has the same buffer size), so either all of them run
-    // this dispatch or none does, and no one waits for a peer that will not come.
-    int most_rows = 0;
-    for (int dst = 0; dst < num_ranks; ++dst)
-        most_rows = max(most_rows, push_offsets[num_ranks + dst]);
-    if (most_rows > landing_capacity_rows) {
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            status.record(kStatusLandingRows, most_rows);
+    if (!every_landing_fits(push_offsets + num_ranks, num_ranks, row_bytes, region_bytes, status))
         return;
-    }
 
     if (blockIdx.x == 0)
         announce_call(control_of(own), peer_bases, rank, num_ranks, call);
@@ -798,6 +805,7 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
                     fits_recv_x ? recv_x : nullptr, recv_scales, rank_prefix[rank], lane);
     const int own_chunk = rows_per_chunk(num_recv);
     const uint32_t* pushed = control_of(own)->arrivals[call % 2];
+    const PushedCall pushed_call{control_of(own), call, num_ranks};
     int* warp_confirmed = confirmed[warp_in_block];
     for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int, int lane) {
         const int chunk = row / own_chunk;
@@ -806,9 +814,8 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
             arrived = wait_chunk_count(pushed, chunk,
                                        pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank],
                                                             rank_prefix[rank + 1]),
-                                       warp_confirmed[source], deadline_ns, status,
-                                       PushedCall{control_of(own), call, num_ranks}, source, kPhaseIntranodePushed,
-                                       kCopyOutPollSleepNs);
+                                       warp_confirmed[source], deadline_ns, status, pushed_call, source,
+                                       kPhaseIntranodePushed, kCopyOutPollSleepNs);
         if (!__shfl_sync(kFullWarpMask, arrived, 0))
             return false;
         if (fits_recv_x)
@@ -991,16 +998,8 @@ cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, con
     if (lane < num_ranks)
         confirmed[warp_in_block][lane] = -1;
     __syncthreads();
-    // Every rank reads the same landing row counts (and has the same buffer size), so either all of
-    // them run this combine or none does, and no one waits for a peer that will not come.
-    int most_rows = 0;
-    for (int source = 0; source < num_ranks; ++source)
-        most_rows = max(most_rows, combine_offsets[num_ranks + source]);
-    if (most_rows * landing_row_bytes > region_bytes) {
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            status.record(kStatusLandingRows, most_rows);
+    if (!every_landing_fits(combine_offsets + num_ranks, num_ranks, landing_row_bytes, region_bytes, status))
         return;
-    }
 
     if (blockIdx.x == 0)
         announce_call(control_of(own), peer_bases, rank, num_ranks, call);

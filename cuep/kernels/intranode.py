@@ -10,8 +10,8 @@ describe this rank's tokens and where they are staged (``_stage_args``)::
                           combine_offsets, send_offsets, push_offsets)
     cuep_intranode_dispatch_push(x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales,
                                  num_tokens, send_pos, push_offsets, push_warps, row_bytes, peer_bases, recv_info,
-                                 rank, num_ranks, region_bytes, landing_capacity_rows, num_rows, recv_x,
-                                 recv_scales, state, status_words, status_host, next_row, timeout_ns)
+                                 rank, num_ranks, region_bytes, num_rows, recv_x, recv_scales, state,
+                                 status_words, status_host, next_row, timeout_ns)
     cuep_intranode_dispatch(<stage args>, peer_bases, recv_info, rank, num_ranks, num_experts, num_rows, recv_x,
                             recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, state, status_words,
                             status_host, next_row, timeout_ns)
@@ -284,15 +284,13 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
     row_bytes = push_row_bytes(hidden_bytes, num_scales)
     need_region_bytes("dispatch()", ctx, handle.num_rows * row_bytes,
                       f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
-    region = region_bytes(ctx.buffer_bytes)
-    capacity = region // row_bytes
     recv_x = cupy.empty((handle.num_rows, x.shape[1]), dtype=x.dtype)
     recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
     _launch(ctx, stream, num_sms, "cuep_intranode_dispatch_push", x.data.ptr, np.int64(hidden_bytes),
             *_scale_args(scales), np.int32(num_tokens), handle.send_pos.data.ptr, handle.push_offsets.data.ptr,
             np.int32(pusher_warps(ctx.num_ranks)), np.int64(row_bytes), ctx.peer_bases.data.ptr,
-            handle.recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks), np.int64(region),
-            np.int32(min(capacity, np.iinfo(np.int32).max)), np.int32(handle.num_rows), recv_x.data.ptr,
+            handle.recv_info.data.ptr, np.int32(ctx.rank), np.int32(ctx.num_ranks),
+            np.int64(region_bytes(ctx.buffer_bytes)), np.int32(handle.num_rows), recv_x.data.ptr,
             np.uint64(_ptr(recv_scales)), ctx.dispatch_state.data.ptr, ctx.status.data.ptr,
             np.uint64(ctx.status_host_ptr), ctx.next_row.data.ptr, np.uint64(ctx.timeout_ns))
     return recv_x, recv_scales

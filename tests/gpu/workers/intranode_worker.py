@@ -359,29 +359,27 @@ def main() -> None:
         times_out_without_rank_0("dispatch", lambda: dispatch_and_check(short, inputs, experts))
         rejoin_and_destroy(short)
 
-    def peer_that_skips_cached_dispatch_times_out():
-        short = short_timeout_buffer()
-        inputs = all_inputs(100, 512, experts, 4)
-        _, _, handle, _ = dispatch_and_check(short, inputs, experts)
-
-        def cached_dispatch_then_barrier():
-            short.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
-            short.barrier(timeout_s=3)  # raises what the dispatch recorded first
-
-        times_out_without_rank_0("cached dispatch", cached_dispatch_then_barrier)
-        rejoin_and_destroy(short)
-
-    def peer_that_skips_combine_times_out():
+    def peer_that_skips_a_call_on_a_handle_times_out(what, call):
+        """After a dispatch on every rank, every rank but 0 runs ``call(short, recv_x, recv_w, handle, x)``."""
         short = short_timeout_buffer()
         inputs = all_inputs(100, 512, experts, 4)
         recv_x, recv_w, handle, _ = dispatch_and_check(short, inputs, experts)
 
-        def combine_then_barrier():
-            short.combine(recv_x, handle, topk_weights=recv_w)  # pushes into rank 0's buffer at once
-            short.barrier(timeout_s=3)  # raises what the combine recorded first
+        def call_then_barrier():
+            call(short, recv_x, recv_w, handle, cupy.asarray(inputs[rank][0]))
+            short.barrier(timeout_s=3)  # raises what the call recorded first
 
-        times_out_without_rank_0("combine", combine_then_barrier)
+        times_out_without_rank_0(what, call_then_barrier)
         rejoin_and_destroy(short)
+
+    def peer_that_skips_cached_dispatch_times_out():
+        peer_that_skips_a_call_on_a_handle_times_out(
+            "cached dispatch", lambda short, recv_x, recv_w, handle, x: short.dispatch(x, handle=handle))
+
+    def peer_that_skips_combine_times_out():
+        # The others push into rank 0's buffer at once, then wait for its rows.
+        peer_that_skips_a_call_on_a_handle_times_out(
+            "combine", lambda short, recv_x, recv_w, handle, x: short.combine(recv_x, handle, topk_weights=recv_w))
 
     def cached_dispatch_too_big_for_the_buffer_raises():
         hidden, tokens = 1024, 300
