@@ -24,6 +24,14 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_global(const uint32_t* ptr) {
     return value;
 }
 
+// Adds to a counter that peers poll, released behind this thread's earlier writes and those it has
+// synchronised with (a __syncwarp before it covers the warp's lanes). One MEMBAR.ALL.SYS and a
+// reduction, where __threadfence_system() + atomicAdd_system costs MEMBAR.SC.SYS, an L1 invalidation
+// and an atomic's round trip (sm_90 SASS).
+__device__ __forceinline__ void red_release_sys_add(uint32_t* ptr, uint32_t value) {
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ int64_t ld_volatile_global(const int64_t* ptr) {
     int64_t value;
     asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr));
