@@ -178,10 +178,10 @@ struct StageArgs : TokenRows {
 //
 // A warp claims kRowsPerClaim rows at a time. With `tapered_warps` > 0 (the combine's pushers: that
 // many warps share the sources) a warp that has claimed from a source before takes kLargeClaimRows
-// while more than kLargeClaimRounds rounds of such claims are left there for all of them. Each claim
-// ends in a release of its rows' arrivals, which waits for the warp's stores to land: fewer claims
-// keep more bytes in flight, and small claims at the end keep the last rows from landing long after
-// the rest. `on_claim(lane)` runs after a claim is requested and before its answer is read: the
+// while more than kLargeClaimRounds rounds of such claims are left there for all of them. Each of
+// their claims ends in a release of its rows' arrivals, which waits for the warp's stores to land:
+// fewer claims keep more bytes in flight, and small claims at the end keep the last rows from landing
+// long after the rest. `on_claim(lane)` runs after a claim is requested and before its answer is read: the
 // combine releases the previous claim's arrivals there, so the release overlaps the claim's round
 // trip. Measured at EP4 (combine, eager us): claims of 2 rows, released at the next row 482.8-483.2;
 // released at the claim's end 481.0; tapered 4 then 2, 477.1-477.5; with the release overlapping the
@@ -878,7 +878,7 @@ constexpr int kTokenSlices = 4;
 // are counted together, in one release instead of one per row. Every lane holds the same state; the
 // warp calls add() after a row's stores, and flush() as it claims more rows and when it stops pushing.
 // (The release, red.release.sys instead of a system fence and an atomic, measured at EP4: combine
-// 486.2-486.5 -> 482.4-482.8 us.)
+// 486.2-486.5 -> 482.4-483.2 us.)
 struct PendingArrivals {
     uint32_t* counter = nullptr;
     uint32_t rows = 0;
