@@ -7,22 +7,22 @@ from typing import Any
 
 import numpy as np
 
-from . import _deps, env
+from . import _deps, _interop, env
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def as_device_array(call: str, name: str, value: Any):
-    """A CuPy view of ``value`` (CuPy, DLPack or ``__cuda_array_interface__``) on the current device."""
+    """A CuPy view of ``value`` (CuPy, torch, JAX, anything exporting DLPack or ``__cuda_array_interface__``)
+    on the current device, without a copy; FP8 e4m3 arrays become ``uint8`` views."""
     cupy = _deps.cupy()
-    if isinstance(value, cupy.ndarray):
-        array = value
-    elif hasattr(value, "__cuda_array_interface__"):
-        array = cupy.asarray(value)
-    elif hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-        array = cupy.from_dlpack(value)
-    else:
-        raise TypeError(f"{call}: {name} must be a GPU array (CuPy, or anything exporting __dlpack__ or "
+    try:
+        array = _interop.as_cupy(value)
+    except TypeError as exc:
+        raise TypeError(f"{call}: {name} has a dtype cuep cannot take ({exc}); cuep takes bfloat16, float32, "
+                        f"int32, int64, bool and uint8 or float8_e4m3fn") from None
+    if array is None:
+        raise TypeError(f"{call}: {name} must be a GPU array (CuPy, torch, JAX, or anything exporting __dlpack__ or "
                         f"__cuda_array_interface__), got {type(value).__module__}.{type(value).__name__}")
     device = cupy.cuda.runtime.getDevice()
     if array.data.device_id != device:
@@ -96,6 +96,20 @@ def bf16_dtype() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def numpy_dtype(call: str, dtype: Any) -> np.dtype:
+    """``dtype`` (NumPy, ``ml_dtypes``, CuPy or torch) as a NumPy dtype; FP8 types as ``uint8``, the way
+    cuep holds FP8."""
+    name = str(dtype).removeprefix("torch.")
+    if name.startswith("float8_"):
+        return np.dtype(np.uint8)
+    if name == "bfloat16":
+        return bf16_dtype()
+    try:
+        return np.dtype(dtype if not hasattr(dtype, "is_floating_point") else name)
+    except TypeError:
+        raise TypeError(f"{call}: dtype must be a NumPy, ml_dtypes or torch dtype, got {dtype!r}") from None
+
+
 def check_matrix(call: str, name: str, array, dtypes, rows: int | None = None, cols: int | None = None,
                  contiguous: bool = True) -> None:
     """A 2-D array of one of ``dtypes`` with the given row/column counts (``None``: any).
@@ -154,3 +168,30 @@ def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) ->
     if async_finish and return_recv_hook:
         raise ValueError(f"{call}: async_finish and return_recv_hook exclude each other (the hook runs the "
                          f"receive on your stream)")
+
+
+def intranode_handle(call: str, handle: Any, num_ranks: int):
+    """A normal-mode dispatch handle, or the flat tuple it iterates as (its arrays as CuPy, torch, JAX or,
+    for its host ``scalars``, NumPy or CPU torch), as a :class:`~cuep.kernels.intranode.Handle`."""
+    from .kernels.intranode import HANDLE_ARRAYS, Handle
+    if isinstance(handle, Handle):
+        return handle
+    if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_ARRAYS):
+        raise TypeError(f"{call}: handle must be a dispatch()'s handle or the {len(HANDLE_ARRAYS)}-item tuple it "
+                        f"iterates as, got {type(handle).__name__}")
+    arrays = {name: _host_array(item) if name == "scalars" else as_device_array(call, f"handle item {name}", item)
+              for name, item in zip(HANDLE_ARRAYS, handle)}
+    try:
+        restored = Handle.from_arrays(arrays)
+    except ValueError as exc:
+        raise ValueError(f"{call}: {exc}") from None
+    if restored.send_pos.shape[1] != num_ranks:
+        raise ValueError(f"{call}: handle comes from a dispatch over {restored.send_pos.shape[1]} ranks, this "
+                         f"Buffer has {num_ranks}")
+    return restored
+
+
+def _host_array(value: Any) -> np.ndarray:
+    """A host copy of a small array that may live on the host (NumPy, CPU torch) or on the GPU."""
+    device = _interop.as_cupy(value)
+    return device.get() if device is not None else np.asarray(value)

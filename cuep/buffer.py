@@ -278,6 +278,49 @@ class Buffer:
 
     # ----------------------------------------------------------------------------------------------
     # Public API
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether this process builds the kernels' Hopper (sm_90) path for its current GPU: ``False`` on
+        other GPUs and with ``CUEP_FORCE_FALLBACK=1`` (the Ampere fallback path).
+
+        Differs from DeepEP: DeepEP answers for its build; cuep compiles for the GPU it runs on."""
+        arch = f"sm_{_deps.cuda_core().Device().arch}"
+        return layout_kernel.spec(arch).sm90_features
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
+        """A view of this rank's own buffer memory (NVSHMEM symmetric memory, so peers can reach it).
+
+        Arguments:
+            dtype: the view's element type (anything ``numpy.dtype`` takes, ``ml_dtypes.bfloat16``, or a
+                torch dtype; FP8 types give ``uint8``).
+            size: the view's shape (an int or a tuple); default: every whole element from ``offset`` on.
+            offset: where the view starts, in bytes from the buffer's start.
+            use_rdma_buffer: view the ``num_rdma_bytes`` buffer instead of the ``num_nvl_bytes`` one.
+
+        Returns:
+            a CuPy array (export it with DLPack, e.g. ``torch.from_dlpack``) that stays valid until
+            :meth:`destroy`. The kernels keep their protocol state in these buffers: what is written
+            there between calls may break the next call.
+        """
+        call = "get_local_buffer_tensor()"
+        self._check_alive(call)
+        cupy = _deps.cupy()
+        dtype = _checks.numpy_dtype(call, dtype)
+        start, total = (self._low_latency_offset, self.num_rdma_bytes) if use_rdma_buffer else (0, self.num_nvl_bytes)
+        offset = _checks.check_nonnegative_int(call, "offset", offset)
+        available = (total - offset) // dtype.itemsize if offset <= total else 0
+        shape = (available,) if size is None else tuple(int(n) for n in np.atleast_1d(size))
+        count = int(np.prod(shape))
+        if min(shape, default=0) < 0 or count > available:
+            raise ValueError(f"{call}: a {shape} {dtype} view from byte {offset} needs "
+                             f"{offset + count * dtype.itemsize} bytes, but the "
+                             f"{'RDMA' if use_rdma_buffer else 'NVL'} buffer has {total}")
+        if count == 0:
+            return cupy.empty(shape, dtype=dtype)
+        address = int(self._data.handle) + start + offset
+        memory = cupy.cuda.UnownedMemory(address, count * dtype.itemsize, self, self.device_id)
+        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
     def get_comm_stream(self):
         """The CuPy stream on which this Buffer's communication kernels run when a call passes
         ``previous_event``, ``async_finish`` or ``allocate_on_comm_stream``, or is captured into a CUDA
@@ -466,13 +509,25 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError(f"{call}: a cached dispatch (handle given) takes no topk_idx or topk_weights")
-            if not isinstance(handle, intranode_kernel.Handle) or handle.num_tokens != num_tokens:
-                raise ValueError(f"{call}: handle must come from a dispatch of {num_tokens} tokens on this Buffer")
+            handle = _checks.intranode_handle(call, handle, self.group_size)
+            if handle.num_tokens != num_tokens:
+                raise ValueError(f"{call}: handle must come from a dispatch of {num_tokens} tokens, got one of "
+                                 f"{handle.num_tokens}")
             num_experts = 0
         else:
             if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
                 raise ValueError(f"{call}: without a handle, pass num_tokens_per_rank, is_token_in_rank and "
                                  f"num_tokens_per_expert from get_dispatch_layout()")
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError(f"{call}: pass topk_idx and topk_weights together, or neither (got only "
+                                 f"{'topk_idx' if topk_weights is None else 'topk_weights'})")
+            num_tokens_per_rank = _checks.as_device_array(call, "num_tokens_per_rank", num_tokens_per_rank)
+            _checks.check_vector(call, "num_tokens_per_rank", num_tokens_per_rank, np.int32, self.group_size)
+            if num_tokens_per_rdma_rank is not None:
+                num_tokens_per_rdma_rank = _checks.as_device_array(call, "num_tokens_per_rdma_rank",
+                                                                   num_tokens_per_rdma_rank)
+                _checks.check_vector(call, "num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, np.int32,
+                                     self.topology.num_nodes)
             is_token_in_rank = _checks.as_device_array(call, "is_token_in_rank", is_token_in_rank)
             _checks.check_matrix(call, "is_token_in_rank", is_token_in_rank, [np.bool_], num_tokens, self.group_size)
             num_tokens_per_expert = _checks.as_device_array(call, "num_tokens_per_expert", num_tokens_per_expert)
@@ -488,8 +543,6 @@ class Buffer:
                 _checks.check_topk_idx(call, topk_idx, num_experts, num_tokens)
                 topk_idx = topk_idx.astype(cupy.int64, copy=False)
             if topk_weights is not None:
-                if topk_idx is None:
-                    raise ValueError(f"{call}: topk_weights needs topk_idx")
                 topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
                 _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
         num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
@@ -527,8 +580,7 @@ class Buffer:
         call = "combine()"
         ctx = self._intranode_ready(call)
         bf16 = _checks.bf16_dtype()
-        if not isinstance(handle, intranode_kernel.Handle):
-            raise TypeError(f"{call}: handle must be the handle a dispatch() on this Buffer returned")
+        handle = _checks.intranode_handle(call, handle, self.group_size)
         x = _checks.as_device_array(call, "x", x)
         _checks.check_matrix(call, "x", x, [bf16], handle.num_rows)
         _checks.check_hidden(call, x.shape[1], fp8=False)

@@ -82,13 +82,18 @@ def test_buffer_sizes_checked_first(name, value):
 
 def test_no_gpu_is_one_sentence():
     with pytest.raises(CuepError, match="cuep found no CUDA GPU: run on a machine with an NVIDIA GPU"):
-        world.pick_device(0, 1, 0)
+        world.pick_device(0, 0)
 
 
-def test_more_ranks_than_gpus():
-    assert world.pick_device(3, 4, 4) == 3 and world.pick_device(3, 4, 1) == 0
-    with pytest.raises(CuepError, match="at most one rank per GPU"):
-        world.pick_device(3, 4, 2)
+def test_more_ranks_than_gpus_go_round_robin():
+    assert world.pick_device(3, 4) == 3 and world.pick_device(3, 1) == 0 and world.pick_device(3, 2) == 1
+
+
+def test_sharing_a_gpu_needs_the_option():
+    assert world.check_gpu_sharing(["a", "b", "c"], share=False) == 1
+    with pytest.raises(CuepError, match=r"ranks \[0, 2\] would share one GPU .*CUEP_SHARE_GPUS=1"):
+        world.check_gpu_sharing(["a", "b", "a", "b"], share=False)
+    assert world.check_gpu_sharing(["a", "a", "a", "b"], share=True) == 3
 
 
 def test_missing_mpi_says_what_to_install(monkeypatch):

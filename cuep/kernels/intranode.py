@@ -126,13 +126,17 @@ def landing_row_bytes(hidden: int, num_weights: int) -> int:
 
 @dataclass
 class Handle:
-    """What a dispatch leaves for combine and for cached dispatch (opaque to users).
+    """What a dispatch leaves for combine and for cached dispatch.
 
     ``recv_info``: ``[num_recv, num_send_copies, rank_prefix[R + 1], per-expert counts]`` on the GPU.
     ``send_pos[t, r]``: row of token ``t`` among those sent to rank ``r`` (-1 if not sent).
     ``recv_src_idx[i]``: source token index of received row ``i``.
     ``push_offsets``: ``[2R]`` this rank's first row among each destination's received rows, then each
     destination's received row count (what a cached push dispatch needs).
+
+    Like DeepEP's handle it iterates as a flat tuple of arrays (:data:`HANDLE_ARRAYS` in order: the GPU
+    arrays, then ``scalars``, a host ``int64`` array of the counts a CPU wait found, -1 where none did),
+    so frameworks can save it with their tensors; :meth:`from_arrays` takes that tuple back.
     """
 
     num_tokens: int
@@ -146,6 +150,39 @@ class Handle:
     send_pos: Any
     recv_src_idx: Any
     is_token_in_rank: Any
+
+    def __iter__(self):
+        counts = (self.num_recv_tokens, self.num_send_copies)
+        scalars = np.array([-1 if c is None else c for c in counts], dtype=np.int64)
+        return iter((*(getattr(self, name) for name in HANDLE_ARRAYS[:-1]), scalars))
+
+    def __len__(self) -> int:
+        return len(HANDLE_ARRAYS)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any]) -> "Handle":
+        """The handle whose flat tuple held ``arrays`` (CuPy arrays, ``scalars`` on the host), by name.
+
+        Raises ``ValueError`` when their shapes do not fit together."""
+        send_pos, recv_src_idx, scalars = arrays["send_pos"], arrays["recv_src_idx"], arrays["scalars"]
+        num_ranks = send_pos.shape[1] if send_pos.ndim == 2 else -1
+        expected = {"recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32,
+                    "push_offsets": np.int32, "send_pos": np.int32, "recv_src_idx": np.int32,
+                    "is_token_in_rank": np.bool_}
+        for name, dtype in expected.items():
+            if arrays[name].dtype != dtype:
+                raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
+        if (num_ranks < 1 or arrays["push_offsets"].shape != (2 * num_ranks,) or recv_src_idx.ndim != 1
+                or arrays["is_token_in_rank"].shape != send_pos.shape or scalars.shape != (2,)):
+            raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
+        num_recv, num_copies = (int(c) if c >= 0 else None for c in scalars)
+        return cls(num_tokens=send_pos.shape[0], num_rows=recv_src_idx.shape[0], num_recv_tokens=num_recv,
+                   num_send_copies=num_copies, **{name: arrays[name] for name in expected})
+
+
+#: The handle's flat tuple, in order.
+HANDLE_ARRAYS = ("recv_info", "combine_offsets", "send_offsets", "push_offsets", "send_pos", "recv_src_idx",
+                 "is_token_in_rank", "scalars")
 
 
 @dataclass

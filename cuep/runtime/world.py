@@ -5,10 +5,10 @@ communicator (works with any MPI; NVSHMEM's own MPI plugin needs Open MPI). The 
 sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set with
 ``setdefault`` (a user's value wins) before init.
 
-Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), then
-``nvshmem.core.finalize()`` frees the symmetric buffers. Finalize is collective, so at interpreter
-exit it runs only after a bounded check that every rank is exiting too; if a peer is gone it is
-skipped with a warning instead of hanging the exit.
+Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), the symmetric
+memory that no ``Buffer.destroy()`` freed is freed, then ``nvshmem.core.finalize()``. Finalize is
+collective, so at interpreter exit it runs only after a bounded check that every rank is exiting
+too; if a peer is gone it is skipped with a warning instead of hanging the exit.
 """
 
 from __future__ import annotations
@@ -49,16 +49,29 @@ def heap_size_for(data_bytes: int) -> int:
     return -(-needed // _HEAP_ALIGN_BYTES) * _HEAP_ALIGN_BYTES
 
 
-def pick_device(local_rank: int, num_local_ranks: int, num_devices: int) -> int:
-    """One GPU per rank of a host: the local rank's GPU, or the only one visible to this rank."""
+def pick_device(local_rank: int, num_devices: int) -> int:
+    """The GPU of a host's ``local_rank``: its own when the host shows a GPU per rank, else round-robin
+    (whether ranks may then share one is :func:`check_gpu_sharing`'s decision)."""
     if num_devices == 0:
         raise CuepError("cuep found no CUDA GPU: run on a machine with an NVIDIA GPU and its driver")
-    if num_devices >= num_local_ranks:
-        return local_rank
-    if num_devices == 1:
-        return 0
-    raise CuepError(f"{num_local_ranks} ranks share a host that shows {num_devices} GPUs to each rank; "
-                    f"run at most one rank per GPU, or give each rank one GPU with CUDA_VISIBLE_DEVICES")
+    return local_rank % num_devices
+
+
+def check_gpu_sharing(gpu_of_rank: list, share: bool) -> int:
+    """Refuse ranks that share a GPU unless ``share`` (``CUEP_SHARE_GPUS``); returns the most ranks on one GPU.
+
+    ``gpu_of_rank[r]``: the UUID (or PCI bus id) of rank ``r``'s GPU. They tell physical GPUs apart even
+    where each rank sees only its own through ``CUDA_VISIBLE_DEVICES``, so a production job never shares
+    a GPU by accident."""
+    ranks_of_gpu: dict[object, list[int]] = {}
+    for rank, gpu in enumerate(gpu_of_rank):
+        ranks_of_gpu.setdefault(gpu, []).append(rank)
+    crowded = max(ranks_of_gpu.values(), key=len)
+    if len(crowded) > 1 and not share:
+        raise CuepError(f"ranks {crowded} would share one GPU ({len(gpu_of_rank)} ranks, {len(ranks_of_gpu)} GPUs): "
+                        f"run one rank per GPU, or set CUEP_SHARE_GPUS=1 to let ranks share GPUs on purpose "
+                        f"(for correctness tests: kernels of ranks on one GPU are time-sliced)")
+    return len(crowded)
 
 
 @dataclass
@@ -70,6 +83,9 @@ class World:
     device_id: int
     heap_bytes: int
     _libraries: list[tuple[Any, Callable[[], None]]] = field(default_factory=list)
+    # Symmetric memory not yet freed, in allocation order (the same on every rank): teardown frees it,
+    # so a job that ends without Buffer.destroy() (after an exception, say) leaves nothing to NVSHMEM.
+    _allocations: list[Any] = field(default_factory=list)
     finalized: bool = False
 
 
@@ -96,7 +112,13 @@ def init_world(comm, topology: Topology, data_bytes: int) -> World:
         num_devices = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError:
         num_devices = 0
-    device_id = pick_device(topology.local_rank, topology.num_local_ranks, num_devices)
+    device_id = pick_device(topology.local_rank, num_devices)
+    gpu = (cupy.cuda.runtime.getDeviceProperties(device_id).get("uuid")
+           or cupy.cuda.runtime.deviceGetPCIBusId(device_id).encode())
+    ranks_per_gpu = check_gpu_sharing(comm.allgather(bytes(gpu)), env.get("CUEP_SHARE_GPUS"))
+    if ranks_per_gpu > 1 and topology.rank == 0:
+        logger.warning("cuep: up to %d ranks share each GPU (CUEP_SHARE_GPUS=1): results are tested, speed is not",
+                       ranks_per_gpu)
     heap_bytes = _size_heap(data_bytes)
     device = core.Device(device_id)
     device.set_current()
@@ -144,21 +166,25 @@ def allocate(nbytes: int):
     world = _require_world()
     nvshmem = _deps.nvshmem()
     try:
-        return nvshmem.buffer(nbytes)
+        buffer = nvshmem.buffer(nbytes)
     except nvshmem.NvshmemError as exc:
         raise CuepError(f"NVSHMEM could not allocate {nbytes} bytes of symmetric memory (the heap was sized "
                         f"{world.heap_bytes} bytes for the first Buffer); create the largest Buffer first or "
                         f"set NVSHMEM_SYMMETRIC_SIZE") from exc
+    world._allocations.append(buffer)
+    return buffer
 
 
 def free(buffer) -> None:
     """Collective: return symmetric memory from :func:`allocate`."""
     if _world is not None and not _world.finalized:
+        _world._allocations.remove(buffer)
         _deps.nvshmem().free(buffer)
 
 
 def finalize_world() -> None:
-    """Collective: finalize every registered library, then NVSHMEM. Idempotent."""
+    """Collective: finalize every registered library, free the symmetric memory still held, then
+    finalize NVSHMEM. Idempotent."""
     world = _world
     if world is None or world.finalized:
         return
@@ -169,6 +195,8 @@ def finalize_world() -> None:
         nvshmem.library_finalize(kernel_object)
         forget()
     world._libraries.clear()
+    while world._allocations:
+        nvshmem.free(world._allocations.pop())
     nvshmem.finalize()
     world.finalized = True
 
