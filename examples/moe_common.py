@@ -1,7 +1,8 @@
-"""What the examples share: deterministic expert weights, a top-k gate and the one-GPU check (CuPy only).
+"""What the examples share: deterministic tokens and expert weights, a top-k gate, the one-GPU check and
+where the ranks run (CuPy only).
 
 Weights and gate are the same on every rank, so each rank can recompute the whole layer on one GPU to
-check itself.
+check itself; any rank can regenerate any rank's tokens.
 """
 
 from __future__ import annotations
@@ -9,7 +10,17 @@ from __future__ import annotations
 from typing import Callable
 
 import cupy
+import ml_dtypes
+import numpy as np
 from mpi4py import MPI
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def tokens_of_rank(rank: int, num_tokens: int, hidden: int) -> cupy.ndarray:
+    """Rank ``rank``'s `[num_tokens, hidden]` bfloat16 hidden states; every rank can regenerate every rank's."""
+    x = cupy.random.default_rng(rank).standard_normal((num_tokens, hidden), dtype=cupy.float32)
+    return x.astype(BF16)
 
 
 def expert_weight(expert: int, hidden: int) -> cupy.ndarray:
@@ -45,3 +56,10 @@ def worst_relative_error(comm, output: cupy.ndarray, expected: cupy.ndarray) -> 
     """The largest, over the ranks, of ||output - expected|| / ||expected||."""
     error = float(cupy.linalg.norm(output.astype(cupy.float32) - expected) / cupy.linalg.norm(expected))
     return comm.allreduce(error, op=MPI.MAX)
+
+
+def gpus_in_use(comm, device_id: int) -> tuple[int, int]:
+    """``(GPUs, hosts)`` that the ranks of ``comm`` run on: physical GPUs told apart by host and PCI bus id,
+    so ranks sharing a GPU (``CUEP_SHARE_GPUS=1``) count it once."""
+    where = comm.allgather((MPI.Get_processor_name(), cupy.cuda.runtime.deviceGetPCIBusId(device_id)))
+    return len(set(where)), len({host for host, _ in where})

@@ -1,8 +1,26 @@
 """The examples run under mpirun and check themselves (the README shows them)."""
 
+import importlib.util
+
 import pytest
 
 from .launch import REPO_ROOT, run_or_skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_moe_step_example(num_ranks):
+    run_or_skip(str(REPO_ROOT / "examples" / "moe_step.py"), num_ranks, "--tokens", "512", "--hidden", "2048",
+                "--experts", "64", "--topk", "8", expect=f"matches cuep.reference on {num_ranks} ranks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_torch_moe_example(num_ranks):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (the torch example needs it: pip install torch)")
+    run_or_skip(str(REPO_ROOT / "examples" / "torch_moe.py"), num_ranks,
+                expect=f"torch MoE forward and backward match plain torch on {num_ranks} ranks")
 
 
 @pytest.mark.gpu
