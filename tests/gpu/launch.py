@@ -54,9 +54,10 @@ def skip_reason() -> str | None:
     return None
 
 
-def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
+def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None,
+               expect_failure: bool = False) -> str:
     """Run ``workers/<script>`` (or a script by absolute path) on ``num_ranks`` ranks; return its output,
-    or fail the test with it."""
+    or fail the test with it (when it exits with 0 and ``expect_failure`` is set too)."""
     command = [*mpirun(), "-np", str(num_ranks), sys.executable, str(WORKERS / script), *args]
     environment = {**os.environ, **(env or {})}
     if gpu_count() < num_ranks:
@@ -68,19 +69,19 @@ def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | No
         raise AssertionError(f"{shlex.join(command)} did not finish in {WORKER_TIMEOUT_S} s:\n"
                              f"{exc.stdout or ''}{exc.stderr or ''}") from None
     output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{shlex.join(command)} exited with {done.returncode}:\n{output}"
+    assert (done.returncode != 0) == expect_failure, f"{shlex.join(command)} exited with {done.returncode}:\n{output}"
     return output
 
 
 def run_or_skip(script: str, num_ranks: int, *args: str, env: dict[str, str] | None = None,
-                expect: str | None = None) -> str:
+                expect: str | None = None, expect_failure: bool = False) -> str:
     """Skip the calling test with the reason when GPU tests cannot run here; otherwise run the
     worker and check its output contains ``expect`` (default: "passed on N ranks")."""
     import pytest
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    output = run_worker(script, num_ranks, *args, env=env)
+    output = run_worker(script, num_ranks, *args, env=env, expect_failure=expect_failure)
     expect = f"passed on {num_ranks} ranks" if expect is None else expect
     assert expect in output, output
     return output
