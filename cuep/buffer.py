@@ -121,18 +121,22 @@ class Buffer:
     # ----------------------------------------------------------------------------------------------
     # Internals
     def _load_kernels(self) -> None:
+        """Compile (one rank per node, the families at once) or load the families this Buffer uses."""
+        from .jit import get_libraries
+        from .kernels import buffer_specs
         mpi = _deps.mpi()
         arch = f"sm_{_deps.cuda_core().Device(self.device_id).arch}"
+        specs = buffer_specs(arch, self.num_nvl_bytes, self.num_rdma_bytes)
         local_comm = self.comm.Split_type(mpi.COMM_TYPE_SHARED)
         try:
             group = MpiGroup(self.comm, local_comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
-            self._layout_library = get_library(layout_kernel.spec(arch), group)
-            self._barrier_library = get_library(barrier_kernel.spec(arch), group)
-            self._intranode_library = get_library(intranode_kernel.spec(arch), group)
-            self._low_latency_library = (get_library(low_latency_kernel.spec(arch), group) if self.num_rdma_bytes
-                                         else None)
+            libraries = dict(zip(specs, get_libraries(list(specs.values()), group)))
         finally:
             local_comm.Free()
+        self._layout_library = libraries["layout"]
+        self._barrier_library = libraries["barrier"]
+        self._intranode_library = libraries.get("intranode")
+        self._low_latency_library = libraries.get("low_latency")
 
     def _intranode_context(self) -> intranode_kernel.Context:
         cupy, nvshmem = _deps.cupy(), _deps.nvshmem()

@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import platform
 import sys
+import time
 
 from . import __version__, env
 from .errors import MissingDependencyError
@@ -65,21 +66,26 @@ def info() -> int:
     return 0
 
 
-def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool) -> int:
-    from .jit import build
-    from .kernels import FAMILIES
+def _variants(fallback: bool, aggressive_ptx: bool) -> list[dict[str, bool]]:
     variants = [dict(force_fallback=False, aggressive_ptx=False)]
     if fallback:
         variants.append(dict(force_fallback=True, aggressive_ptx=False))
     if aggressive_ptx:
         variants.append(dict(force_fallback=False, aggressive_ptx=True))
-    for arch in archs:
-        for module in FAMILIES.values():
-            for features in variants:
-                spec = module.spec(arch, **features)
-                path, seconds = build(spec)
-                state = f"compiled in {seconds:.1f} s" if seconds else "already cached"
-                print(f"{spec.name:64s} {state}  {path or '(cache disabled)'}")
+    return variants
+
+
+def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool) -> int:
+    """Build every family for every arch and variant into the cache, the kernels at once."""
+    from .jit import build_all
+    from .kernels import FAMILIES
+    specs = [module.spec(arch, **features) for arch in archs for module in FAMILIES.values()
+             for features in _variants(fallback, aggressive_ptx)]
+    started = time.perf_counter()
+    for spec, (path, seconds) in zip(specs, build_all(specs)):
+        state = f"compiled in {seconds:.1f} s" if seconds else "already cached"
+        print(f"{spec.name:64s} {state}  {path or '(cache disabled)'}")
+    print(f"{len(specs)} kernels ready in {time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -99,3 +99,19 @@ def test_disable_cache_writes_nothing(cache_dir, monkeypatch):
     monkeypatch.setenv("CUEP_JIT_DISABLE_CACHE", "1")
     assert library.build(SPEC)[0] is None
     assert not cache_dir.exists()
+
+
+def test_leaving_nvshmem_headers_out_is_in_the_key(sources):
+    from dataclasses import replace
+
+    from cuep.jit import toolchain
+    nvshmem = toolchain.nvshmem()
+    spec = FAMILIES["barrier"].spec("sm_90")
+    trimmed = compiler.compile_options(spec, nvshmem)
+    assert trimmed.header_guards, "this NVSHMEM's collective headers should be left out"
+    full = replace(trimmed, header_guards=())
+
+    def key(options):
+        return cache.cache_key(cache.key_fields(spec, sources, options.describe_program(), options.describe_linker(),
+                                                library._toolchain_fields(spec, nvshmem)))
+    assert key(trimmed) != key(full)

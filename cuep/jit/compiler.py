@@ -1,5 +1,9 @@
 """KernelSpec -> cubin bytes: NVRTC through cuda.core ``Program``, then nvJitLink through ``Linker``
 when the family uses NVSHMEM. Nothing else: no cache, no loading, no GPU needed.
+
+NVSHMEM families compile with NVSHMEM's collective headers left out (see
+:meth:`~cuep.jit.toolchain.Nvshmem.collective_guards`): cuep calls point-to-point functions only, the
+generated code of every kernel stays the same, and NVRTC skips seconds of template instantiation.
 """
 
 from __future__ import annotations
@@ -27,22 +31,26 @@ def source_root() -> Path:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """The rendered options of one compile; ``describe()`` feeds the cache key."""
+    """The rendered options of one compile; ``describe_*()`` feed the cache key."""
 
     spec: KernelSpec
     lineinfo: bool
     include_dirs: tuple[Path, ...]
+    header_guards: tuple[str, ...] = ()  # defined up front, so the headers they guard are left out
 
     def program_kwargs(self) -> dict:
+        macros = self.spec.macros() + [(guard, "1") for guard in self.header_guards]
         return dict(name=f"{self.spec.family}.cu", arch=self.spec.arch, std=CXX_STANDARD,
                     relocatable_device_code=self.spec.uses_nvshmem, lineinfo=self.lineinfo,
-                    define_macro=self.spec.macros(), include_path=[str(p) for p in self.include_dirs])
+                    define_macro=macros, include_path=[str(p) for p in self.include_dirs])
+
+    def nvrtc_flags(self) -> list[bytes]:
+        return _deps.cuda_core().ProgramOptions(**self.program_kwargs()).as_bytes("nvrtc")
 
     def describe_program(self) -> str:
         """The flags NVRTC receives. Include directories are left out: what they hold is keyed by
         version and digest instead, so moving a virtual environment keeps the cache valid."""
-        flags = _deps.cuda_core().ProgramOptions(**self.program_kwargs()).as_bytes("nvrtc")
-        return " ".join(f.decode() for f in flags if not f.startswith(b"--include-path="))
+        return " ".join(f.decode() for f in self.nvrtc_flags() if not f.startswith(b"--include-path="))
 
     def describe_linker(self) -> str:
         return repr([("arch", self.spec.arch), ("lineinfo", self.lineinfo)]) if self.spec.uses_nvshmem else "none"
@@ -51,10 +59,13 @@ class CompileOptions:
 def compile_options(spec: KernelSpec, nvshmem: Nvshmem | None) -> CompileOptions:
     tc = toolchain()
     include_dirs = [source_root(), tc.cudart_include, tc.cccl_include]
+    guards: tuple[str, ...] = ()
     if spec.uses_nvshmem:
         assert nvshmem is not None, "an NVSHMEM family needs its NVSHMEM installation"
         include_dirs.append(nvshmem.include_dir)
-    return CompileOptions(spec=spec, lineinfo=env.get("CUEP_JIT_LINEINFO"), include_dirs=tuple(include_dirs))
+        guards = nvshmem.collective_guards()
+    return CompileOptions(spec=spec, lineinfo=env.get("CUEP_JIT_LINEINFO"), include_dirs=tuple(include_dirs),
+                          header_guards=guards)
 
 
 def _ptx(source: str, options: CompileOptions) -> str:
@@ -67,8 +78,7 @@ def _ptx(source: str, options: CompileOptions) -> str:
             raise CompileError(f"NVRTC failed producing PTX for {options.spec.name}: {err}")
         return values[0] if values else None
 
-    core = _deps.cuda_core()
-    flags = core.ProgramOptions(**options.program_kwargs()).as_bytes("nvrtc")
+    flags = options.nvrtc_flags()
     program = check(nvrtc.nvrtcCreateProgram(source.encode(), f"{options.spec.family}.cu".encode(), 0, [], []))
     try:
         check(nvrtc.nvrtcCompileProgram(program, len(flags), flags))
@@ -77,6 +87,18 @@ def _ptx(source: str, options: CompileOptions) -> str:
         return buffer.rstrip(b"\0 ").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(program)
+
+
+def _link_with_nvshmem(obj, options: CompileOptions, nvshmem: Nvshmem):
+    """``obj`` (relocatable device code) linked with the NVSHMEM device library."""
+    core = _deps.cuda_core()
+    device_library = core.ObjectCode.from_library(str(nvshmem.device_library))
+    linker = core.Linker(obj, device_library,
+                         options=core.LinkerOptions(arch=options.spec.arch, lineinfo=options.lineinfo))
+    try:
+        return linker.link("cubin")
+    except Exception as exc:
+        raise CompileError(f"nvJitLink failed on {options.spec.name} with {nvshmem.device_library}:\n{exc}") from exc
 
 
 def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: bool = False) -> Artifact:
@@ -93,12 +115,7 @@ def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: 
     except Exception as exc:  # cuda.core raises a generic error carrying the NVRTC log
         raise CompileError(f"NVRTC failed on {spec.name}:\n{exc}") from exc
     if spec.uses_nvshmem:
-        device_library = core.ObjectCode.from_library(str(nvshmem.device_library))
-        linker = core.Linker(obj, device_library,
-                             options=core.LinkerOptions(arch=spec.arch, lineinfo=options.lineinfo))
-        try:
-            obj = linker.link("cubin")
-        except Exception as exc:
-            raise CompileError(f"nvJitLink failed on {spec.name} with {nvshmem.device_library}:\n{exc}") from exc
+        assert nvshmem is not None, "an NVSHMEM family needs its NVSHMEM installation"
+        obj = _link_with_nvshmem(obj, options, nvshmem)
     cubin = bytes(obj.code)
     return Artifact(cubin=cubin, source=source, log=log.getvalue(), seconds=time.perf_counter() - started, ptx=ptx)

@@ -1,16 +1,20 @@
-"""get_library(spec): memory -> disk cache -> (collective) compile; then load, and register with NVSHMEM.
+"""get_libraries(specs): memory -> disk cache -> (collective) compile; then load, and register with NVSHMEM.
 
-The one place where a :class:`KernelSpec` becomes something launchable. Collective mode (a
+The one place where a :class:`KernelSpec` becomes something launchable. The specs of one call compile
+concurrently, on threads: NVRTC and nvJitLink release the GIL while they work. Collective mode (a
 :class:`CompileGroup` given) keeps a job's ranks from stalling each other: every rank computes the
-cache key and the ranks compare them; local rank 0 of each node compiles (or finds the entry on
-disk) while its node waits with a timeout; then every rank loads the cubin from disk.
+cache keys and the ranks compare them; local rank 0 of each node compiles what is not on disk while
+its node waits with a timeout; then every rank loads the cubins from disk.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from .. import _deps, env
 from .._log import jit_logger
@@ -22,6 +26,7 @@ from .spec import KernelSpec
 from .toolchain import Nvshmem, nvshmem, toolchain
 
 _OK = "ok"
+_Result = TypeVar("_Result")
 
 
 class CompileGroup(Protocol):
@@ -58,6 +63,26 @@ _loaded: dict[KernelSpec, Library] = {}
 _warned: set[str] = set()
 
 
+@dataclass(frozen=True)
+class _Job:
+    """Everything one spec needs on its way to a cubin; ``keyed`` is ``None`` when it cannot be cached."""
+
+    spec: KernelSpec
+    nv: Nvshmem | None
+    options: CompileOptions
+    keyed: tuple[str, dict[str, str]] | None
+    root: Path
+
+    @property
+    def key(self) -> str | None:
+        return self.keyed[0] if self.keyed else None
+
+    @property
+    def entry(self) -> Path:
+        assert self.keyed is not None
+        return cache.entry_dir(self.root, self.spec, self.keyed[0])
+
+
 def _toolchain_fields(spec: KernelSpec, nv: Nvshmem | None) -> dict[str, str]:
     tc = toolchain()
     fields = {"nvrtc": "%d.%d" % tc.nvrtc_version, "nvjitlink": "%d.%d" % tc.nvjitlink_version,
@@ -85,111 +110,168 @@ def _key(spec: KernelSpec, options: CompileOptions, nv: Nvshmem | None) -> tuple
     return cache.cache_key(fields), fields
 
 
-def _compile(spec: KernelSpec, options: CompileOptions, nv: Nvshmem | None, root: Path, announce: bool):
-    log = jit_logger()
-    log.debug("cuep: %s options %s linker %s", spec.name, options.describe_program(), options.describe_linker())
+def _prepare(spec: KernelSpec) -> _Job:
+    """What every path to a cubin needs: NVSHMEM (if used), the options, the key (or None), the cache root."""
+    nv = nvshmem() if spec.uses_nvshmem else None
+    options = compile_options(spec, nv)
+    return _Job(spec, nv, options, _key(spec, options, nv), env.get("CUEP_CACHE_DIR"))
+
+
+def _compile(job: _Job, announce: bool) -> cache.Artifact:
+    """Compile ``job``; with ``announce``, its one progress line (at INFO) once it is done."""
+    log, spec = jit_logger(), job.spec
+    log.debug("cuep: %s options %s linker %s", spec.name, job.options.describe_program(),
+              job.options.describe_linker())
     try:
-        artifact = compile_spec(options, nv, keep_ptx=env.get("CUEP_JIT_DUMP"))
+        artifact = compile_spec(job.options, job.nv, keep_ptx=env.get("CUEP_JIT_DUMP"))
     except CompileError as exc:
-        kept = root / cache.STORE_LAYOUT / "failed" / spec.name / "source.cu"
+        kept = job.root / cache.STORE_LAYOUT / "failed" / spec.name / "source.cu"
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text((source_root() / f"{spec.family}.cu").read_text())
         raise CompileError(f"{exc}\nsource kept at {kept} (headers under {source_root()}); "
-                           f"options: {options.describe_program()}") from exc
+                           f"options: {job.options.describe_program()}") from exc
     if announce:
-        log.info("cuep: compiling %s (first use, cached in %s) ... %.1f s", spec.name, root, artifact.seconds)
+        log.info("cuep: compiling %s (first use, cached in %s) ... %.1f s", spec.name, job.root, artifact.seconds)
     if artifact.log.strip():
         log.debug("cuep: NVRTC log for %s:\n%s", spec.name, artifact.log)
     return artifact
 
 
-def _build_into_cache(spec, options, nv, root, key, fields, announce) -> bytes:
-    cubin = cache.load(root, spec, key)
+def _produce(job: _Job, announce: bool) -> bytes:
+    """The cubin of ``job``: from the disk cache, else compiled (and stored when it can be cached)."""
+    if job.keyed is None:
+        return _compile(job, announce).cubin
+    key, fields = job.keyed
+    cubin = cache.load(job.root, job.spec, key)
     if cubin is not None:
-        jit_logger().debug("cuep: cache hit %s", cache.entry_dir(root, spec, key))
+        jit_logger().debug("cuep: cache hit %s", job.entry)
         return cubin
-    artifact = _compile(spec, options, nv, root, announce)
-    cache.store(root, spec, key, fields, artifact)
+    artifact = _compile(job, announce)
+    cache.store(job.root, job.spec, key, fields, artifact)
     return artifact.cubin
 
 
-def _check_same_key(group: CompileGroup, spec: KernelSpec, keyed) -> None:
-    keys = group.allgather(keyed[0] if keyed else None, f"compile of {spec.name}")
-    if len(set(keys)) == 1:
+def available_cores() -> int:
+    """Processors this process may run on (its affinity mask, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _costliest_first(jobs: Sequence[_Job]) -> list[int]:
+    """Indices of ``jobs``, the likely longest compile first, so that with fewer threads than jobs the
+    short ones fill in beside it. NVSHMEM families cost most (their headers alone take seconds), then
+    longer sources."""
+    def cost(index: int) -> tuple[bool, int]:
+        spec = jobs[index].spec
+        return spec.uses_nvshmem, len((source_root() / f"{spec.family}.cu").read_bytes())
+    return sorted(range(len(jobs)), key=cost, reverse=True)
+
+
+def _run_concurrently(work: Callable[[_Job], _Result], jobs: Sequence[_Job]) -> list[_Result]:
+    """``work`` on every job, one thread per available core; results in the order of ``jobs``. Every job
+    runs to its end before the first failure (in job order) is raised, so nothing writes afterwards."""
+    if len(jobs) <= 1:
+        return [work(job) for job in jobs]
+    jit_logger()  # its first use attaches the handler: done here, not by two threads at once (two lines each)
+    with ThreadPoolExecutor(max_workers=min(len(jobs), available_cores()), thread_name_prefix="cuep-jit") as pool:
+        futures = {index: pool.submit(work, jobs[index]) for index in _costliest_first(jobs)}
+    return [futures[index].result() for index in range(len(jobs))]
+
+
+def _check_same_keys(group: CompileGroup, jobs: Sequence[_Job]) -> None:
+    """Raise, naming two ranks and the first field that differs, unless every rank builds the same kernels."""
+    phase = "compile of " + ", ".join(job.spec.name for job in jobs)
+    keys = group.allgather([(job.spec.name, job.key) for job in jobs], phase)
+    names = [[name for name, _ in theirs] for theirs in keys]
+    if any(theirs != names[group.rank] for theirs in names):
+        other = next(r for r, theirs in enumerate(names) if theirs != names[group.rank])
+        raise CompileError(f"ranks {group.rank} and {other} ask for different kernels ({names[group.rank]} vs "
+                           f"{names[other]}); every rank must create the same Buffers in the same order")
+    if all(theirs == keys[group.rank] for theirs in keys):
         return
-    other = next(r for r, k in enumerate(keys) if k != keys[group.rank])
-    all_fields = group.allgather(keyed[1] if keyed else None, f"compile of {spec.name}")
-    mine, theirs = all_fields[group.rank] or {}, all_fields[other] or {}
-    in_order = [*mine, *(f for f in theirs if f not in mine)]
-    differing = next((f for f in in_order if mine.get(f) != theirs.get(f)), "cache use")
+    # Every rank holds the same gathered keys, so every rank picks the same spec to explain.
+    index = next(i for i in range(len(jobs)) if len({theirs[i] for theirs in keys}) > 1)
+    other = next(r for r, theirs in enumerate(keys) if theirs[index] != keys[group.rank][index])
+    all_fields = group.allgather(jobs[index].keyed[1] if jobs[index].keyed else None, phase)
+    ours, theirs = all_fields[group.rank] or {}, all_fields[other] or {}
+    in_order = [*ours, *(f for f in theirs if f not in ours)]
+    differing = next((f for f in in_order if ours.get(f) != theirs.get(f)), "cache use")
+    name = jobs[index].spec.name
     raise CompileError(
-        f"ranks {group.rank} and {other} would build different {spec.name} kernels: their '{differing}' "
-        f"differs ({mine.get(differing)!r} vs {theirs.get(differing)!r}); give every rank the same "
+        f"ranks {group.rank} and {other} would build different {name} kernels: their '{differing}' "
+        f"differs ({ours.get(differing)!r} vs {theirs.get(differing)!r}); give every rank the same "
         f"cuep, CUDA and NVSHMEM installation and the same CUEP_* settings")
 
 
-def _prepare(spec: KernelSpec):
-    """What every path to a cubin needs: NVSHMEM (if used), the options, the key (or None), the cache root."""
-    nv = nvshmem() if spec.uses_nvshmem else None
-    options = compile_options(spec, nv)
-    return nv, options, _key(spec, options, nv), env.get("CUEP_CACHE_DIR")
-
-
-def _obtain_cubin(spec: KernelSpec, group: CompileGroup | None) -> bytes:
-    nv, options, keyed, root = _prepare(spec)
-    announce = group is None or group.rank == 0
-    if group is not None and group.num_ranks > 1:
-        _check_same_key(group, spec, keyed)
-    if keyed is None:
-        return _compile(spec, options, nv, root, announce).cubin
-    key, fields = keyed
-    if group is None:
-        return _build_into_cache(spec, options, nv, root, key, fields, announce)
-    phase = f"compile of {spec.name}"
-    cubin = None
-    if group.local_rank == 0:
-        try:
-            cubin = _build_into_cache(spec, options, nv, root, key, fields, announce)
-        except Exception as exc:
-            group.node_broadcast(f"{type(exc).__name__}: {exc}", phase)
-            raise
-    status = group.node_broadcast(_OK, phase)
-    if status != _OK:
-        raise CompileError(f"local rank 0 of this node failed to build {spec.name}:\n{status}")
+def _load_built(job: _Job, rank: int) -> bytes:
+    cubin = cache.load(job.root, job.spec, job.keyed[0])
     if cubin is None:
-        cubin = cache.load(root, spec, key)
-    if cubin is None:
-        raise CompileError(f"local rank 0 built {spec.name} into {cache.entry_dir(root, spec, key)}, but rank "
-                           f"{group.rank} cannot read it there: CUEP_CACHE_DIR must be visible to every rank "
-                           f"of a node")
+        raise CompileError(f"local rank 0 built {job.spec.name} into {job.entry}, but rank {rank} cannot read it "
+                           f"there: CUEP_CACHE_DIR must be visible to every rank of a node")
     return cubin
 
 
-def get_library(spec: KernelSpec, group: CompileGroup | None = None) -> Library:
-    """Load ``spec`` from memory, the disk cache, or a fresh compile.
+def _obtain_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> list[bytes]:
+    jobs = [_prepare(spec) for spec in specs]
+    announce = group is None or group.rank == 0
+    if group is not None and group.num_ranks > 1:
+        _check_same_keys(group, jobs)
+    if group is None:
+        return _run_concurrently(lambda job: _produce(job, announce), jobs)
+    # Local rank 0 builds every kernel; the others compile only what cannot be cached, then load.
+    leads = group.local_rank == 0
+    mine = [i for i, job in enumerate(jobs) if leads or job.keyed is None]
+    shared = any(job.keyed is not None for job in jobs)
+    phase = "compile of " + ", ".join(spec.name for spec in specs)
+    try:
+        built = dict(zip(mine, _run_concurrently(lambda job: _produce(job, announce), [jobs[i] for i in mine])))
+    except Exception as exc:
+        if leads and shared:
+            group.node_broadcast(f"{type(exc).__name__}: {exc}", phase)
+        raise
+    if shared:
+        status = group.node_broadcast(_OK, phase)
+        if status != _OK:
+            names = ", ".join(job.spec.name for job in jobs if job.keyed is not None)
+            raise CompileError(f"local rank 0 of this node failed to build {names}:\n{status}")
+    return [built[i] if i in built else _load_built(job, group.rank) for i, job in enumerate(jobs)]
 
-    With ``group``, every rank of the group must call this for the same spec (it is collective);
-    without it, this process compiles on its own (``python -m cuep compile``, tests).
+
+def get_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = None) -> list[Library]:
+    """Load every spec from memory, the disk cache, or a fresh compile (the missing ones concurrently).
+
+    With ``group``, every rank of the group must call this with the same specs in the same order (it
+    is collective); without it, this process compiles on its own (tests, one-process tools).
     """
-    library = _loaded.get(spec)
-    if library is None:
-        library = Library(spec, _obtain_cubin(spec, group))
-        _loaded[spec] = library
-    return library
+    missing = [spec for spec in dict.fromkeys(specs) if spec not in _loaded]
+    for spec, cubin in zip(missing, _obtain_cubins(missing, group) if missing else []):
+        _loaded[spec] = Library(spec, cubin)
+    return [_loaded[spec] for spec in specs]
+
+
+def get_library(spec: KernelSpec, group: CompileGroup | None = None) -> Library:
+    """:func:`get_libraries` for one spec."""
+    return get_libraries([spec], group)[0]
+
+
+def _build_timed(job: _Job) -> tuple[Path | None, float]:
+    started = time.perf_counter()
+    if job.keyed is None:
+        _compile(job, announce=False)
+        return None, time.perf_counter() - started
+    if cache.load(job.root, job.spec, job.keyed[0]) is not None:
+        return job.entry, 0.0
+    _produce(job, announce=False)
+    return job.entry, time.perf_counter() - started
+
+
+def build_all(specs: Sequence[KernelSpec]) -> list[tuple[Path | None, float]]:
+    """Compile every spec into the disk cache, concurrently, without loading anything (no GPU needed).
+
+    Returns, per spec, its cache entry (``None`` when the cache is disabled) and the seconds spent
+    compiling it (0 when it was already cached)."""
+    return _run_concurrently(_build_timed, [_prepare(spec) for spec in specs])
 
 
 def build(spec: KernelSpec) -> tuple[Path | None, float]:
-    """Compile ``spec`` into the disk cache without loading it (no GPU needed).
-
-    Returns the cache entry (``None`` when the cache is disabled) and the seconds spent compiling
-    (0 when it was already cached)."""
-    nv, options, keyed, root = _prepare(spec)
-    started = time.perf_counter()
-    if keyed is None:
-        _compile(spec, options, nv, root, announce=False)
-        return None, time.perf_counter() - started
-    key, fields = keyed
-    if cache.load(root, spec, key) is not None:
-        return cache.entry_dir(root, spec, key), 0.0
-    _build_into_cache(spec, options, nv, root, key, fields, announce=False)
-    return cache.entry_dir(root, spec, key), time.perf_counter() - started
+    """:func:`build_all` for one spec."""
+    return build_all([spec])[0]

@@ -19,6 +19,14 @@ from ..errors import MissingDependencyError
 
 # NVRTC cannot compile the NVSHMEM headers of releases before this one.
 MIN_NVSHMEM_VERSION = (3, 5, 21)
+# NVSHMEM's collective device API (reductions, fcollect, broadcast, alltoall): each header and the
+# include guard it is wrapped in. nvshmem.h and nvshmemx.h pull all of it in, and NVRTC then spends most
+# of an NVSHMEM family's front-end time instantiating collectives that cuep never calls.
+COLLECTIVE_HEADER_GUARDS = (
+    ("device/nvshmem_coll_defines.cuh", "_NVSHMEM_COLL_DEFINES_CUH_"),
+    ("device/nvshmemx_coll_defines.cuh", "_NVSHMEMX_COLL_DEFINES_CUH_"),
+    ("non_abi/device/coll/defines.cuh", "_NVSHMEMI_DEVICE_COLL_DEFINES_H_"),
+)
 _NVSHMEM_PIP = "pip install 'nvidia-nvshmem-cu13>=3.5.21' (or nvidia-nvshmem-cu12 on CUDA 12)"
 
 
@@ -43,6 +51,29 @@ class Nvshmem:
     @property
     def device_library(self) -> Path:
         return self.root / "lib" / "libnvshmem_device.a"
+
+    def collective_guards(self) -> tuple[str, ...]:
+        """The include guards that, defined up front, leave NVSHMEM's collective headers out.
+
+        Empty unless every header in :data:`COLLECTIVE_HEADER_GUARDS` is guarded by its macro: leaving
+        out only some of them would break the compile, so a release that renamed one gets the full
+        headers (slower, still correct)."""
+        return _collective_guards(self.include_dir)
+
+
+def _guarded_by(header: Path, guard: str) -> bool:
+    try:
+        text = header.read_text(errors="replace")
+    except OSError:
+        return False
+    return re.search(rf"^#\s*ifndef\s+{guard}\s*\n#\s*define\s+{guard}\b", text, re.MULTILINE) is not None
+
+
+@functools.cache
+def _collective_guards(include_dir: Path) -> tuple[str, ...]:
+    if all(_guarded_by(include_dir / header, guard) for header, guard in COLLECTIVE_HEADER_GUARDS):
+        return tuple(guard for _, guard in COLLECTIVE_HEADER_GUARDS)
+    return ()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,22 @@
 """One launch module per ``cuda_src`` family: its spec, its launch geometry, its argument order."""
 
+from __future__ import annotations
+
+from ..jit import KernelSpec
 from . import barrier, intranode, layout, low_latency
 
 FAMILIES = {"barrier": barrier, "intranode": intranode, "layout": layout, "low_latency": low_latency}
 
-__all__ = ["FAMILIES", "barrier", "intranode", "layout", "low_latency"]
+
+def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int) -> dict[str, KernelSpec]:
+    """The families a Buffer of these sizes launches, by name, with their specs for ``arch``.
+
+    The layout and barrier kernels serve every Buffer; the intranode family needs an NVLink buffer
+    (``num_nvl_bytes > 0``) and the low-latency family an RDMA buffer (``num_rdma_bytes > 0``).
+    Compiling only these keeps a cold start to what the Buffer can use.
+    """
+    wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0, "low_latency": num_rdma_bytes > 0}
+    return {family: FAMILIES[family].spec(arch) for family, used in wanted.items() if used}
+
+
+__all__ = ["FAMILIES", "barrier", "buffer_specs", "intranode", "layout", "low_latency"]
