@@ -22,6 +22,10 @@
 // staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
 // 64-bit word carries a tag of its call number beside the value, so it shows itself when it lands.
 //
+// The device helpers are static: this family is compiled relocatable (it links NVSHMEM), and there an
+// external __device__ function is also compiled as a stand-alone copy that the link then drops.
+// combine_token stays external: as a static function the combine kernel's code changes.
+//
 // Every wait is bounded: a timed-out wait records the peer and phase in `status` (mirrored to
 // pinned host memory, so no copy is enqueued per call) and every later wait of the launch gives up
 // at once; the host raises PeerTimeoutError.
@@ -295,7 +299,7 @@ __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(
 // direct reader polls words a put wrote; NVSHMEM's copies over NVLink write aligned 8-byte words whole,
 // though only the signal is promised.
 template <typename Value>
-__device__ void publish_table(const Team& team, uint64_t* table, uint64_t* staging, int count, Value value,
+static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t* staging, int count, Value value,
                               uint64_t* flag, uint64_t seq, int pe, int rank, bool force_put) {
     uint64_t* direct = direct_address(table, pe, rank, force_put);
     uint64_t* target = direct != nullptr ? direct : staging;
@@ -345,7 +349,7 @@ struct Destinations {
 // that warp still reads). Put destinations get a put-with-signal from the team's first warp.
 // `trace`: stamps kTraceFlagsReleased once a release returned (on current GPUs a release waits, as a
 // fence does, for the message's stores to land; put destinations are not stamped).
-__device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
+static __device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
                                     int64_t bytes, uint64_t* flag, uint64_t seq, int rank, uint64_t* trace) {
     team.sync();
     const int i = team.thread() - (team.size - kWarpSize);
@@ -420,7 +424,7 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
 // also writes the factor each rank's combined partial takes at the source to `partial_weights`: the
 // choice's weight where the rank holds one of the token's experts (it sent that row unweighted), 1
 // where it holds several (it summed them weighted). The caller syncs before others read.
-__device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
+static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
                                    int num_ranks, const Status& status, int* ranks, const float* weights = nullptr,
                                    float* partial_weights = nullptr) {
     const int lane = threadIdx.x % kWarpSize;
@@ -443,7 +447,7 @@ __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int
 }
 
 // The ranks holding token t's experts (each once), and where to store for each. Ends with a team barrier.
-__device__ void find_destinations(const Team& team, const DispatchArgs& a, int t, Destinations& dst) {
+static __device__ void find_destinations(const Team& team, const DispatchArgs& a, int t, Destinations& dst) {
     if (team.thread() < kWarpSize) {
         const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts, a.num_ranks,
                                               a.status, dst.pe);
@@ -543,7 +547,7 @@ __device__ __forceinline__ void store_fp8_unit(const DispatchArgs& a, const Dest
 // Block-wide: write token t to every rank holding one of its experts (raise_token_flags publishes it).
 // The first round of x is loaded before the destinations are looked up, so the two latencies overlap.
 // `tables_of`: a call number whose routing tables must have gone out before the first store, or 0.
-__device__ void send_token(const Team& team, const DispatchArgs& a, int t, Destinations& dst, uint64_t tables_of,
+static __device__ void send_token(const Team& team, const DispatchArgs& a, int t, Destinations& dst, uint64_t tables_of,
                            uint64_t deadline_ns) {
     const int num_vectors = a.hidden / kBf16PerVector;
     const int round_vectors = kSendBatch * team.size;
@@ -586,7 +590,7 @@ __device__ void send_token(const Team& team, const DispatchArgs& a, int t, Desti
 }
 
 // Raise token t's flag on every destination (after send_token wrote it there). Team-wide.
-__device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t, const Destinations& dst,
+static __device__ void raise_token_flags(const Team& team, const DispatchArgs& a, int t, const Destinations& dst,
                                   uint64_t seq) {
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
     raise_message_flags(team, dst, slot, a.slot_staging + static_cast<int64_t>(t) * a.slot_bytes, message_bytes(a),
@@ -610,7 +614,7 @@ __device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, int i) {
 // polls the tagged words like everyone else). Each block stores its rows just before its own token
 // data, so the rows lead that data on the links; tables stored whole by a few blocks queue behind
 // every other block's flood (measured: the layout then waits ~5 us for them at EP4).
-__device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, uint64_t seq) {
+static __device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, uint64_t seq) {
     const int stride = ids_stride(a);
     const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
     const int own_tokens = a.num_tokens > block ? (a.num_tokens - 1 - block) / grid + 1 : 0;
@@ -644,7 +648,7 @@ __device__ __forceinline__ bool has_put_peer(const DispatchArgs& a) {
 // Send this block's tokens after their routing rows (direct peers) and, when some peer takes puts,
 // after the whole tables for those peers went out (from the last blocks, which have no token when the
 // grid outnumbers the tokens; every receiver waits for all the tables).
-__device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
     const int table_words = kRoutingHeaderWords + a.num_tokens * ids_stride(a);
     const bool gated = has_put_peer(a);
@@ -682,7 +686,7 @@ __device__ __forceinline__ int routed_id(const DispatchArgs& a, int s, int t, in
 }
 
 // Copy the arrived token (s, t) into row `row` of local expert e (global id `expert`).
-__device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, int s, int t, uint64_t seq,
+static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, int s, int t, uint64_t seq,
                             uint64_t deadline_ns) {
     const int lane = threadIdx.x % kWarpSize;
     const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
@@ -737,7 +741,7 @@ struct ReceiveState {
     int words_per_source, num_words;
 };
 
-__device__ ReceiveState receive_state(const DispatchArgs& a) {
+static __device__ ReceiveState receive_state(const DispatchArgs& a) {
     extern __shared__ int32_t shared[];
     ReceiveState r;
     r.words_per_source = (a.max_tokens + kWarpSize - 1) / kWarpSize;
@@ -749,7 +753,7 @@ __device__ ReceiveState receive_state(const DispatchArgs& a) {
 }
 
 // Wait for every source's routing table and keep its token count. Ends with a team barrier.
-__device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+static __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                    uint64_t deadline_ns) {
     for (int s = team.thread(); s < a.num_ranks; s += team.size) {
         int sent = 0;
@@ -766,7 +770,7 @@ __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, cons
 
 // Rows of local expert e: which (source, token) pairs name it, one bit each, then rows in (source,
 // token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a team barrier.
-__device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
+static __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
                              uint64_t seq, uint64_t deadline_ns) {
     __shared__ int32_t total_rows;
     const int R = a.num_ranks, expert = a.rank * (a.num_experts / R) + e;
@@ -823,7 +827,7 @@ __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const Rece
 }
 
 // Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a team barrier.
-__device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
+static __device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
                                uint64_t seq, uint64_t deadline_ns) {
     const int expert = a.rank * (a.num_experts / a.num_ranks) + e;
     const int warp = team.thread() / kWarpSize, num_warps = team.size / kWarpSize;
@@ -842,7 +846,7 @@ __device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const Re
 
 // combine_rows entries naming another rank's expert (or none) have no row here: -1. From the last
 // blocks first, which have no receive unit when the grid outnumbers the units.
-__device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+static __device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                      uint64_t deadline_ns) {
     const int L = a.num_experts / a.num_ranks;
     const int entries_per_source = a.max_tokens * a.num_topk;
@@ -862,7 +866,7 @@ __device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, co
 }
 
 // Lay out and copy each receive unit of this block as its tokens arrive.
-__device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const ReceiveState r = receive_state(a);
     read_source_tokens(team, a, r, seq, deadline_ns);
     if (team.leader())
@@ -882,7 +886,7 @@ __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t 
 // The dispatch launch. With both phases, the first half of the block sends and the second half
 // receives: a sender warp waits for the links (stores, then the release of each token's flags), and
 // the receivers would otherwise wait for it at every barrier.
-__device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
+static __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
     const bool split = sends && receives;
     const int half = static_cast<int>(blockDim.x) / 2;
@@ -940,7 +944,7 @@ struct PairRows {
 };
 
 // Warp 0 of a group: this rank's rows for pair (s, t), in choice order.
-__device__ void gather_pair_rows(const CombineArgs& a, int s, int t, PairRows& pair) {
+static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, PairRows& pair) {
     const int lane = threadIdx.x % kWarpSize;
     const int64_t entry = (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
     const int row = lane < a.num_topk ? __ldg(a.combine_rows + entry + lane) : -1;
@@ -956,7 +960,7 @@ __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, PairRows& p
 
 // Warp 0 of a group, after gather_pair_rows and a group barrier: wait for source s's weights, then
 // read those of the pair's rows.
-__device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
+static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
                                     PairRows& pair) {
     const int lane = threadIdx.x % kWarpSize;
     const int count = pair.count;
@@ -995,7 +999,7 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
 // Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
 // for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag. The first row's loads
 // are in flight while the weights are awaited.
-__device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
+static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
                              PairRows& pair) {
     const int thread = group.thread();
     if (thread < kWarpSize)
@@ -1048,7 +1052,7 @@ __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, u
         trace_latest(a.trace, kTracePartialFlagged);
 }
 
-__device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
+static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
     // This rank's weights (zero where the id is -1) go to every rank first: the others wait on them.
     // They go from the last blocks, which hold the fewest pairs.
@@ -1124,7 +1128,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
     __syncthreads();
 }
 
-__device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
+static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
         combine_token(a, t, seq, deadline_ns);
     trace_block(a.trace, kTraceTokensSummed);
