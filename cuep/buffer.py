@@ -10,9 +10,10 @@ import numpy as np
 from . import _checks, _deps, env
 from .errors import CuepError
 from .event import EventOverlap, record_event
-from .jit import get_library
+from .jit import get_libraries
 from .config import Config, get_combine_config, get_dispatch_config
 from .kernels import barrier as barrier_kernel
+from .kernels import buffer_specs
 from .kernels import intranode as intranode_kernel
 from .kernels import layout as layout_kernel
 from .kernels import low_latency as low_latency_kernel
@@ -122,8 +123,6 @@ class Buffer:
     # Internals
     def _load_kernels(self) -> None:
         """Compile (one rank per node, the families at once) or load the families this Buffer uses."""
-        from .jit import get_libraries
-        from .kernels import buffer_specs
         mpi = _deps.mpi()
         arch = f"sm_{_deps.cuda_core().Device(self.device_id).arch}"
         specs = buffer_specs(arch, self.num_nvl_bytes, self.num_rdma_bytes)
@@ -462,7 +461,8 @@ class Buffer:
             x: `[num_tokens, hidden]` with `bfloat16` (``ml_dtypes.bfloat16``), or a tuple of
                 `[num_tokens, hidden]` `uint8` holding FP8 e4m3 bytes and `[num_tokens, hidden // 128]`
                 `float32` scales (any strides, e.g. column-major).
-            handle: a previous dispatch's handle: cached mode, reusing its layout (no CPU wait);
+            handle: a previous dispatch's handle (or the flat tuple of arrays it iterates as, e.g. saved
+                as torch tensors): cached mode, reusing its layout (no CPU wait);
                 ``topk_idx``/``topk_weights`` must then be ``None``.
             num_tokens_per_rank: `[num_ranks]` `int32` from the layout.
             num_tokens_per_rdma_rank: `[num_nodes]` from the layout, `None` on one node.
@@ -570,7 +570,7 @@ class Buffer:
 
         Arguments:
             x: `[num_recv_tokens, hidden]` `bfloat16`, one row per row ``dispatch`` returned.
-            handle: the dispatch's handle.
+            handle: the dispatch's handle, or the flat tuple of arrays it iterates as.
             topk_weights: `[num_recv_tokens, num_topk]` `float32` to sum back too, or `None`.
             bias: `[num_tokens, hidden]` `bfloat16`, or a tuple of two, added to each result.
             config, previous_event, async_finish, allocate_on_comm_stream: as in :meth:`dispatch`.

@@ -1,4 +1,5 @@
-"""Command line: ``python -m cuep info`` and ``python -m cuep compile --arch sm_80,sm_90``."""
+"""Command line: ``python -m cuep info``, ``python -m cuep compile --arch sm_80,sm_90`` and
+``python -m cuep gpus --at-least 2`` (a rank count for ``mpirun -np``)."""
 
 from __future__ import annotations
 
@@ -97,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch", default="sm_90", help="comma-separated targets, e.g. sm_80,sm_90")
     build.add_argument("--fallback", action="store_true", help="also build the Ampere fallback path")
     build.add_argument("--aggressive-ptx", action="store_true", help="also build the aggressive-PTX variant")
+    gpus = commands.add_parser("gpus", help="print how many GPUs this machine shows (for mpirun -np)")
+    gpus.add_argument("--at-least", type=int, default=0, help="print at least this many (ranks then share GPUs)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "gpus":
+        from .runtime.world import visible_gpu_count
+        print(max(visible_gpu_count(), args.at_least))
+        return 0
     try:
         return compile_all([a for a in args.arch.split(",") if a], args.fallback, args.aggressive_ptx)
     except ValueError as exc:

@@ -43,3 +43,12 @@ def test_heap_is_sized_from_the_request(monkeypatch):
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "64M")
     with pytest.raises(ValueError, match="NVSHMEM_SYMMETRIC_SIZE=64M is smaller than"):
         world._size_heap(1 << 30)
+
+
+def test_gpus_command_prints_a_rank_count(capsys, monkeypatch):
+    from cuep import cli
+    from cuep.runtime import world
+    monkeypatch.setattr(world, "visible_gpu_count", lambda: 1)
+    assert cli.main(["gpus", "--at-least", "2"]) == 0 and capsys.readouterr().out.strip() == "2"
+    monkeypatch.setattr(world, "visible_gpu_count", lambda: 4)
+    assert cli.main(["gpus", "--at-least", "2"]) == 0 and capsys.readouterr().out.strip() == "4"

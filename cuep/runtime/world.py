@@ -49,6 +49,20 @@ def heap_size_for(data_bytes: int) -> int:
     return -(-needed // _HEAP_ALIGN_BYTES) * _HEAP_ALIGN_BYTES
 
 
+def visible_gpu_count() -> int:
+    """GPUs this process sees, through the driver API (which creates no context); 0 without a driver."""
+    try:
+        driver = _deps.cuda_driver()
+        (err,) = driver.cuInit(0)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            err, count = driver.cuDeviceGetCount()
+            if err == driver.CUresult.CUDA_SUCCESS:
+                return count
+    except Exception:  # no cuda-bindings, or no driver library (libcuda) on this machine
+        pass
+    return 0
+
+
 def pick_device(local_rank: int, num_devices: int) -> int:
     """The GPU of a host's ``local_rank``: its own when the host shows a GPU per rank, else round-robin
     (whether ranks may then share one is :func:`check_gpu_sharing`'s decision)."""

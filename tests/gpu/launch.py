@@ -16,21 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cuep.runtime.world import visible_gpu_count as gpu_count
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_TIMEOUT_S = 600
-
-
-def gpu_count() -> int:
-    try:
-        from cuda.bindings import driver
-        (err,) = driver.cuInit(0)
-    except Exception:  # no cuda-bindings, or no driver library (libcuda) on this machine
-        return 0
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return 0
-    err, count = driver.cuDeviceGetCount()
-    return count if err == driver.CUresult.CUDA_SUCCESS else 0
 
 
 def mpirun() -> list[str] | None:
