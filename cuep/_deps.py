@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from types import ModuleType
 
 from .errors import MissingDependencyError
@@ -52,8 +53,22 @@ def pathfinder() -> ModuleType:
     return require("cuda.pathfinder")
 
 
+@functools.cache
 def nvshmem() -> ModuleType:
-    return require("nvshmem.core")
+    """``nvshmem.core``; a torch installed beside it is not imported on its behalf.
+
+    nvshmem4py imports torch, when it finds it, for tensor interop that cuep never uses; that import
+    alone cost 4-5 s of a first Buffer on the GPU image. So unless the program has imported torch
+    already, torch is hidden while ``nvshmem.core`` loads (its torch interop then stays off; torch
+    itself imports normally afterwards)."""
+    if "torch" in sys.modules:
+        return require("nvshmem.core")
+    sys.modules["torch"] = None  # makes `import torch` fail inside nvshmem4py's guarded imports
+    try:
+        return require("nvshmem.core")
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
 
 
 def mpi() -> ModuleType:
