@@ -248,11 +248,6 @@ def get_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = None
     return [_loaded[spec] for spec in specs]
 
 
-def get_library(spec: KernelSpec, group: CompileGroup | None = None) -> Library:
-    """:func:`get_libraries` for one spec."""
-    return get_libraries([spec], group)[0]
-
-
 def _build_timed(job: _Job) -> tuple[Path | None, float]:
     started = time.perf_counter()
     if job.keyed is None:
