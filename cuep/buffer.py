@@ -10,7 +10,7 @@ import numpy as np
 from . import _checks, _deps, env
 from .errors import CuepError
 from .event import EventOverlap, record_event
-from .jit import get_libraries
+from .jit import start_libraries
 from .config import Config, get_combine_config, get_dispatch_config
 from .kernels import barrier as barrier_kernel
 from .kernels import buffer_specs
@@ -91,8 +91,9 @@ class Buffer:
         control_bytes = barrier_kernel.signal_bytes(self.group_size)
         self._low_latency_offset = -(-self.num_nvl_bytes // LOW_LATENCY_ALIGN) * LOW_LATENCY_ALIGN
         data_bytes = self._low_latency_offset + self.num_rdma_bytes if self.num_rdma_bytes else self.num_nvl_bytes
-        self._world = nvshmem_world.init_world(self.comm, self.topology, data_bytes + control_bytes)
-        self.device_id = self._world.device_id
+        self.device_id = nvshmem_world.choose_device(self.comm, self.topology)
+        load_kernels = self._start_kernels()  # they compile while NVSHMEM boots
+        self._world = nvshmem_world.init_world(self.comm, self.topology, data_bytes + control_bytes, self.device_id)
         self._device = cupy.cuda.Device(self.device_id)
         self._device.use()
         self._comm_stream = cupy.cuda.Stream(non_blocking=True)
@@ -108,7 +109,7 @@ class Buffer:
         self._status_host = self._pinned_status_words()
         self._status_host_ptr = self._device_address_of_pinned(self._status_host.ctypes.data)
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
-        self._load_kernels()
+        load_kernels()
         self._intranode = self._intranode_context() if self.num_nvl_bytes else None
         self._low_latency = self._low_latency_context() if self.num_rdma_bytes else None
         self._low_latency_half = 0  # DeepEP's buffer index: every low-latency call flips it
@@ -121,21 +122,30 @@ class Buffer:
 
     # ----------------------------------------------------------------------------------------------
     # Internals
-    def _load_kernels(self) -> None:
-        """Compile (one rank per node, the families at once) or load the families this Buffer uses."""
+    def _start_kernels(self) -> Callable[[], None]:
+        """Collective: start compiling (one rank per node, the families at once, in the background) or
+        loading the families this Buffer uses; the returned call, once NVSHMEM is up, loads them."""
         mpi = _deps.mpi()
         arch = f"sm_{_deps.cuda_core().Device(self.device_id).arch}"
         specs = buffer_specs(arch, self.num_nvl_bytes, self.num_rdma_bytes)
         local_comm = self.comm.Split_type(mpi.COMM_TYPE_SHARED)
         try:
-            group = MpiGroup(self.comm, local_comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
-            libraries = dict(zip(specs, get_libraries(list(specs.values()), group)))
-        finally:
+            finish = start_libraries(list(specs.values()),
+                                     MpiGroup(self.comm, local_comm, env.get("CUEP_COMPILE_TIMEOUT_S")))
+        except BaseException:
             local_comm.Free()
-        self._layout_library = libraries["layout"]
-        self._barrier_library = libraries["barrier"]
-        self._intranode_library = libraries.get("intranode")
-        self._low_latency_library = libraries.get("low_latency")
+            raise
+
+        def load() -> None:
+            try:
+                libraries = dict(zip(specs, finish()))
+            finally:
+                local_comm.Free()
+            self._layout_library = libraries["layout"]
+            self._barrier_library = libraries["barrier"]
+            self._intranode_library = libraries.get("intranode")
+            self._low_latency_library = libraries.get("low_latency")
+        return load
 
     def _intranode_context(self) -> intranode_kernel.Context:
         cupy, nvshmem = _deps.cupy(), _deps.nvshmem()

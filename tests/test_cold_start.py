@@ -123,3 +123,24 @@ def test_the_first_failure_is_raised_after_every_job_ends(cache_dir, monkeypatch
     with pytest.raises(CompileError, match="boom"):
         library._obtain_cubins(specs, None)
     assert finished == [specs[1].name]
+
+
+def test_start_returns_while_the_compile_runs(cache_dir, monkeypatch):
+    """Buffer() bootstraps NVSHMEM between start_libraries and its finish: the start must not wait."""
+    import threading
+    release, compiled = threading.Event(), []
+
+    def slow_produce(job, announce):
+        assert release.wait(30), "the test never released the compile"
+        compiled.append(job.spec)
+        return b"cubin"
+
+    monkeypatch.setattr(library, "_produce", slow_produce)
+    monkeypatch.setattr(library, "Library", lambda spec, cubin: (spec, cubin))
+    spec = FAMILIES["layout"].spec("sm_90")
+    library._loaded.pop(spec, None)
+    finish = library.start_libraries([spec])
+    assert compiled == []  # returned with the compile still held
+    release.set()
+    assert finish() == [(spec, b"cubin")] and compiled == [spec]
+    library._loaded.pop(spec, None)

@@ -210,30 +210,58 @@ def _load_built(job: _Job, rank: int) -> bytes:
     return cubin
 
 
-def _obtain_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> list[bytes]:
+def _start_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> Callable[[], list[bytes]]:
+    """Collective: compare the keys, start building what this rank builds on a background thread, and
+    return ``finish()``, which (collectively) waits for the node's builds and returns the cubins.
+
+    Between the two the caller may do other work, even collective work over MPI: the background
+    thread only compiles and writes the cache."""
     jobs = [_prepare(spec) for spec in specs]
     announce = group is None or group.rank == 0
     if group is not None and group.num_ranks > 1:
         _check_same_keys(group, jobs)
-    if group is None:
-        return _run_concurrently(lambda job: _produce(job, announce), jobs)
     # Local rank 0 builds every kernel; the others compile only what cannot be cached, then load.
-    leads = group.local_rank == 0
+    leads = group is None or group.local_rank == 0
     mine = [i for i, job in enumerate(jobs) if leads or job.keyed is None]
-    shared = any(job.keyed is not None for job in jobs)
-    phase = "compile of " + ", ".join(spec.name for spec in specs)
-    try:
-        built = dict(zip(mine, _run_concurrently(lambda job: _produce(job, announce), [jobs[i] for i in mine])))
-    except Exception as exc:
-        if leads and shared:
-            group.node_broadcast(f"{type(exc).__name__}: {exc}", phase)
-        raise
-    if shared:
-        status = group.node_broadcast(_OK, phase)
-        if status != _OK:
-            names = ", ".join(job.spec.name for job in jobs if job.keyed is not None)
-            raise CompileError(f"local rank 0 of this node failed to build {names}:\n{status}")
-    return [built[i] if i in built else _load_built(job, group.rank) for i, job in enumerate(jobs)]
+    shared = group is not None and any(job.keyed is not None for job in jobs)
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuep-jit-start")
+    building = starter.submit(_run_concurrently, lambda job: _produce(job, announce), [jobs[i] for i in mine])
+    starter.shutdown(wait=False)  # returns at once; the thread ends with the builds
+
+    def finish() -> list[bytes]:
+        phase = "compile of " + ", ".join(spec.name for spec in specs)
+        try:
+            built = dict(zip(mine, building.result()))
+        except Exception as exc:
+            if leads and shared:
+                group.node_broadcast(f"{type(exc).__name__}: {exc}", phase)
+            raise
+        if shared:
+            status = group.node_broadcast(_OK, phase)
+            if status != _OK:
+                names = ", ".join(job.spec.name for job in jobs if job.keyed is not None)
+                raise CompileError(f"local rank 0 of this node failed to build {names}:\n{status}")
+        return [built[i] if i in built else _load_built(job, group.rank) for i, job in enumerate(jobs)]
+    return finish
+
+
+def _obtain_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> list[bytes]:
+    return _start_cubins(specs, group)()
+
+
+def start_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = None) -> Callable[[], list[Library]]:
+    """Start :func:`get_libraries` and return the call that completes it (collective, like it).
+
+    The compile runs in the background meanwhile, so a caller can bootstrap NVSHMEM at the same time;
+    the returned call loads the libraries, which registers the NVSHMEM ones, so it must come after."""
+    missing = [spec for spec in dict.fromkeys(specs) if spec not in _loaded]
+    finish_cubins = _start_cubins(missing, group) if missing else list
+
+    def finish() -> list[Library]:
+        for spec, cubin in zip(missing, finish_cubins()):
+            _loaded[spec] = Library(spec, cubin)
+        return [_loaded[spec] for spec in specs]
+    return finish
 
 
 def get_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = None) -> list[Library]:
@@ -242,10 +270,7 @@ def get_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = None
     With ``group``, every rank of the group must call this with the same specs in the same order (it
     is collective); without it, this process compiles on its own (tests, one-process tools).
     """
-    missing = [spec for spec in dict.fromkeys(specs) if spec not in _loaded]
-    for spec, cubin in zip(missing, _obtain_cubins(missing, group) if missing else []):
-        _loaded[spec] = Library(spec, cubin)
-    return [_loaded[spec] for spec in specs]
+    return start_libraries(specs, group)()
 
 
 def _build_timed(job: _Job) -> tuple[Path | None, float]:

@@ -110,18 +110,11 @@ def current() -> World | None:
     return _world
 
 
-def init_world(comm, topology: Topology, data_bytes: int) -> World:
-    """Collective: bootstrap NVSHMEM over ``comm`` once per process; later calls return the world."""
-    global _world
-    mpi = _deps.mpi()
+def choose_device(comm, topology: Topology) -> int:
+    """Collective: this rank's GPU (:func:`pick_device`), after :func:`check_gpu_sharing` over ``comm``."""
     if _world is not None and not _world.finalized:
-        if mpi.Comm.Compare(comm, _world.comm) not in (mpi.IDENT, mpi.CONGRUENT):
-            raise ValueError("Buffer(): comm must contain the same ranks as the first Buffer's: NVSHMEM "
-                             "allows one world per process")
-        return _world
-    if _world is not None:
-        raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
-    cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
+        return _world.device_id
+    cupy = _deps.cupy()
     try:
         num_devices = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError:
@@ -133,6 +126,22 @@ def init_world(comm, topology: Topology, data_bytes: int) -> World:
     if ranks_per_gpu > 1 and topology.rank == 0:
         logger.warning("cuep: up to %d ranks share each GPU (CUEP_SHARE_GPUS=1): results are tested, speed is not",
                        ranks_per_gpu)
+    return device_id
+
+
+def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> World:
+    """Collective: bootstrap NVSHMEM over ``comm`` on ``device_id`` (from :func:`choose_device`) once per
+    process; later calls return the world."""
+    global _world
+    mpi = _deps.mpi()
+    if _world is not None and not _world.finalized:
+        if mpi.Comm.Compare(comm, _world.comm) not in (mpi.IDENT, mpi.CONGRUENT):
+            raise ValueError("Buffer(): comm must contain the same ranks as the first Buffer's: NVSHMEM "
+                             "allows one world per process")
+        return _world
+    if _world is not None:
+        raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
+    cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
     heap_bytes = _size_heap(data_bytes)
     device = core.Device(device_id)
     device.set_current()
