@@ -154,7 +154,7 @@ class Handle:
     def __iter__(self):
         counts = (self.num_recv_tokens, self.num_send_copies)
         scalars = np.array([-1 if c is None else c for c in counts], dtype=np.int64)
-        return iter((*(getattr(self, name) for name in HANDLE_ARRAYS[:-1]), scalars))
+        return iter((*(getattr(self, name) for name in _HANDLE_ARRAY_DTYPES), scalars))
 
     def __len__(self) -> int:
         return len(HANDLE_ARRAYS)
@@ -166,10 +166,7 @@ class Handle:
         Raises ``ValueError`` when their shapes do not fit together."""
         send_pos, recv_src_idx, scalars = arrays["send_pos"], arrays["recv_src_idx"], arrays["scalars"]
         num_ranks = send_pos.shape[1] if send_pos.ndim == 2 else -1
-        expected = {"recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32,
-                    "push_offsets": np.int32, "send_pos": np.int32, "recv_src_idx": np.int32,
-                    "is_token_in_rank": np.bool_}
-        for name, dtype in expected.items():
+        for name, dtype in _HANDLE_ARRAY_DTYPES.items():
             if arrays[name].dtype != dtype:
                 raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
         if (num_ranks < 1 or arrays["push_offsets"].shape != (2 * num_ranks,) or recv_src_idx.ndim != 1
@@ -177,12 +174,15 @@ class Handle:
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
         num_recv, num_copies = (int(c) if c >= 0 else None for c in scalars)
         return cls(num_tokens=send_pos.shape[0], num_rows=recv_src_idx.shape[0], num_recv_tokens=num_recv,
-                   num_send_copies=num_copies, **{name: arrays[name] for name in expected})
+                   num_send_copies=num_copies, **{name: arrays[name] for name in _HANDLE_ARRAY_DTYPES})
 
 
-#: The handle's flat tuple, in order.
-HANDLE_ARRAYS = ("recv_info", "combine_offsets", "send_offsets", "push_offsets", "send_pos", "recv_src_idx",
-                 "is_token_in_rank", "scalars")
+# The handle's GPU arrays and their dtypes, in the order of its flat tuple.
+_HANDLE_ARRAY_DTYPES = {"recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32,
+                        "push_offsets": np.int32, "send_pos": np.int32, "recv_src_idx": np.int32,
+                        "is_token_in_rank": np.bool_}
+#: The handle's flat tuple, in order: its GPU arrays, then the host ``scalars``.
+HANDLE_ARRAYS = (*_HANDLE_ARRAY_DTYPES, "scalars")
 
 
 @dataclass

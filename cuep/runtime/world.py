@@ -115,11 +115,7 @@ def choose_device(comm, topology: Topology) -> int:
     if _world is not None and not _world.finalized:
         return _world.device_id
     cupy = _deps.cupy()
-    try:
-        num_devices = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        num_devices = 0
-    device_id = pick_device(topology.local_rank, num_devices)
+    device_id = pick_device(topology.local_rank, visible_gpu_count())
     gpu = (cupy.cuda.runtime.getDeviceProperties(device_id).get("uuid")
            or cupy.cuda.runtime.deviceGetPCIBusId(device_id).encode())
     ranks_per_gpu = check_gpu_sharing(comm.allgather(bytes(gpu)), env.get("CUEP_SHARE_GPUS"))
