@@ -119,3 +119,16 @@ def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: 
         obj = _link_with_nvshmem(obj, options, nvshmem)
     cubin = bytes(obj.code)
     return Artifact(cubin=cubin, source=source, log=log.getvalue(), seconds=time.perf_counter() - started, ptx=ptx)
+
+
+def check_compiles(options: CompileOptions, appendix: str) -> None:
+    """Compile the family's source with ``appendix`` after it (e.g. ``static_assert``\\ s about its
+    structs), NVRTC only: no link, no cache. Raises :class:`CompileError` with the NVRTC log."""
+    core = _deps.cuda_core()
+    source = (source_root() / f"{options.spec.family}.cu").read_text() + "\n" + appendix
+    program = core.Program(source, "c++", options=core.ProgramOptions(**options.program_kwargs()))
+    try:
+        program.compile("cubin")
+    except Exception as exc:
+        raise CompileError(f"NVRTC failed on {options.spec.name} with its checks appended:\n{exc}") from exc
+

@@ -58,6 +58,11 @@ class Library:
             self._kernels[name] = self._object.get_kernel(name)
         return self._kernels[name]
 
+    def function(self, name: str) -> int:
+        """The driver handle of entry ``name`` as an integer (a ``CUkernel``, which launches as a
+        ``CUfunction``), for :class:`cuep.kernels.launcher.Launch`."""
+        return int(self.kernel(name).handle)
+
 
 _loaded: dict[KernelSpec, Library] = {}
 _warned: set[str] = set()
