@@ -43,8 +43,12 @@ class KernelSpec:
     Attributes:
         family: kernel family, the stem of ``cuda_src/<family>.cu``.
         arch: target, e.g. ``"sm_90"``.
-        defines: the family's compile-time constants, sorted ``(name, value)`` pairs; each becomes
-            ``-DCUEP_<NAME>=<value>``.
+        defines: the family's compile-time parameters, sorted ``(name, value)`` pairs; each becomes
+            ``-DCUEP_<NAME>=<value>`` and is part of :attr:`name`.
+        constants: values that Python and CUDA share (thread counts, region sizes, codes), defined
+            once in Python: sorted ``(name, value)`` pairs, each ``-DCUEP_<NAME>=<value>``; they do not
+            vary between builds of a family, so they stay out of :attr:`name` (the cache key still
+            sees them, through the compile flags).
         sm90_features: build the Hopper path.
         aggressive_ptx: read-once loads through ``ld.global.nc.L1::no_allocate``.
         software_fp8: convert FP8 in software.
@@ -55,6 +59,7 @@ class KernelSpec:
     family: str
     arch: str
     defines: tuple[tuple[str, str], ...] = ()
+    constants: tuple[tuple[str, str], ...] = ()
     sm90_features: bool = False
     aggressive_ptx: bool = False
     software_fp8: bool = False
@@ -62,8 +67,8 @@ class KernelSpec:
 
     @classmethod
     def create(cls, family: str, arch: str, defines: dict[str, object] | None = None, *,
-               uses_nvshmem: bool = False, force_fallback: bool | None = None,
-               aggressive_ptx: bool | None = None) -> "KernelSpec":
+               constants: dict[str, object] | None = None, uses_nvshmem: bool = False,
+               force_fallback: bool | None = None, aggressive_ptx: bool | None = None) -> "KernelSpec":
         """Resolve features for ``arch``; unset options come from ``CUEP_FORCE_FALLBACK`` and
         ``CUEP_AGGRESSIVE_PTX``."""
         cc = parse_arch(arch)
@@ -72,9 +77,8 @@ class KernelSpec:
         if aggressive_ptx is None:
             aggressive_ptx = env.get("CUEP_AGGRESSIVE_PTX")
         full = cc == _FULL_FEATURE_CC and not force_fallback
-        pairs = tuple(sorted((str(k).lower(), str(v)) for k, v in (defines or {}).items()))
-        return cls(family=family, arch=f"sm_{cc}", defines=pairs, sm90_features=full,
-                   aggressive_ptx=full and bool(aggressive_ptx),
+        return cls(family=family, arch=f"sm_{cc}", defines=_pairs(defines), constants=_pairs(constants),
+                   sm90_features=full, aggressive_ptx=full and bool(aggressive_ptx),
                    software_fp8=force_fallback or cc < _HARDWARE_FP8_CC, uses_nvshmem=uses_nvshmem)
 
     @property
@@ -95,4 +99,10 @@ class KernelSpec:
         features = [("CUEP_ENABLE_SM90_FEATURES", str(int(self.sm90_features))),
                     ("CUEP_AGGRESSIVE_PTX", str(int(self.aggressive_ptx))),
                     ("CUEP_SOFTWARE_FP8", str(int(self.software_fp8)))]
-        return features + [(f"CUEP_{k.upper()}", v) for k, v in self.defines]
+        return features + [(f"CUEP_{k.upper()}", v) for k, v in (*self.defines, *self.constants)]
+
+
+def _pairs(values: dict[str, object] | None) -> tuple[tuple[str, str], ...]:
+    """``{name: value}`` as sorted ``(lower-case name, text)`` pairs; bools become ``0``/``1``."""
+    return tuple(sorted((str(k).lower(), str(int(v)) if isinstance(v, bool) else str(v))
+                        for k, v in (values or {}).items()))
