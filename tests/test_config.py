@@ -1,49 +1,109 @@
-"""Config defaults, validation and the NVL buffer size hint arithmetic."""
+"""cuep.Config through the public API: a dispatch and a combine Config for every rank count, the
+``Buffer.set_num_sms`` override, validation, and NVL size hints that hold what the calls stage.
+
+The tuned SM counts themselves are not repeated here: a retune changes them, not their behaviour.
+"""
+
+import itertools
 
 import pytest
 
-from cuep.config import Config, get_combine_config, get_dispatch_config
-from cuep.kernels import intranode
+import cuep
+from cuep import Config
+
+SUPPORTED_RANKS = range(1, 9)  # the intranode kernels: up to 8 ranks on one node
+HIDDENS = (384, 1024, 2048, 4096, 7168)
 
 
-def test_tuned_defaults_and_override():
-    assert get_dispatch_config(4).num_sms == 128 and get_combine_config(4).num_sms == 128
-    assert get_dispatch_config(2).num_sms == 96 and get_combine_config(2).num_sms == 128
-    assert get_dispatch_config(8).num_sms == 128 and get_combine_config(8).num_sms == 128
-    assert [intranode.pusher_warps(r) for r in (2, 4, 8)] == [12, 11, 12]
-    assert get_dispatch_config(4, num_sms=20).num_sms == 20
+@pytest.fixture
+def tuned_sms(monkeypatch):
+    """No ``set_num_sms`` count for the test (it sets a class attribute); whatever was set comes back after."""
+    monkeypatch.setattr(cuep.Buffer, "num_sms", None)
 
 
-@pytest.mark.parametrize("field", ["num_sms", "num_max_nvl_chunked_send_tokens"])
-def test_bad_config_names_the_field(field):
-    with pytest.raises(ValueError, match=f"Config\\(\\): {field} must be a positive int"):
-        Config(**{field: 0})
+def nvl_hint(hidden: int, num_ranks: int, num_tokens: int = 4096, num_topk: int = 8) -> int:
+    return Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks, num_tokens, num_topk)
 
 
-@pytest.mark.parametrize("ranks, topk", [(4, 8), (8, 4)])
-def test_hint_covers_dispatch_staging_cached_landing_and_combine_landing_twice(ranks, topk):
-    hidden, tokens = 7168, 4096
-    hint = Config().get_nvl_buffer_size_hint(hidden * 2, ranks, tokens, topk)
-    staging = intranode.staging_layout(tokens, hidden * 2, hidden // 128, topk, ranks).end
-    cached = ranks * tokens * intranode.push_row_bytes(hidden * 2, 0)
-    fp8_cached = ranks * tokens * intranode.push_row_bytes(hidden, hidden // 128)
-    landing = tokens * min(ranks, topk) * intranode.landing_row_bytes(hidden, topk)
-    region = intranode.region_bytes(hint)
-    assert region >= max(staging, landing, fp8_cached)
-    assert hint == intranode.META_BYTES + 2 * max(staging, cached, landing)  # no slack beyond what the kernels address
+@pytest.mark.parametrize("num_ranks", SUPPORTED_RANKS)
+def test_every_rank_count_has_a_dispatch_and_a_combine_config(tuned_sms, num_ranks):
+    for config in (cuep.Buffer.get_dispatch_config(num_ranks), cuep.Buffer.get_combine_config(num_ranks)):
+        assert isinstance(config, Config)
+        assert isinstance(config.num_sms, int) and config.num_sms > 0, config
 
 
-@pytest.mark.parametrize("nvl_bytes", [intranode.META_BYTES, intranode.META_BYTES + 1000, 1 << 30, (1 << 30) + 77])
-def test_regions_fit_the_buffer_and_start_on_128_byte_lines(nvl_bytes):
-    region = intranode.region_bytes(nvl_bytes)
-    assert region % intranode.LANDING_ROW_ALIGN == 0
-    assert intranode.META_BYTES + 2 * region <= nvl_bytes < intranode.META_BYTES + 2 * (region + 128)
-    assert intranode.region_bytes(intranode.nvl_bytes_for(region)) == region
+def test_set_num_sms_overrides_dispatch_and_combine_for_every_rank_count(tuned_sms):
+    cuep.Buffer.set_num_sms(24)
+    assert cuep.Buffer.num_sms == 24
+    for num_ranks in SUPPORTED_RANKS:
+        assert cuep.Buffer.get_dispatch_config(num_ranks).num_sms == 24
+        assert cuep.Buffer.get_combine_config(num_ranks).num_sms == 24
 
 
-def test_staging_layout_is_aligned_and_ordered():
-    layout = intranode.staging_layout(1001, 2048 * 2, 16, 8, 4)
-    offsets = [0, layout.scales_offset, layout.topk_idx_offset, layout.topk_weights_offset,
-               layout.send_lists_offset, layout.end]
-    assert offsets == sorted(offsets) and all(o % intranode.ALIGN == 0 for o in offsets)
-    assert layout.scales_offset >= 1001 * 4096
+@pytest.mark.parametrize("bad", [0, -2, True, 2.5, "8"])
+def test_set_num_sms_rejects_what_is_not_a_positive_int_and_keeps_the_count(tuned_sms, bad):
+    cuep.Buffer.set_num_sms(24)
+    with pytest.raises(ValueError, match=r"Buffer\.set_num_sms\(\): new_num_sms must be a positive int"):
+        cuep.Buffer.set_num_sms(bad)
+    assert cuep.Buffer.num_sms == 24 and cuep.Buffer.get_dispatch_config(4).num_sms == 24
+
+
+def test_defaults_match_deepep():
+    config = Config()
+    assert (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens) == (20, 6, 256, 6, 256)
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("num_sms", 0), ("num_sms", True), ("num_max_nvl_chunked_send_tokens", -1),
+    ("num_max_nvl_chunked_recv_tokens", 3.0), ("num_max_rdma_chunked_send_tokens", 0),
+    ("num_max_rdma_chunked_recv_tokens", None),
+])
+def test_bad_config_names_the_field(field, bad):
+    with pytest.raises(ValueError, match=f"Config\\(\\): {field} must be a positive int, got {bad!r}"):
+        Config(**{field: bad})
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_hint_grows_with_hidden(num_ranks):
+    hints = [nvl_hint(hidden, num_ranks) for hidden in HIDDENS]
+    assert all(a < b for a, b in itertools.pairwise(hints)), hints
+
+
+@pytest.mark.parametrize("hidden", [1024, 7168])
+def test_hint_grows_with_ranks(hidden):
+    hints = [nvl_hint(hidden, num_ranks) for num_ranks in SUPPORTED_RANKS]
+    assert all(a < b for a, b in itertools.pairwise(hints)), hints
+
+
+def test_hint_does_not_shrink_with_more_tokens_or_a_larger_top_k():
+    by_tokens = [nvl_hint(2048, 4, num_tokens) for num_tokens in (1, 128, 1001, 4096, 8192)]
+    by_topk = [nvl_hint(2048, 4, 4096, num_topk) for num_topk in (1, 2, 4, 8, 16)]
+    assert by_tokens == sorted(by_tokens) and by_topk == sorted(by_topk), (by_tokens, by_topk)
+
+
+def test_hint_defaults_are_a_4096_token_top_8_batch():
+    assert Config().get_nvl_buffer_size_hint(7168 * 2, 8) == nvl_hint(7168, 8, 4096, 8)
+
+
+@pytest.mark.parametrize("num_ranks, num_topk, hidden, num_tokens", [
+    (8, 8, 7168, 4096),  # DeepSeek-V3's shape: a combine lands 8 copies of every token
+    (1, 8, 2048, 1001),  # one rank: the staged tokens are the largest
+    (4, 16, 2048, 1001),  # more top-k entries than ranks
+    (8, 4, 384, 1),  # one token, a hidden of three scale blocks
+    (2, 1, 1024, 513),  # top-1: the cached landing is the largest
+])
+def test_hint_holds_the_largest_call_twice(num_ranks, num_topk, hidden, num_tokens):
+    """Successive calls use two regions in turn, each holding the largest of: a dispatch's staged tokens
+    (BF16 rows, FP8 scales, int64 top-k ids, float32 weights, a send list per rank), every rank's
+    tokens landing on one rank (a cached dispatch), and a combine's landed rows with their weights."""
+    hint = nvl_hint(hidden, num_ranks, num_tokens, num_topk)
+    bf16_row, num_scales = hidden * 2, -(-hidden // 128)
+    staged = num_tokens * (bf16_row + num_scales * 4 + num_topk * (8 + 4) + num_ranks * 4)
+    cached = num_ranks * num_tokens * bf16_row
+    cached_fp8 = num_ranks * num_tokens * (hidden + num_scales * 4)
+    combined = num_tokens * min(num_ranks, num_topk) * (bf16_row + num_topk * 4)
+    largest = max(staged, cached, cached_fp8, combined)
+    assert hint >= 2 * largest, (hint, staged, cached, combined)
+    # ... and not much more: rows padded to 128-byte lines, plus a fixed metadata region.
+    assert hint <= 2 * largest * 5 // 4 + (1 << 20), (hint, largest)

@@ -26,22 +26,72 @@ def test_decode_inverts_encode():
     np.testing.assert_array_equal(fp8.encode_e4m3(fp8.decode_e4m3(codes[finite])), codes[finite])
 
 
-@pytest.mark.parametrize("round_scale, use_ue8m0", [(False, False), (True, False), (True, True)])
-def test_quantize_round_trip_within_fp8_rounding(round_scale, use_ue8m0):
+def tokens() -> np.ndarray:
+    """7 tokens of hidden 1024: normals x10, a zero block (the amax floor), and a block whose one large
+    value pushes the rest into e4m3's subnormals."""
     x = np.random.default_rng(0).standard_normal((7, 1024)).astype(np.float32) * 10
-    codes, scales = fp8.quantize(x, round_scale, use_ue8m0)
-    assert codes.dtype == np.uint8 and scales.dtype == (np.int32 if use_ue8m0 else np.float32)
-    assert scales.shape == (7, 1024 // 512 if use_ue8m0 else 1024 // 128)
-    unpacked = fp8.unpack_ue8m0(scales) if use_ue8m0 else scales
+    x[1, :128] = 0
+    x[3, 256:384] *= np.float32(1e-3)
+    x[3, 256] = 1000
+    return x
+
+
+def documented_quantize(x: np.ndarray, round_scale: bool):
+    """The rule cuep.fp8 documents, with ml_dtypes' e4m3 cast and frexp's powers of two: per block of
+    128 channels amax = max(|x|, 1e-4); scale_inv = amax / 448, or the smallest power of two at least
+    that; e4m3 of x * (448 / amax), or of x / scale_inv, saturating at 448."""
+    blocks = x.reshape(len(x), -1, 128)
+    amax = np.maximum(np.abs(blocks).max(axis=2), np.float32(1e-4))
+    scale_inv, scale = amax / np.float32(448), np.float32(448) / amax
     if round_scale:
-        mantissa, _ = np.frexp(unpacked)
-        assert (mantissa == 0.5).all()  # powers of two
+        mantissa, exponent = np.frexp(scale_inv)
+        scale_inv = np.where(mantissa == 0.5, scale_inv, np.ldexp(np.float32(1), exponent)).astype(np.float32)
+        scale = np.float32(1) / scale_inv
+    scaled = np.clip(blocks * scale[:, :, None], -448, 448)
+    return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(x.shape), scale_inv
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_quantize_follows_the_documented_rule_bit_for_bit(round_scale):
+    x = tokens()
+    codes, scales = fp8.quantize(x, round_scale)
+    want_codes, want_scales = documented_quantize(x, round_scale)
+    assert codes.dtype == np.uint8 and scales.dtype == np.float32 and scales.shape == (7, 1024 // 128)
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(scales, want_scales)
+    assert ((codes & 0x7F) < 0x7F).all()  # finite inputs never give the NaN code
+
+
+def test_rounded_scale_is_the_smallest_power_of_two_at_least_amax_over_448():
+    x = tokens()
+    _, scales = fp8.quantize(x, round_scale=True)
+    exact = np.maximum(np.abs(x).reshape(7, 8, 128).max(axis=2), np.float32(1e-4)) / np.float32(448)
+    mantissa, _ = np.frexp(scales)
+    assert (mantissa == 0.5).all()
+    assert (scales >= exact).all() and (scales / 2 < exact).all()
+
+
+def test_ue8m0_scales_are_the_rounded_scales_packed_four_to_a_word():
+    x = tokens()
+    codes, words = fp8.quantize(x, use_ue8m0=True)  # implies round_scale
+    rounded_codes, rounded = fp8.quantize(x, round_scale=True)
+    assert words.dtype == np.int32 and words.shape == (7, 1024 // 512)
+    np.testing.assert_array_equal(codes, rounded_codes)
+    exponents = ((rounded.view(np.uint32) >> 23) & 0xFF).reshape(7, 2, 4)
+    want = (exponents << np.array([0, 8, 16, 24], np.uint32)).sum(axis=2, dtype=np.uint32)
+    np.testing.assert_array_equal(words.view(np.uint32), want)
+    np.testing.assert_array_equal(fp8.unpack_ue8m0(words), rounded)
+
+
+@pytest.mark.parametrize("round_scale, use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_dequantize_is_e4m3_times_scale_and_round_trips_within_fp8_rounding(round_scale, use_ue8m0):
+    x = tokens()
+    codes, scales = fp8.quantize(x, round_scale, use_ue8m0)
+    scale_inv = np.repeat(fp8.unpack_ue8m0(scales) if use_ue8m0 else scales, 128, axis=1)
     back = fp8.dequantize(codes, scales)
-    blocks = np.abs(x).reshape(7, 8, 128).max(axis=2)
-    step = np.repeat(unpacked, 128, axis=1) if not use_ue8m0 else np.repeat(unpacked, 128, axis=1)
-    assert (np.abs(back - x) <= np.maximum(np.abs(x) * 2.0 ** -4, step * 2.0 ** -9) + 1e-7).all()
-    assert (np.abs(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)).max() <= 448)
-    assert blocks.shape == (7, 8)
+    np.testing.assert_array_equal(back, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale_inv)
+    # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of |x| for normals, 2^-10 of scale_inv below them.
+    assert (np.abs(back - x) <= np.maximum(np.abs(x) * 2.0 ** -4, scale_inv * 2.0 ** -9) + 1e-7).all()
 
 
 def test_scale_follows_the_block_amax():

@@ -54,7 +54,8 @@ def run_worker(script: str, num_ranks: int, *args: str, env: dict[str, str] | No
         environment["CUEP_SHARE_GPUS"] = "1"
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=environment)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=environment,
+                              check=False)  # the exit status is checked below, with the output
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{shlex.join(command)} did not finish in {WORKER_TIMEOUT_S} s:\n"
                              f"{exc.stdout or ''}{exc.stderr or ''}") from None

@@ -1,11 +1,27 @@
-"""Shared by the MPI workers: run named cases on every rank, abort the whole job on the first failure."""
+"""Shared by the MPI workers: every rank's inputs from one seed, bit comparison, the checks that several
+workers make (no memory growth, an error raised, a peer timing out), and running named cases on every
+rank with the whole job aborted on the first failure.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import sys
 import traceback
+from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def bits(array) -> np.ndarray:
+    """``array`` as NumPy, BF16 viewed as ``uint16``: compares bit for bit (NaNs and signed zeros too)."""
+    array = np.asarray(array)
+    return array.view(np.uint16) if array.dtype == BF16 else array
 
 
 def random_topk(rng: np.random.Generator, num_tokens: int, num_experts: int, num_topk: int,
@@ -17,17 +33,150 @@ def random_topk(rng: np.random.Generator, num_tokens: int, num_experts: int, num
     return topk
 
 
-def assert_no_memory_growth(step, calls: int = 1000, warmup: int = 20, slack_bytes: int = 1 << 20) -> None:
-    """Run ``step`` ``calls`` times after ``warmup``; the memory pool may not grow by more than ``slack_bytes``."""
+class RankInputs(NamedTuple):
+    """One rank's inputs: ``x`` `[num_tokens, hidden]` (BF16, or e4m3 bytes as ``uint8`` with ``scales``
+    `[num_tokens, hidden // 128]` float32, else ``None``), ``topk_idx`` and ``topk_weights``
+    `[num_tokens, num_topk]` (int64 with -1 entries, float32)."""
+
+    x: np.ndarray
+    scales: np.ndarray | None
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+
+    def on_gpu(self) -> RankInputs:
+        """The same inputs as CuPy arrays (``None`` stays ``None``)."""
+        import cupy
+        return RankInputs(*(None if a is None else cupy.asarray(a) for a in self))
+
+
+class AllInputs(list):
+    """Every rank's :class:`RankInputs`, in rank order; the properties gather one field over the ranks,
+    the way ``cuep.reference`` takes it."""
+
+    @property
+    def xs(self) -> list[np.ndarray]:
+        return [i.x for i in self]
+
+    @property
+    def scales(self) -> list[np.ndarray] | None:
+        return None if self[0].scales is None else [i.scales for i in self]
+
+    @property
+    def topk_idxs(self) -> list[np.ndarray]:
+        return [i.topk_idx for i in self]
+
+    @property
+    def topk_weights(self) -> list[np.ndarray]:
+        return [i.topk_weights for i in self]
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(i.x) for i in self]
+
+    def with_tokens(self, xs: list[np.ndarray]) -> AllInputs:
+        """The same routing (top-k ids and weights) carrying new BF16 tokens ``xs[s]`` (no scales)."""
+        return AllInputs(i._replace(x=x, scales=None) for i, x in zip(self, xs, strict=True))
+
+
+class SeededInputs:
+    """Makes every rank's inputs for one case after another, the same on every rank: rank ``s``'s
+    inputs to the ``k``-th call draw from ``default_rng([seed, k, s])``, so a rank can compute what
+    every other rank sends it, and a case's inputs depend only on how many calls came before it."""
+
+    def __init__(self, seed: int, num_ranks: int):
+        self.seed, self.num_ranks = seed, num_ranks
+        self._calls = itertools.count()
+
+    def __call__(self, num_tokens, hidden: int, num_experts: int, num_topk: int, masked: float = 0.1,
+                 fp8: bool = False, route=None) -> AllInputs:
+        """``num_tokens``: an int, or a function of the rank. ``fp8``: random e4m3 bytes and float32
+        scales instead of BF16 normals. ``route``: applied to each rank's top-k ids after masking."""
+        call = next(self._calls)
+        inputs = AllInputs()
+        for s in range(self.num_ranks):
+            rng = np.random.default_rng([self.seed, call, s])
+            tokens = num_tokens(s) if callable(num_tokens) else num_tokens
+            if fp8:
+                x = rng.integers(0, 256, (tokens, hidden), dtype=np.uint8)
+                scales = rng.random((tokens, hidden // 128), dtype=np.float32)
+            else:
+                x, scales = rng.standard_normal((tokens, hidden)).astype(BF16), None
+            topk = random_topk(rng, tokens, num_experts, num_topk, masked)
+            if route is not None:
+                topk = route(topk)
+            inputs.append(RankInputs(x, scales, topk, rng.random((tokens, num_topk), dtype=np.float32)))
+        return inputs
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Set environment variables for the block (cuep reads them when a Buffer is made), then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def expect_error(error, call, what: str, match: str | None = None) -> BaseException:
+    """Run ``call``, which must raise ``error`` with ``match`` in its message; return the exception.
+    ``what`` says what went wrong if nothing is raised."""
+    try:
+        call()
+    except error as exc:
+        assert match is None or match in str(exc), (match, exc)
+        return exc
+    raise AssertionError(what)
+
+
+def expect_peer_timeout(rank: int, call, what: str) -> BaseException:
+    """``call`` must raise ``cuep.PeerTimeoutError`` naming this rank and rank 0 as the missing peer."""
+    import cuep
+    exc = expect_error(cuep.PeerTimeoutError, call, f"{what} without rank 0 did not time out")
+    assert exc.peer == 0 and exc.rank == rank, exc
+    return exc
+
+
+def times_out_without_rank_0(comm, what: str, call) -> BaseException | None:
+    """Ranks meet, then every rank but 0 runs ``call``, which must raise ``cuep.PeerTimeoutError`` naming
+    itself and rank 0. Returns the exception (``None`` on rank 0)."""
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        return None
+    return expect_peer_timeout(comm.Get_rank(), call, what)
+
+
+def rejoin(comm, buffer) -> None:
+    """After rank 0 skipped a device barrier that the others entered and gave up on: rank 0 catches up
+    (the others announced that barrier epoch before giving up), then every rank is at the same epoch."""
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        buffer.barrier()
+    comm.Barrier()
+    buffer.barrier()
+
+
+def assert_no_memory_growth(step, calls: int = 1000, warmup: int = 20, slack_bytes: int = 1 << 20,
+                            warmup_step=None, settle=None) -> None:
+    """Run ``warmup_step`` (default ``step``) ``warmup`` times, then ``step`` ``calls`` times and
+    ``settle`` (if given) once: the memory pool may not grow by more than ``slack_bytes``."""
     import cupy
     pool = cupy.get_default_memory_pool()
     for _ in range(warmup):
-        step()
+        (warmup_step or step)()
     cupy.cuda.Device().synchronize()
     before = pool.used_bytes()
     for _ in range(calls):
         step()
     cupy.cuda.Device().synchronize()
+    if settle is not None:
+        settle()
+        cupy.cuda.Device().synchronize()
     assert pool.used_bytes() <= before + slack_bytes, (before, pool.used_bytes())
 
 
@@ -42,7 +191,7 @@ def run_cases(comm, cases) -> None:
         comm.Barrier()
         try:
             case()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure, even SystemExit, must abort every rank
             print(f"[rank {rank}] FAILED {name}\n{traceback.format_exc()}", flush=True)
             sys.stderr.flush()
             comm.Abort(1)

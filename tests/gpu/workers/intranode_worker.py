@@ -2,77 +2,69 @@
 
 Every rank rebuilds every rank's inputs from one seed, so it can compute what it must receive and
 what its tokens must combine to. Moved data is compared bit for bit; combined sums within FP32-
-accumulation tolerance of the reference.
+accumulation tolerance of the reference. Each case below checks one behaviour; ``main`` runs them in
+order (the order fixes each case's inputs, see ``common.SeededInputs``).
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import cupy
-import ml_dtypes
 import numpy as np
+from common import (
+    BF16,
+    AllInputs,
+    SeededInputs,
+    assert_no_memory_growth,
+    bits,
+    environment,
+    expect_error,
+    rejoin,
+    run_cases,
+    times_out_without_rank_0,
+)
 from mpi4py import MPI
 
 import cuep
 from cuep import reference
-from common import assert_no_memory_growth, random_topk, run_cases
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
-BF16 = np.dtype(ml_dtypes.bfloat16)
 SEED = 7
-_case_counter = iter(range(1_000_000))
+EXPERTS = 16 * num_ranks
+all_inputs = SeededInputs(SEED, num_ranks)
 
 
-def all_inputs(num_tokens, hidden, num_experts, num_topk, masked=0.1, fp8=False, route=None):
-    """Every rank's (x, scales, topk_idx, topk_weights), reproducible on every rank."""
-    seed = next(_case_counter)
-    inputs = []
-    for s in range(num_ranks):
-        rng = np.random.default_rng([SEED, seed, s])
-        tokens = num_tokens(s) if callable(num_tokens) else num_tokens
-        if fp8:
-            x = rng.integers(0, 256, (tokens, hidden), dtype=np.uint8)
-            scales = rng.random((tokens, hidden // 128), dtype=np.float32)
-        else:
-            x, scales = rng.standard_normal((tokens, hidden)).astype(BF16), None
-        topk = random_topk(rng, tokens, num_experts, num_topk, masked)
-        if route is not None:
-            topk = route(topk)
-        inputs.append((x, scales, topk, rng.random((tokens, num_topk), dtype=np.float32)))
-    return inputs
+# ------------------------------------------------------------------------------------------------------
+# Checks against the reference
 
 
-def bits(array):
-    array = np.asarray(array)
-    return array.view(np.uint16) if array.dtype == BF16 else array
-
-
-def dispatch_and_check(buffer, inputs, num_experts, with_topk=True, alignment=1, num_worst_tokens=0,
+def dispatch_and_check(buffer, inputs: AllInputs, num_experts, with_topk=True, alignment=1, num_worst_tokens=0,
                        column_major_scales=False, **options):
-    x, scales, topk, weights = inputs[rank]
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk), num_experts)
-    x_in = cupy.asarray(x)
-    if scales is not None:
-        scales_in = cupy.asfortranarray(cupy.asarray(scales)) if column_major_scales else cupy.asarray(scales)
-        x_in = (x_in, scales_in)
+    """Layout and dispatch of this rank's inputs; the rows, scales, top-k and per-expert counts must
+    equal the reference's. Returns ``(recv_x, recv_topk_weights, handle)``."""
+    mine = inputs[rank]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(mine.topk_idx), num_experts)
+    x_in = cupy.asarray(mine.x)
+    if mine.scales is not None:
+        scales_in = cupy.asarray(mine.scales)
+        x_in = (x_in, cupy.asfortranarray(scales_in) if column_major_scales else scales_in)
     recv_x, recv_topk, recv_weights, per_expert_list, handle, event = buffer.dispatch(
         x_in, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=cupy.asarray(topk) if with_topk else None,
-        topk_weights=cupy.asarray(weights) if with_topk else None, expert_alignment=alignment,
+        topk_idx=cupy.asarray(mine.topk_idx) if with_topk else None,
+        topk_weights=cupy.asarray(mine.topk_weights) if with_topk else None, expert_alignment=alignment,
         num_worst_tokens=num_worst_tokens, **options)
     if options.get("async_finish"):
         event.current_stream_wait()
-    expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts,
-                                  [i[3] for i in inputs], [i[1] for i in inputs] if scales is not None else None,
+    expected = reference.dispatch(inputs.xs, inputs.topk_idxs, num_experts, inputs.topk_weights, inputs.scales,
                                   alignment)[rank]
     received = len(expected.recv_x)
-    recv_data, recv_scales = recv_x if scales is not None else (recv_x, None)
+    recv_data, recv_scales = recv_x if mine.scales is not None else (recv_x, None)
     rows = recv_data.shape[0]
     assert rows == (num_worst_tokens or received), (rows, received, num_worst_tokens)
     np.testing.assert_array_equal(bits(recv_data.get()[:received]), bits(expected.recv_x))
-    if scales is not None:
+    if mine.scales is not None:
         np.testing.assert_array_equal(recv_scales.get()[:received], expected.recv_scales)
     if with_topk:
         np.testing.assert_array_equal(recv_topk.get()[:received], expected.recv_topk_idx)
@@ -81,17 +73,13 @@ def dispatch_and_check(buffer, inputs, num_experts, with_topk=True, alignment=1,
     else:
         assert recv_topk is None and recv_weights is None
     assert per_expert_list == ([] if num_worst_tokens else expected.num_recv_tokens_per_expert), per_expert_list
-    return recv_x, recv_weights, handle, expected
+    return recv_x, recv_weights, handle
 
 
-def expected_sources(inputs, num_experts):
-    return [r.recv_src for r in reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts)]
-
-
-def combine_and_check(buffer, inputs, num_experts, recv_x, recv_weights, handle, biases=None):
-    """Each rank scales what it received by (rank + 1) and sends it back."""
-    all_recv = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], num_experts,
-                                  [i[3] for i in inputs])
+def combine_and_check(buffer, inputs: AllInputs, num_experts, recv_x, recv_weights, handle, biases=None):
+    """Each rank scales what it received by (rank + 1) and sends it back; the sums (and the combined
+    weights) must match the reference's. ``biases``: one or two lists of every rank's bias."""
+    all_recv = reference.dispatch(inputs.xs, inputs.topk_idxs, num_experts, inputs.topk_weights)
     scaled = [(r.recv_x.astype(np.float32) * (k + 1)).astype(BF16) for k, r in enumerate(all_recv)]
     mine = cupy.asarray(scaled[rank])
     rows = recv_x.shape[0]
@@ -102,7 +90,7 @@ def combine_and_check(buffer, inputs, num_experts, recv_x, recv_weights, handle,
         bias_arg = tuple(cupy.asarray(b[rank]) for b in biases)
         bias_arg = bias_arg[0] if len(bias_arg) == 1 else bias_arg
     combined, combined_weights, _ = buffer.combine(mine, handle, topk_weights=recv_weights, bias=bias_arg)
-    want_x, want_w = reference.combine(scaled, [r.recv_src for r in all_recv], [len(i[0]) for i in inputs],
+    want_x, want_w = reference.combine(scaled, [r.recv_src for r in all_recv], inputs.num_tokens,
                                        [r.recv_topk_weights for r in all_recv],
                                        [[b[s] for b in biases] for s in range(num_ranks)] if biases else None)
     got = combined.get().astype(np.float32)
@@ -113,302 +101,310 @@ def combine_and_check(buffer, inputs, num_experts, recv_x, recv_weights, handle,
         np.testing.assert_allclose(combined_weights.get(), want_w[rank], rtol=1e-6, atol=1e-6)
 
 
-def main() -> None:
-    buffer = cuep.Buffer(comm, num_nvl_bytes=512 << 20)
-    experts = 16 * num_ranks
+def check_moved_and_combined(recv_x, combined, new_inputs: AllInputs, tokens: int, padded: bool = False):
+    """A dispatch of ``new_inputs`` landed ``recv_x`` here, and those rows, combined back unscaled with
+    the received weights, gave ``combined``. ``padded``: ``recv_x`` has ``num_worst_tokens`` rows, of
+    which the first ones received are compared (else every row, so the row count must match too).
+    Returns every rank's expected combined weights."""
+    expected = reference.dispatch(new_inputs.xs, new_inputs.topk_idxs, EXPERTS, new_inputs.topk_weights)
+    got = recv_x.get()
+    if padded:
+        got = got[:len(expected[rank].recv_x)]
+    np.testing.assert_array_equal(bits(got), bits(expected[rank].recv_x))
+    want_x, want_w = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
+                                       [tokens] * num_ranks, [r.recv_topk_weights for r in expected])
+    np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
+    return want_w
 
-    def bf16_topk8_masked_odd_tokens():
-        inputs = all_inputs(lambda s: 1001 + 3 * s, 2048, experts, 8)
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
 
-    def fp8_column_major_scales_hidden_7168():
-        inputs = all_inputs(513, 7168, experts, 8, fp8=True)
-        dispatch_and_check(buffer, inputs, experts, column_major_scales=True)
+def bf16_normals(key: int, rows: int, hidden: int, source: int) -> np.ndarray:
+    """Rank ``source``'s new BF16 tokens for a cached dispatch, the same on every rank."""
+    return np.random.default_rng([SEED, key, source]).standard_normal((rows, hidden)).astype(BF16)
 
-    def without_topk():
-        inputs = all_inputs(300, 1024, experts, 4)
-        recv_x, _, handle, _ = dispatch_and_check(buffer, inputs, experts, with_topk=False)
-        combine_and_check(buffer, inputs, experts, recv_x, None, handle)
 
-    def cached_dispatch_new_x():
-        inputs = all_inputs(700, 2048, experts, 8)
-        _, _, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        new_x = [np.random.default_rng([SEED, 999, s]).standard_normal((700, 2048)).astype(BF16)
-                 for s in range(num_ranks)]
-        recv_x, recv_topk, recv_w, per_expert, same_handle, _ = buffer.dispatch(cupy.asarray(new_x[rank]),
-                                                                               handle=handle)
-        expected = reference.dispatch(new_x, [i[2] for i in inputs], experts)[rank]
-        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
-        assert recv_topk is None and recv_w is None and per_expert == [] and same_handle is handle
+# ------------------------------------------------------------------------------------------------------
+# Cases on the shared Buffer
 
-    def cached_dispatches_back_to_back_fp8_then_combine():
-        inputs = all_inputs(lambda s: 600 + 40 * s, 7168, experts, 8, fp8=True)
-        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        topk = [i[2] for i in inputs]
-        for step in range(3):  # back to back: each call's landing region is reused by the next
-            rngs = [np.random.default_rng([SEED, 1000 + step, s]) for s in range(num_ranks)]
-            new = [(rng.integers(0, 256, (len(i[0]), 7168), dtype=np.uint8),
-                    rng.random((len(i[0]), 56), dtype=np.float32)) for rng, i in zip(rngs, inputs)]
-            x_in = (cupy.asarray(new[rank][0]), cupy.asfortranarray(cupy.asarray(new[rank][1])))
-            (recv_x, recv_scales), _, _, _, _, _ = buffer.dispatch(x_in, handle=handle)
-        expected = reference.dispatch([n[0] for n in new], topk, experts, None, [n[1] for n in new])[rank]
-        np.testing.assert_array_equal(recv_x.get(), expected.recv_x)
-        np.testing.assert_array_equal(recv_scales.get(), expected.recv_scales)
-        x_bf16 = [np.random.default_rng([SEED, 2000, s]).standard_normal((len(i[0]), 7168)).astype(BF16)
-                  for s, i in enumerate(inputs)]
-        recv_bf16, _, _, _, _, _ = buffer.dispatch(cupy.asarray(x_bf16[rank]), handle=handle)
-        expected = reference.dispatch(x_bf16, topk, experts)[rank]
-        np.testing.assert_array_equal(bits(recv_bf16.get()), bits(expected.recv_x))
-        routed = [(x_bf16[s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
-        combine_and_check(buffer, routed, experts, recv_bf16, recv_w, handle)
 
-    spin = cupy.RawKernel(r"""
+def bf16_topk8_masked_odd_tokens(buffer):
+    inputs = all_inputs(lambda s: 1001 + 3 * s, 2048, EXPERTS, 8)
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
+
+
+def fp8_column_major_scales_hidden_7168(buffer):
+    inputs = all_inputs(513, 7168, EXPERTS, 8, fp8=True)
+    dispatch_and_check(buffer, inputs, EXPERTS, column_major_scales=True)
+
+
+def without_topk(buffer):
+    inputs = all_inputs(300, 1024, EXPERTS, 4)
+    recv_x, _, handle = dispatch_and_check(buffer, inputs, EXPERTS, with_topk=False)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, None, handle)
+
+
+def cached_dispatch_new_x(buffer):
+    inputs = all_inputs(700, 2048, EXPERTS, 8)
+    _, _, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    new_x = [bf16_normals(999, 700, 2048, s) for s in range(num_ranks)]
+    recv_x, recv_topk, recv_w, per_expert, same_handle, _ = buffer.dispatch(cupy.asarray(new_x[rank]), handle=handle)
+    expected = reference.dispatch(new_x, inputs.topk_idxs, EXPERTS)[rank]
+    np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
+    assert recv_topk is None and recv_w is None and per_expert == [] and same_handle is handle
+
+
+def cached_dispatches_back_to_back_fp8_then_combine(buffer):
+    inputs = all_inputs(lambda s: 600 + 40 * s, 7168, EXPERTS, 8, fp8=True)
+    _, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    for step in range(3):  # back to back: each call's landing region is reused by the next
+        rngs = [np.random.default_rng([SEED, 1000 + step, s]) for s in range(num_ranks)]
+        new = [(rng.integers(0, 256, (len(i.x), 7168), dtype=np.uint8),
+                rng.random((len(i.x), 56), dtype=np.float32)) for rng, i in zip(rngs, inputs)]
+        x_in = (cupy.asarray(new[rank][0]), cupy.asfortranarray(cupy.asarray(new[rank][1])))
+        (recv_x, recv_scales), _, _, _, _, _ = buffer.dispatch(x_in, handle=handle)
+    expected = reference.dispatch([n[0] for n in new], inputs.topk_idxs, EXPERTS, None, [n[1] for n in new])[rank]
+    np.testing.assert_array_equal(recv_x.get(), expected.recv_x)
+    np.testing.assert_array_equal(recv_scales.get(), expected.recv_scales)
+    x_bf16 = [bf16_normals(2000, len(i.x), 7168, s) for s, i in enumerate(inputs)]
+    recv_bf16, _, _, _, _, _ = buffer.dispatch(cupy.asarray(x_bf16[rank]), handle=handle)
+    expected = reference.dispatch(x_bf16, inputs.topk_idxs, EXPERTS)[rank]
+    np.testing.assert_array_equal(bits(recv_bf16.get()), bits(expected.recv_x))
+    combine_and_check(buffer, inputs.with_tokens(x_bf16), EXPERTS, recv_bf16, recv_w, handle)
+
+
+def spin_kernel():
+    """One thread that spins for ``ns`` nanoseconds: starts the calls queued after it late."""
+    return cupy.RawKernel(r"""
     extern "C" __global__ void spin(unsigned long long ns) {
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
         do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
     }""", "spin")
 
-    def skewed_ranks_run_calls_back_to_back():
-        """Cached dispatches and combines, one after another with no host sync, each call started up to
-        2 ms late on some ranks (a spin kernel before it): peers push into a late rank's buffer while it
-        still runs its previous call, which uses the other region."""
-        inputs = all_inputs(700, 2048, experts, 8)
-        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        topk = [i[2] for i in inputs]
-        delays = np.random.default_rng([SEED, 4000]).integers(0, 2_000_000, size=(8, num_ranks))
-        delays[:, ::2] = 0  # even ranks always on time, so they get ahead of the others
-        outputs = []
-        for step in range(4):
-            new_x = [np.random.default_rng([SEED, 4001 + step, s]).standard_normal((700, 2048)).astype(BF16)
-                     for s in range(num_ranks)]
-            spin((1,), (1,), (np.uint64(delays[2 * step, rank]),))
-            recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[rank]), handle=handle)
-            spin((1,), (1,), (np.uint64(delays[2 * step + 1, rank]),))
-            combined, _, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
-            outputs.append((new_x, recv_x, combined))
-        for new_x, recv_x, combined in outputs:
-            expected = reference.dispatch(new_x, topk, experts, [i[3] for i in inputs])
-            np.testing.assert_array_equal(bits(recv_x.get()), bits(expected[rank].recv_x))
-            want_x, _ = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
-                                          [700] * num_ranks, [r.recv_topk_weights for r in expected])
-            np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
 
-    def alignment_and_two_biases():
-        inputs = all_inputs(257, 1024, experts, 6)
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, alignment=4)
-        biases = [[np.random.default_rng([SEED, 5, k, s]).standard_normal((257, 1024)).astype(BF16)
-                   for s in range(num_ranks)] for k in range(2)]
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle, biases=biases)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle, biases=biases[:1])
+def skewed_ranks_run_calls_back_to_back(buffer):
+    """Cached dispatches and combines, one after another with no host sync, each call started up to
+    2 ms late on some ranks (a spin kernel before it): peers push into a late rank's buffer while it
+    still runs its previous call, which uses the other region."""
+    spin = spin_kernel()
+    inputs = all_inputs(700, 2048, EXPERTS, 8)
+    _, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    delays = np.random.default_rng([SEED, 4000]).integers(0, 2_000_000, size=(8, num_ranks))
+    delays[:, ::2] = 0  # even ranks always on time, so they get ahead of the others
+    outputs = []
+    for step in range(4):
+        new_x = [bf16_normals(4001 + step, 700, 2048, s) for s in range(num_ranks)]
+        spin((1,), (1,), (np.uint64(delays[2 * step, rank]),))
+        recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[rank]), handle=handle)
+        spin((1,), (1,), (np.uint64(delays[2 * step + 1, rank]),))
+        combined, _, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        outputs.append((new_x, recv_x, combined))
+    for new_x, recv_x, combined in outputs:
+        check_moved_and_combined(recv_x, combined, inputs.with_tokens(new_x), 700)
 
-    def zero_tokens_on_rank_1():
-        inputs = all_inputs(lambda s: 0 if s == 1 else 400, 1024, experts, 8)
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
 
-    def every_token_to_rank_0():
-        inputs = all_inputs(300, 1024, experts, 4, masked=0.0, route=lambda t: t % (experts // num_ranks))
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+def alignment_and_two_biases(buffer):
+    inputs = all_inputs(257, 1024, EXPERTS, 6)
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS, alignment=4)
+    biases = [[np.random.default_rng([SEED, 5, k, s]).standard_normal((257, 1024)).astype(BF16)
+               for s in range(num_ranks)] for k in range(2)]
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle, biases=biases)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle, biases=biases[:1])
 
-    def unusual_hidden_384_and_7168():
-        for hidden in (384, 7168):
-            inputs = all_inputs(200, hidden, experts, 8)
-            recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-            combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
 
-    def async_previous_event_comm_stream_allocation():
-        inputs = all_inputs(500, 2048, experts, 8)
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, previous_event=buffer.capture(),
-                                                       async_finish=True, allocate_on_comm_stream=True)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
+def zero_tokens_on_rank_1(buffer):
+    inputs = all_inputs(lambda s: 0 if s == 1 else 400, 1024, EXPERTS, 8)
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
 
-    def num_worst_tokens_no_cpu_wait():
-        inputs = all_inputs(lambda s: 100 + 50 * s, 1024, experts, 8)
-        worst = sum(100 + 50 * s for s in range(num_ranks))
-        recv_x, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts, num_worst_tokens=worst)
-        combine_and_check(buffer, inputs, experts, recv_x, recv_w, handle)
 
-    def thousand_calls_hold_no_memory():
-        inputs = all_inputs(64, 256, experts, 8)
-        x, _, topk, weights = inputs[rank]
-        x, topk, weights = cupy.asarray(x), cupy.asarray(topk), cupy.asarray(weights)
-        def step():
-            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
-            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                              num_tokens_per_expert=per_expert, topk_idx=topk,
-                                                              topk_weights=weights)
-            buffer.combine(recv_x, handle, topk_weights=recv_w)
-        assert_no_memory_growth(step)
+def every_token_to_rank_0(buffer):
+    inputs = all_inputs(300, 1024, EXPERTS, 4, masked=0.0, route=lambda t: t % (EXPERTS // num_ranks))
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
 
-    def cuda_graph_capture_then_replay_with_new_inputs():
-        tokens, hidden, num_topk = 256, 1024, 8
-        worst = tokens * num_ranks
-        first = all_inputs(tokens, hidden, experts, num_topk)
-        x, _, topk, weights = (cupy.asarray(a) if a is not None else None for a in first[rank])
-        stream = cupy.cuda.Stream(non_blocking=True)
 
-        def moe_step():
-            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
-            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=topk, topk_weights=weights, num_worst_tokens=worst)
-            combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
-            return recv_x, combined, combined_w, handle
+def unusual_hidden_384_and_7168(buffer):
+    for hidden in (384, 7168):
+        inputs = all_inputs(200, hidden, EXPERTS, 8)
+        recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+        combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
 
+
+def async_previous_event_comm_stream_allocation(buffer):
+    inputs = all_inputs(500, 2048, EXPERTS, 8)
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS, previous_event=buffer.capture(),
+                                                async_finish=True, allocate_on_comm_stream=True)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
+
+
+def num_worst_tokens_no_cpu_wait(buffer):
+    inputs = all_inputs(lambda s: 100 + 50 * s, 1024, EXPERTS, 8)
+    worst = sum(100 + 50 * s for s in range(num_ranks))
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS, num_worst_tokens=worst)
+    combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
+
+
+def cuda_graph_capture_then_replay_with_new_inputs(buffer):
+    tokens, hidden, num_topk = 256, 1024, 8
+    worst = tokens * num_ranks
+    x, _, topk, weights = all_inputs(tokens, hidden, EXPERTS, num_topk)[rank].on_gpu()
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def moe_step():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, EXPERTS)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk, topk_weights=weights, num_worst_tokens=worst)
+        combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        return recv_x, combined, combined_w, handle
+
+    with stream:
+        moe_step()  # warm the memory pool outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        captured = moe_step()
+        graph = stream.end_capture()
+    recv_x, combined, combined_w, _ = captured
+    for _ in range(5):
+        inputs = all_inputs(tokens, hidden, EXPERTS, num_topk)
         with stream:
-            moe_step()  # warm the memory pool outside the capture
-            stream.synchronize()
-            stream.begin_capture()
-            captured = moe_step()
-            graph = stream.end_capture()
-        recv_x, combined, combined_w, _ = captured
-        for _ in range(5):
-            inputs = all_inputs(tokens, hidden, experts, num_topk)
-            with stream:
-                x[...] = cupy.asarray(inputs[rank][0])
-                topk[...] = cupy.asarray(inputs[rank][2])
-                weights[...] = cupy.asarray(inputs[rank][3])
-                graph.launch(stream)
-            stream.synchronize()
-            expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], experts,
-                                          [i[3] for i in inputs])
-            received = len(expected[rank].recv_x)
-            np.testing.assert_array_equal(bits(recv_x.get()[:received]), bits(expected[rank].recv_x))
-            want_x, want_w = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
-                                               [tokens] * num_ranks, [r.recv_topk_weights for r in expected])
-            np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
-            np.testing.assert_allclose(combined_w.get(), want_w[rank], rtol=1e-6, atol=1e-6)
+            x[...] = cupy.asarray(inputs[rank].x)
+            topk[...] = cupy.asarray(inputs[rank].topk_idx)
+            weights[...] = cupy.asarray(inputs[rank].topk_weights)
+            graph.launch(stream)
+        stream.synchronize()
+        want_w = check_moved_and_combined(recv_x, combined, inputs, tokens, padded=True)
+        np.testing.assert_allclose(combined_w.get(), want_w[rank], rtol=1e-6, atol=1e-6)
 
-    def async_inputs_outlive_the_callers_references():
-        inputs = all_inputs(2048, 4096, experts, 8)
-        x, _, topk, weights = inputs[rank]
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk), experts)
-        recv_x, _, _, _, _, event = buffer.dispatch(
-            cupy.asarray(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, previous_event=buffer.capture(), async_finish=True)
-        # The caller dropped x; fresh allocations on this stream must not take its memory while the
-        # communication still reads it.
-        garbage = [cupy.full(x.shape, 7, dtype=cupy.uint16) for _ in range(4)]
+
+def async_inputs_outlive_the_callers_references(buffer):
+    inputs = all_inputs(2048, 4096, EXPERTS, 8)
+    x, topk = inputs[rank].x, inputs[rank].topk_idx
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk), EXPERTS)
+    recv_x, _, _, _, _, event = buffer.dispatch(
+        cupy.asarray(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, previous_event=buffer.capture(), async_finish=True)
+    # The caller dropped x; fresh allocations on this stream must not take its memory while the
+    # communication still reads it.
+    garbage = [cupy.full(x.shape, 7, dtype=cupy.uint16) for _ in range(4)]
+    event.current_stream_wait()
+    expected = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS)[rank]
+    np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
+    del garbage
+
+
+def calls_on_two_streams_are_ordered(buffer):
+    # Calls that the current stream waits for run on it, not on the comm stream; two of them on
+    # different streams with no sync between must still run one after the other on the buffer.
+    inputs = all_inputs(1500, 4096, EXPERTS, 8)
+    _, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    new_x = [[bf16_normals(3000 + k, 1500, 4096, s) for s in range(num_ranks)] for k in range(2)]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    received = []
+    for k, stream in enumerate(streams):
+        with stream:
+            recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[k][rank]), handle=handle)
+            received.append(recv_x)
+    with streams[0]:
+        combine_and_check(buffer, inputs.with_tokens(new_x[1]), EXPERTS, received[1], recv_w, handle)
+    expected = [reference.dispatch(new_x[k], inputs.topk_idxs, EXPERTS)[rank].recv_x for k in range(2)]
+    for k, recv_x in enumerate(received):
+        np.testing.assert_array_equal(bits(recv_x.get(stream=streams[k])), bits(expected[k]))
+    # Such a call's event is recorded when first used: a stream that waits on it sees the call's output.
+    with streams[0]:
+        recv_x, _, _, _, _, event = buffer.dispatch(cupy.asarray(new_x[0][rank]), handle=handle)
+    with streams[1]:
         event.current_stream_wait()
-        expected = reference.dispatch([i[0] for i in inputs], [i[2] for i in inputs], experts)[rank]
-        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected.recv_x))
-        del garbage
+        copied = recv_x.copy()
+    np.testing.assert_array_equal(bits(copied.get(stream=streams[1])), bits(expected[0]))
 
-    def calls_on_two_streams_are_ordered():
-        # Calls that the current stream waits for run on it, not on the comm stream; two of them on
-        # different streams with no sync between must still run one after the other on the buffer.
-        inputs = all_inputs(1500, 4096, experts, 8)
-        _, recv_w, handle, _ = dispatch_and_check(buffer, inputs, experts)
-        topk = [i[2] for i in inputs]
-        new_x = [[np.random.default_rng([SEED, 3000 + k, s]).standard_normal((1500, 4096)).astype(BF16)
-                  for s in range(num_ranks)] for k in range(2)]
-        streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
-        received = []
-        for k, stream in enumerate(streams):
-            with stream:
-                recv_x, _, _, _, _, _ = buffer.dispatch(cupy.asarray(new_x[k][rank]), handle=handle)
-                received.append(recv_x)
-        with streams[0]:
-            routed = [(new_x[1][s], None, topk[s], inputs[s][3]) for s in range(num_ranks)]
-            combine_and_check(buffer, routed, experts, received[1], recv_w, handle)
-        expected = [reference.dispatch(new_x[k], topk, experts)[rank].recv_x for k in range(2)]
-        for k, recv_x in enumerate(received):
-            np.testing.assert_array_equal(bits(recv_x.get(stream=streams[k])), bits(expected[k]))
-        # Such a call's event is recorded when first used: a stream that waits on it sees the call's output.
-        with streams[0]:
-            recv_x, _, _, _, _, event = buffer.dispatch(cupy.asarray(new_x[0][rank]), handle=handle)
-        with streams[1]:
-            event.current_stream_wait()
-            copied = recv_x.copy()
-        np.testing.assert_array_equal(bits(copied.get(stream=streams[1])), bits(expected[0]))
 
-    def short_timeout_buffer():
-        """A Buffer whose kernels give up on a missing peer after 3 s."""
-        os.environ["CUEP_TIMEOUT_S"] = "3"
-        try:
-            return cuep.Buffer(comm, num_nvl_bytes=64 << 20)
-        finally:
-            del os.environ["CUEP_TIMEOUT_S"]
+def thousand_calls_hold_no_memory(buffer):
+    x, _, topk, weights = all_inputs(64, 256, EXPERTS, 8)[rank].on_gpu()
 
-    def rejoin_and_destroy(short):
-        """After rank 0 skipped a call whose barrier the others entered and gave up on."""
-        comm.Barrier()
-        if rank == 0:
-            short.barrier()  # the others announced this barrier epoch before giving up
-        comm.Barrier()
-        short.barrier()
-        short.destroy()
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, EXPERTS)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                          num_tokens_per_expert=per_expert, topk_idx=topk,
+                                                          topk_weights=weights)
+        buffer.combine(recv_x, handle, topk_weights=recv_w)
+    assert_no_memory_growth(step)
 
-    def times_out_without_rank_0(what, call):
-        """Every rank but 0 runs ``call``, which must raise PeerTimeoutError naming itself and rank 0."""
-        comm.Barrier()
-        if rank != 0:
-            try:
-                call()
-            except cuep.PeerTimeoutError as exc:
-                assert exc.peer == 0 and exc.rank == rank, exc
-            else:
-                raise AssertionError(f"{what} without rank 0 did not time out")
 
-    def peer_that_skips_dispatch_times_out():
-        short = short_timeout_buffer()
-        inputs = all_inputs(100, 512, experts, 4)
-        times_out_without_rank_0("dispatch", lambda: dispatch_and_check(short, inputs, experts))
-        rejoin_and_destroy(short)
+# ------------------------------------------------------------------------------------------------------
+# Cases with Buffers of their own
 
-    def peer_that_skips_a_call_on_a_handle_times_out(what, call):
-        """After a dispatch on every rank, every rank but 0 runs ``call(short, recv_x, recv_w, handle, x)``."""
-        short = short_timeout_buffer()
-        inputs = all_inputs(100, 512, experts, 4)
-        recv_x, recv_w, handle, _ = dispatch_and_check(short, inputs, experts)
 
-        def call_then_barrier():
-            call(short, recv_x, recv_w, handle, cupy.asarray(inputs[rank][0]))
-            short.barrier(timeout_s=3)  # raises what the call recorded first
+def short_timeout_buffer():
+    """A Buffer whose kernels give up on a missing peer after 3 s."""
+    with environment(CUEP_TIMEOUT_S="3"):
+        return cuep.Buffer(comm, num_nvl_bytes=64 << 20)
 
-        times_out_without_rank_0(what, call_then_barrier)
-        rejoin_and_destroy(short)
 
-    def peer_that_skips_cached_dispatch_times_out():
-        peer_that_skips_a_call_on_a_handle_times_out(
-            "cached dispatch", lambda short, recv_x, recv_w, handle, x: short.dispatch(x, handle=handle))
+def peer_that_skips_dispatch_times_out():
+    short = short_timeout_buffer()
+    inputs = all_inputs(100, 512, EXPERTS, 4)
+    times_out_without_rank_0(comm, "dispatch", lambda: dispatch_and_check(short, inputs, EXPERTS))
+    rejoin(comm, short)
+    short.destroy()
 
-    def peer_that_skips_combine_times_out():
-        # The others push into rank 0's buffer at once, then wait for its rows.
-        peer_that_skips_a_call_on_a_handle_times_out(
-            "combine", lambda short, recv_x, recv_w, handle, x: short.combine(recv_x, handle, topk_weights=recv_w))
 
-    def cached_dispatch_too_big_for_the_buffer_raises():
-        hidden, tokens = 1024, 300
-        # Regions with room to stage 300 tokens, not to land every rank's 300 on rank 0.
-        small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + 2 * (tokens * hidden * 2 * 3 // 2 + (256 << 10)))
-        inputs = all_inputs(tokens, hidden, experts, 4, masked=0.0, route=lambda t: t % (experts // num_ranks))
-        _, _, handle, _ = dispatch_and_check(small, inputs, experts)
-        errors = []
-        try:
-            small.dispatch(cupy.asarray(inputs[rank][0]), handle=handle)
-        except ValueError as exc:  # rank 0, whose own rows do not fit, before any kernel runs
-            errors.append(exc)
-        try:
-            small.barrier()  # the other ranks learn it from the kernel's status
-        except ValueError as exc:
-            errors.append(exc)
-        assert len(errors) == 1 and "num_nvl_bytes" in str(errors[0]), errors
-        small.barrier()
-        small.destroy()
+def peer_that_skips_a_call_on_a_handle_times_out(what, call):
+    """After a dispatch on every rank, every rank but 0 runs ``call(short, recv_x, recv_w, handle, x)``."""
+    short = short_timeout_buffer()
+    inputs = all_inputs(100, 512, EXPERTS, 4)
+    recv_x, recv_w, handle = dispatch_and_check(short, inputs, EXPERTS)
 
-    def buffer_sizes_that_differ_between_ranks_raise():
-        try:
-            cuep.Buffer(comm, num_nvl_bytes=(1 << 20) * (1 + rank))
-        except ValueError as exc:  # on every rank, before any memory is allocated
-            assert "num_nvl_bytes" in str(exc), exc
-        else:
-            raise AssertionError("a Buffer with a different num_nvl_bytes on each rank was created")
+    def call_then_barrier():
+        call(short, recv_x, recv_w, handle, cupy.asarray(inputs[rank].x))
+        short.barrier(timeout_s=3)  # raises what the call recorded first
 
-    run_cases(comm, [
+    times_out_without_rank_0(comm, what, call_then_barrier)
+    rejoin(comm, short)
+    short.destroy()
+
+
+def peer_that_skips_cached_dispatch_times_out():
+    peer_that_skips_a_call_on_a_handle_times_out(
+        "cached dispatch", lambda short, recv_x, recv_w, handle, x: short.dispatch(x, handle=handle))
+
+
+def peer_that_skips_combine_times_out():
+    # The others push into rank 0's buffer at once, then wait for its rows.
+    peer_that_skips_a_call_on_a_handle_times_out(
+        "combine", lambda short, recv_x, recv_w, handle, x: short.combine(recv_x, handle, topk_weights=recv_w))
+
+
+def cached_dispatch_too_big_for_the_buffer_raises():
+    hidden, tokens = 1024, 300
+    # Regions with room to stage 300 tokens, not to land every rank's 300 on rank 0.
+    small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + 2 * (tokens * hidden * 2 * 3 // 2 + (256 << 10)))
+    inputs = all_inputs(tokens, hidden, EXPERTS, 4, masked=0.0, route=lambda t: t % (EXPERTS // num_ranks))
+    _, _, handle = dispatch_and_check(small, inputs, EXPERTS)
+    errors = []
+    try:
+        small.dispatch(cupy.asarray(inputs[rank].x), handle=handle)
+    except ValueError as exc:  # rank 0, whose own rows do not fit, before any kernel runs
+        errors.append(exc)
+    try:
+        small.barrier()  # the other ranks learn it from the kernel's status
+    except ValueError as exc:
+        errors.append(exc)
+    assert len(errors) == 1 and "num_nvl_bytes" in str(errors[0]), errors
+    small.barrier()
+    small.destroy()
+
+
+def buffer_sizes_that_differ_between_ranks_raise():
+    # On every rank, before any memory is allocated.
+    expect_error(ValueError, lambda: cuep.Buffer(comm, num_nvl_bytes=(1 << 20) * (1 + rank)),
+                 "a Buffer with a different num_nvl_bytes on each rank was created", match="num_nvl_bytes")
+
+
+def main() -> None:
+    buffer = cuep.Buffer(comm, num_nvl_bytes=512 << 20)
+    on_the_buffer = [
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
         ("without top-k", without_topk),
@@ -426,13 +422,16 @@ def main() -> None:
         ("async call keeps inputs alive after the caller drops them", async_inputs_outlive_the_callers_references),
         ("calls on two streams with no sync between run in order", calls_on_two_streams_are_ordered),
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
+    ]
+    with_own_buffers = [
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
         ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
         ("a peer that skips a combine makes the others time out", peer_that_skips_combine_times_out),
         ("a cached dispatch too big for the buffer raises on every rank",
          cached_dispatch_too_big_for_the_buffer_raises),
         ("buffer sizes that differ between ranks raise on every rank", buffer_sizes_that_differ_between_ranks_raise),
-    ])
+    ]
+    run_cases(comm, [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers)
     buffer.destroy()
     if rank == 0:
         print(f"[rank 0] intranode worker passed on {num_ranks} ranks", flush=True)

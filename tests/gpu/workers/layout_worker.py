@@ -1,16 +1,28 @@
-"""GPU worker for get_dispatch_layout, the Buffer bootstrap and the device barrier (run under mpirun)."""
+"""GPU worker for get_dispatch_layout, the Buffer bootstrap and the device barrier (run under mpirun).
+
+Each rank checks its own layout against ``cuep.reference.get_dispatch_layout``, exactly. Each case
+below checks one behaviour; ``main`` runs them in order.
+"""
 
 from __future__ import annotations
 
-import os
+import functools
 
 import cupy
 import numpy as np
+from common import (
+    assert_no_memory_growth,
+    environment,
+    expect_error,
+    random_topk,
+    rejoin,
+    run_cases,
+    times_out_without_rank_0,
+)
 from mpi4py import MPI
 
 import cuep
 from cuep import reference
-from common import random_topk, run_cases
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
@@ -34,95 +46,85 @@ def check_layout(buffer: cuep.Buffer, topk: np.ndarray, num_experts: int, ranks_
         np.testing.assert_array_equal(per_node.get(), expected.num_tokens_per_rdma_rank)
 
 
+# ------------------------------------------------------------------------------------------------------
+# Cases; ``rng`` is this rank's generator, drawn from by one case after another
+
+
+def random_with_masked(buffer, rng):
+    for num_tokens, num_experts, num_topk in ((1, 8 * num_ranks, 1), (1001, 16 * num_ranks, 6),
+                                              (333, 3 * num_ranks, 3)):
+        check_layout(buffer, random_topk(rng, num_tokens, num_experts, num_topk, 0.2), num_experts)
+
+
+def int32_ids(buffer, rng):
+    check_layout(buffer, random_topk(rng, 777, 64, 8, 0.1, dtype=np.int32), 64)
+
+
+def zero_tokens_on_one_rank(buffer, rng):
+    num_tokens = 0 if rank == 1 else 513
+    check_layout(buffer, random_topk(rng, num_tokens, 64, 8, 0.1), 64)
+
+
+def all_tokens_to_one_rank(buffer, rng):
+    topk = random_topk(rng, 300, 8, 4) % 2  # experts 0 and 1 only: rank 0 of 32 experts' split
+    check_layout(buffer, topk, 32 * num_ranks)
+
+
+def all_masked(buffer, rng):
+    check_layout(buffer, np.full((64, 8), -1, dtype=np.int64), 256)
+
+
+def deepseek_shape(buffer, rng):
+    check_layout(buffer, random_topk(rng, 4096, 256, 8, 0.05), 256)
+
+
+def async_and_previous_event(buffer, rng):
+    topk = random_topk(rng, 2048, 256, 8, 0.1)
+    check_layout(buffer, topk, 256, previous_event=buffer.capture(), async_finish=True)
+    check_layout(buffer, topk, 256, previous_event=buffer.capture(), async_finish=True,
+                 allocate_on_comm_stream=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        check_layout(buffer, topk, 256)
+
+
+def bad_expert_id_raises_before_kernel(buffer, rng):
+    topk = random_topk(rng, 16, 64, 4)
+    topk[3, 1] = 64
+    expect_error(ValueError, lambda: buffer.get_dispatch_layout(cupy.asarray(topk), 64),
+                 "an expert id == num_experts was accepted", match="topk_idx holds expert id 64")
+
+
+def repeated_calls_hold_no_memory(buffer, rng):
+    topk = cupy.asarray(random_topk(rng, 1024, 256, 8, 0.1))
+    assert_no_memory_growth(
+        lambda: buffer.get_dispatch_layout(topk, 256, previous_event=buffer.capture(), async_finish=True),
+        warmup_step=lambda: buffer.get_dispatch_layout(topk, 256),
+        settle=lambda: buffer.get_dispatch_layout(topk, 256))  # prunes arrays kept for finished async calls
+
+
+def two_nodes_override(buffer, rng):
+    ranks_per_node = num_ranks // 2
+    with environment(CUEP_RANKS_PER_NODE=str(ranks_per_node)):
+        hierarchical = cuep.Buffer(comm)
+    assert hierarchical.topology.num_nodes == 2
+    check_layout(hierarchical, random_topk(rng, 4096, 256, 8, 0.05), 256, ranks_per_node)
+    check_layout(hierarchical, random_topk(rng, 0 if rank == 0 else 99, 256, 8, 0.3), 256, ranks_per_node)
+    hierarchical.destroy()
+    hierarchical.destroy()  # idempotent
+
+
+def barrier_timeout_names_missing_peer(buffer, rng):
+    exc = times_out_without_rank_0(comm, "barrier", lambda: buffer.barrier(timeout_s=2.0))
+    if exc is not None:
+        assert "rank 0" in str(exc) and "waited 2 s" in str(exc), exc
+    rejoin(comm, buffer)  # every rank at the same epoch again
+
+
 def main() -> None:
     rng = np.random.default_rng([SEED, rank])
     buffer = cuep.Buffer(comm, num_nvl_bytes=64 << 20)
-
-    def random_with_masked():
-        for num_tokens, num_experts, num_topk in ((1, 8 * num_ranks, 1), (1001, 16 * num_ranks, 6),
-                                                  (333, 3 * num_ranks, 3)):
-            check_layout(buffer, random_topk(rng, num_tokens, num_experts, num_topk, 0.2), num_experts)
-
-    def int32_ids():
-        check_layout(buffer, random_topk(rng, 777, 64, 8, 0.1, dtype=np.int32), 64)
-
-    def zero_tokens_on_one_rank():
-        num_tokens = 0 if rank == 1 else 513
-        check_layout(buffer, random_topk(rng, num_tokens, 64, 8, 0.1), 64)
-
-    def all_tokens_to_one_rank():
-        topk = random_topk(rng, 300, 8, 4) % 2  # experts 0 and 1 only: rank 0 of 32 experts' split
-        check_layout(buffer, topk, 32 * num_ranks)
-
-    def all_masked():
-        check_layout(buffer, np.full((64, 8), -1, dtype=np.int64), 256)
-
-    def deepseek_shape():
-        check_layout(buffer, random_topk(rng, 4096, 256, 8, 0.05), 256)
-
-    def async_and_previous_event():
-        topk = random_topk(rng, 2048, 256, 8, 0.1)
-        check_layout(buffer, topk, 256, previous_event=buffer.capture(), async_finish=True)
-        check_layout(buffer, topk, 256, previous_event=buffer.capture(), async_finish=True,
-                     allocate_on_comm_stream=True)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            check_layout(buffer, topk, 256)
-
-    def bad_expert_id_raises_before_kernel():
-        topk = random_topk(rng, 16, 64, 4)
-        topk[3, 1] = 64
-        try:
-            buffer.get_dispatch_layout(cupy.asarray(topk), 64)
-        except ValueError as exc:
-            assert "topk_idx holds expert id 64" in str(exc), exc
-        else:
-            raise AssertionError("an expert id == num_experts was accepted")
-
-    def repeated_calls_hold_no_memory():
-        topk = cupy.asarray(random_topk(rng, 1024, 256, 8, 0.1))
-        pool = cupy.get_default_memory_pool()
-        for _ in range(20):
-            buffer.get_dispatch_layout(topk, 256)
-        cupy.cuda.Device().synchronize()
-        before = pool.used_bytes()
-        for _ in range(1000):
-            buffer.get_dispatch_layout(topk, 256, previous_event=buffer.capture(), async_finish=True)
-        cupy.cuda.Device().synchronize()
-        buffer.get_dispatch_layout(topk, 256)  # prunes arrays kept for finished async calls
-        cupy.cuda.Device().synchronize()
-        assert pool.used_bytes() <= before + (1 << 20), (before, pool.used_bytes())
-
-    def two_nodes_override():
-        ranks_per_node = num_ranks // 2
-        os.environ["CUEP_RANKS_PER_NODE"] = str(ranks_per_node)
-        try:
-            hierarchical = cuep.Buffer(comm)
-        finally:
-            del os.environ["CUEP_RANKS_PER_NODE"]
-        assert hierarchical.topology.num_nodes == 2
-        check_layout(hierarchical, random_topk(rng, 4096, 256, 8, 0.05), 256, ranks_per_node)
-        check_layout(hierarchical, random_topk(rng, 0 if rank == 0 else 99, 256, 8, 0.3), 256, ranks_per_node)
-        hierarchical.destroy()
-        hierarchical.destroy()  # idempotent
-
-    def barrier_timeout_names_missing_peer():
-        comm.Barrier()
-        if rank != 0:
-            try:
-                buffer.barrier(timeout_s=2.0)
-            except cuep.PeerTimeoutError as exc:
-                assert exc.rank == rank and exc.peer == 0, exc
-                assert "rank 0" in str(exc) and "waited 2 s" in str(exc), exc
-            else:
-                raise AssertionError("barrier without rank 0 did not time out")
-        comm.Barrier()
-        if rank == 0:
-            buffer.barrier()  # catches up: the others announced this epoch before giving up
-        comm.Barrier()
-        buffer.barrier()  # every rank at the same epoch again
-
-    run_cases(comm, [
+    cases = [
         ("random routing with -1 entries", random_with_masked),
         ("int32 topk_idx", int32_ids),
         ("0 tokens on rank 1", zero_tokens_on_one_rank),
@@ -134,7 +136,8 @@ def main() -> None:
         ("1000 async calls hold no memory", repeated_calls_hold_no_memory),
         ("2 nodes by CUEP_RANKS_PER_NODE", two_nodes_override),
         ("barrier timeout names the missing peer", barrier_timeout_names_missing_peer),
-    ])
+    ]
+    run_cases(comm, [(name, functools.partial(case, buffer, rng)) for name, case in cases])
     buffer.destroy()
     if rank == 0:
         print(f"[rank 0] layout worker passed on {num_ranks} ranks, device barrier epochs ok", flush=True)

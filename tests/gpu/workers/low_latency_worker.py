@@ -3,7 +3,8 @@
 Every rank rebuilds every rank's inputs from one seed, so it can compute what it must receive and
 what its tokens must combine to. Moved data (FP8 bytes and scales, BF16 rows, counts, row order) is
 compared bit for bit; combined sums within the rounding the combine performs (one BF16 rounding of
-each rank's partial sum, then of the result: 2^-7 of sum |w x| at most).
+each rank's partial sum, then of the result: 2^-7 of sum |w x| at most). Each case below checks one
+behaviour; ``main`` runs them in order (the order fixes each case's inputs, see ``common.SeededInputs``).
 
 ``--pressure N``: instead of the cases, N calls with fresh random routing and shapes, every result
 checked (the test suite runs a few hundred; run it long by hand to soak a machine).
@@ -11,42 +12,40 @@ checked (the test suite runs a few hundred; run it long by hand to soak a machin
 
 from __future__ import annotations
 
-import os
+import functools
 import sys
 
 import cupy
-import ml_dtypes
 import numpy as np
+from common import (
+    BF16,
+    AllInputs,
+    SeededInputs,
+    assert_no_memory_growth,
+    bits,
+    environment,
+    expect_error,
+    expect_peer_timeout,
+    run_cases,
+)
 from mpi4py import MPI
 
 import cuep
-from common import assert_no_memory_growth, random_topk, run_cases
 from cuep import fp8, reference
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
-BF16 = np.dtype(ml_dtypes.bfloat16)
 SEED = 11
 MAX_TOKENS = 128
-_case_counter = iter(range(1_000_000))
+HIDDEN_MAX = 7168
+EXPERTS = 64 * num_ranks
+FEW_EXPERTS = 4 * num_ranks
+RDMA_BYTES = cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN_MAX, num_ranks, EXPERTS)
+all_inputs = SeededInputs(SEED, num_ranks)
 
 
-def all_inputs(num_tokens, hidden, num_experts, num_topk, masked=0.1):
-    """Every rank's (x, topk_idx, topk_weights), reproducible on every rank."""
-    seed = next(_case_counter)
-    inputs = []
-    for s in range(num_ranks):
-        rng = np.random.default_rng([SEED, seed, s])
-        tokens = num_tokens(s) if callable(num_tokens) else num_tokens
-        x = rng.standard_normal((tokens, hidden)).astype(BF16)
-        topk = random_topk(rng, tokens, num_experts, num_topk, masked)
-        inputs.append((x, topk, rng.random((tokens, num_topk), dtype=np.float32)))
-    return inputs
-
-
-def bits(array):
-    array = np.asarray(array)
-    return array.view(np.uint16) if array.dtype == BF16 else array
+# ------------------------------------------------------------------------------------------------------
+# Checks against the reference
 
 
 def check_received(received, recv_count, expected, use_fp8):
@@ -60,20 +59,20 @@ def check_received(received, recv_count, expected, use_fp8):
             np.testing.assert_array_equal(scales[e, :n].get(), expected.recv_scales[e, :n], err_msg=f"scales of {e}")
 
 
-def dispatch_and_check(buffer, inputs, num_experts, use_fp8=True, round_scale=False, use_ue8m0=False, hook=False,
-                       async_finish=False, stats=None):
-    x, topk, _ = inputs[rank]
+def dispatch_and_check(buffer, inputs: AllInputs, num_experts, use_fp8=True, round_scale=False, use_ue8m0=False,
+                       hook=False, async_finish=False, stats=None):
+    mine = inputs[rank]
     received, recv_count, handle, event, recv_hook = buffer.low_latency_dispatch(
-        cupy.asarray(x), cupy.asarray(topk), MAX_TOKENS, num_experts, cumulative_local_expert_recv_stats=stats,
-        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
-        return_recv_hook=hook)
+        cupy.asarray(mine.x), cupy.asarray(mine.topk_idx), MAX_TOKENS, num_experts,
+        cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+        async_finish=async_finish, return_recv_hook=hook)
     assert (recv_hook is not None) == hook
     if hook:
         recv_hook()
     if async_finish:
         event.current_stream_wait()
-    expected = reference.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_experts, MAX_TOKENS,
-                                              use_fp8, round_scale, use_ue8m0)
+    expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, num_experts, MAX_TOKENS, use_fp8,
+                                              round_scale, use_ue8m0)
     check_received(received, recv_count, expected[rank], use_fp8)
     return handle, expected
 
@@ -104,8 +103,8 @@ class AbsoluteRows:
         return np.abs(self.output[key].astype(np.float32))
 
 
-def check_combined(combined, inputs, outputs, num_experts):
-    topks, weights = [i[1] for i in inputs], [i[2] for i in inputs]
+def check_combined(combined, inputs: AllInputs, outputs, num_experts):
+    topks, weights = inputs.topk_idxs, inputs.topk_weights
     want = reference.low_latency_combine(outputs, topks, weights, num_experts)[rank]
     bound = reference.low_latency_combine([AbsoluteRows(o) for o in outputs], topks, [np.abs(w) for w in weights],
                                           num_experts)[rank]
@@ -116,16 +115,17 @@ def check_combined(combined, inputs, outputs, num_experts):
     assert (excess <= 0).all(), (np.abs(got - want).max(), float(excess.max()))
 
 
-def combine_and_check(buffer, inputs, expected, num_experts, handle, hook=False, async_finish=False, out=None,
-                      zero_copy=False):
+def combine_and_check(buffer, inputs: AllInputs, expected, num_experts, handle, hook=False, async_finish=False,
+                      out=None, zero_copy=False):
     outputs = expert_outputs(expected, num_experts)
     x = cupy.asarray(outputs[rank])
     if zero_copy:
         target = buffer.get_next_low_latency_combine_buffer(handle)
         target[...] = x
         x = target
-    _, topk, weights = inputs[rank]
-    combined, event, recv_hook = buffer.low_latency_combine(x, cupy.asarray(topk), cupy.asarray(weights), handle,
+    mine = inputs[rank]
+    combined, event, recv_hook = buffer.low_latency_combine(x, cupy.asarray(mine.topk_idx),
+                                                            cupy.asarray(mine.topk_weights), handle,
                                                             zero_copy=zero_copy, async_finish=async_finish,
                                                             return_recv_hook=hook, out=out)
     if hook:
@@ -183,197 +183,189 @@ def pressure(iterations: int) -> None:
         print(f"[rank 0] low-latency pressure: {iterations} calls checked; passed on {num_ranks} ranks", flush=True)
 
 
-def main() -> None:
-    hidden_max = 7168
-    size = cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, hidden_max, num_ranks, 64 * num_ranks)
-    buffer = cuep.Buffer(comm, 0, size, low_latency_mode=True)
-    experts = 64 * num_ranks
-    few_experts = 4 * num_ranks
+# ------------------------------------------------------------------------------------------------------
+# Cases
 
-    def fp8_topk8_hidden_7168_uneven_tokens():
-        inputs = all_inputs(lambda s: MAX_TOKENS - 17 * s, 7168, experts, 8)
-        handle, expected = dispatch_and_check(buffer, inputs, experts)
-        combine_and_check(buffer, inputs, expected, experts, handle)
 
-    def fp8_round_scale_topk1_hidden_2048():
-        inputs = all_inputs(MAX_TOKENS, 2048, experts, 1)
-        handle, expected = dispatch_and_check(buffer, inputs, experts, round_scale=True)
-        combine_and_check(buffer, inputs, expected, experts, handle)
+def fp8_topk8_hidden_7168_uneven_tokens(buffer):
+    inputs = all_inputs(lambda s: MAX_TOKENS - 17 * s, 7168, EXPERTS, 8)
+    handle, expected = dispatch_and_check(buffer, inputs, EXPERTS)
+    combine_and_check(buffer, inputs, expected, EXPERTS, handle)
 
-    def fp8_ue8m0_topk16():
-        inputs = all_inputs(100, 2048, experts, 16)
-        handle, expected = dispatch_and_check(buffer, inputs, experts, round_scale=True, use_ue8m0=True)
-        combine_and_check(buffer, inputs, expected, experts, handle)
 
-    def bf16_zero_tokens_on_rank_1_out_and_zero_copy():
-        inputs = all_inputs(lambda s: 0 if s == 1 else 77, 2048, few_experts, 8, masked=0.3)
-        handle, expected = dispatch_and_check(buffer, inputs, few_experts, use_fp8=False)
-        out = cupy.empty((len(inputs[rank][0]), 2048), dtype=BF16)
-        combine_and_check(buffer, inputs, expected, few_experts, handle, out=out, zero_copy=True)
+def fp8_round_scale_topk1_hidden_2048(buffer):
+    inputs = all_inputs(MAX_TOKENS, 2048, EXPERTS, 1)
+    handle, expected = dispatch_and_check(buffer, inputs, EXPERTS, round_scale=True)
+    combine_and_check(buffer, inputs, expected, EXPERTS, handle)
 
-    def hooks_two_micro_batches():
-        a, b = (all_inputs(MAX_TOKENS, 7168, experts, 8) for _ in range(2))
-        sent = []
-        for inputs in (a, b):
-            x, topk, _ = inputs[rank]
-            sent.append(buffer.low_latency_dispatch(cupy.asarray(x), cupy.asarray(topk), MAX_TOKENS, experts,
-                                                    return_recv_hook=True))
-        combines = []
-        for inputs, (received, recv_count, handle, _, hook) in zip((a, b), sent):
-            hook()
-            expected = reference.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], experts,
-                                                      MAX_TOKENS)
-            check_received(received, recv_count, expected[rank], True)
-            outputs = expert_outputs(expected, experts)
-            _, topk, weights = inputs[rank]
-            combined, _, combine_hook = buffer.low_latency_combine(cupy.asarray(outputs[rank]), cupy.asarray(topk),
-                                                                   cupy.asarray(weights), handle, return_recv_hook=True)
-            combines.append((inputs, outputs, combined, combine_hook))
-        for inputs, outputs, combined, combine_hook in combines:
-            combine_hook()
-            check_combined(combined, inputs, outputs, experts)
-            try:
-                combine_hook()
-            except cuep.CuepError:
-                pass
-            else:
-                raise AssertionError("a hook ran twice")
 
-    def async_finish_and_cumulative_stats():
-        stats = cupy.zeros(experts // num_ranks, dtype=cupy.int32)
-        total = np.zeros(experts // num_ranks, dtype=np.int64)
-        for _ in range(2):
-            inputs = all_inputs(90, 2048, experts, 8)
-            handle, expected = dispatch_and_check(buffer, inputs, experts, async_finish=True, stats=stats)
-            total += expected[rank].recv_count
-            combine_and_check(buffer, inputs, expected, experts, handle, async_finish=True)
-        np.testing.assert_array_equal(stats.get(), total)
+def fp8_ue8m0_topk16(buffer):
+    inputs = all_inputs(100, 2048, EXPERTS, 16)
+    handle, expected = dispatch_and_check(buffer, inputs, EXPERTS, round_scale=True, use_ue8m0=True)
+    combine_and_check(buffer, inputs, expected, EXPERTS, handle)
 
-    def forced_put_path():
-        put_buffer = cuep.Buffer(comm, 0, size, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
-        for use_fp8 in (True, False):
-            inputs = all_inputs(MAX_TOKENS - 5, 7168, experts, 8)
-            handle, expected = dispatch_and_check(put_buffer, inputs, experts, use_fp8=use_fp8)
-            combine_and_check(put_buffer, inputs, expected, experts, handle)
-        put_buffer.destroy()
 
-    def cuda_graph_capture_then_1000_replays():
-        tokens, hidden, num_topk = MAX_TOKENS, 2048, 8
-        rng = cupy.random.default_rng(99 + rank)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            x = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
-            topk = random_routing_on_gpu(rng, tokens, experts, num_topk)
-            weights = rng.random(topk.shape, dtype=cupy.float32)
+def bf16_zero_tokens_on_rank_1_out_and_zero_copy(buffer):
+    inputs = all_inputs(lambda s: 0 if s == 1 else 77, 2048, FEW_EXPERTS, 8, masked=0.3)
+    handle, expected = dispatch_and_check(buffer, inputs, FEW_EXPERTS, use_fp8=False)
+    out = cupy.empty((len(inputs[rank].x), 2048), dtype=BF16)
+    combine_and_check(buffer, inputs, expected, FEW_EXPERTS, handle, out=out, zero_copy=True)
 
-            def step():
-                received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, experts,
-                                                                                 use_fp8=False)
-                combined, _, _ = buffer.low_latency_combine(received, topk, weights, handle)
-                return received, recv_count, handle, combined
 
-            step()
-            stream.synchronize()
-            stream.begin_capture()
-            captured = step()  # the graph writes into these arrays: they must outlive it
-            graph = stream.end_capture()
-            _, recv_count, _, combined = captured
-            worst = cupy.full((), -1.0, dtype=cupy.float32)
-            received_total = cupy.zeros((), dtype=cupy.int64)
-            sent_total = cupy.zeros((), dtype=cupy.int64)
-            for _ in range(1000):
-                x[...] = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
-                topk[...] = random_routing_on_gpu(rng, tokens, experts, num_topk)
-                weights[...] = rng.random(topk.shape, dtype=cupy.float32)
-                graph.launch(stream)
-                weight_sum = cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
-                bound = cupy.abs(x.astype(cupy.float32)) * cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
-                excess = cupy.abs(combined.astype(cupy.float32) - x.astype(cupy.float32) * weight_sum) - bound * 2.0 ** -7
-                cupy.maximum(worst, excess.max(), out=worst)
-                received_total += recv_count.sum()
-                sent_total += (topk >= 0).sum()
-            stream.synchronize()
-        assert float(worst) <= 1e-5, float(worst)
-        assert comm.allreduce(int(received_total)) == comm.allreduce(int(sent_total))
+def hooks_two_micro_batches(buffer):
+    a, b = (all_inputs(MAX_TOKENS, 7168, EXPERTS, 8) for _ in range(2))
+    sent = []
+    for inputs in (a, b):
+        mine = inputs[rank]
+        sent.append(buffer.low_latency_dispatch(cupy.asarray(mine.x), cupy.asarray(mine.topk_idx), MAX_TOKENS,
+                                                EXPERTS, return_recv_hook=True))
+    combines = []
+    for inputs, (received, recv_count, handle, _, hook) in zip((a, b), sent):
+        hook()
+        expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS)
+        check_received(received, recv_count, expected[rank], True)
+        outputs = expert_outputs(expected, EXPERTS)
+        mine = inputs[rank]
+        combined, _, combine_hook = buffer.low_latency_combine(cupy.asarray(outputs[rank]), cupy.asarray(mine.topk_idx),
+                                                               cupy.asarray(mine.topk_weights), handle,
+                                                               return_recv_hook=True)
+        combines.append((inputs, outputs, combined, combine_hook))
+    for inputs, outputs, combined, combine_hook in combines:
+        combine_hook()
+        check_combined(combined, inputs, outputs, EXPERTS)
+        expect_error(cuep.CuepError, combine_hook, "a hook ran twice")
 
-    def thousand_calls_hold_no_memory():
-        inputs = all_inputs(64, 1024, few_experts, 4)
-        x, topk, weights = (cupy.asarray(a) for a in inputs[rank])
+
+def async_finish_and_cumulative_stats(buffer):
+    stats = cupy.zeros(EXPERTS // num_ranks, dtype=cupy.int32)
+    total = np.zeros(EXPERTS // num_ranks, dtype=np.int64)
+    for _ in range(2):
+        inputs = all_inputs(90, 2048, EXPERTS, 8)
+        handle, expected = dispatch_and_check(buffer, inputs, EXPERTS, async_finish=True, stats=stats)
+        total += expected[rank].recv_count
+        combine_and_check(buffer, inputs, expected, EXPERTS, handle, async_finish=True)
+    np.testing.assert_array_equal(stats.get(), total)
+
+
+def forced_put_path():
+    put_buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
+    for use_fp8 in (True, False):
+        inputs = all_inputs(MAX_TOKENS - 5, 7168, EXPERTS, 8)
+        handle, expected = dispatch_and_check(put_buffer, inputs, EXPERTS, use_fp8=use_fp8)
+        combine_and_check(put_buffer, inputs, expected, EXPERTS, handle)
+    put_buffer.destroy()
+
+
+def cuda_graph_capture_then_1000_replays(buffer):
+    tokens, hidden, num_topk = MAX_TOKENS, 2048, 8
+    rng = cupy.random.default_rng(99 + rank)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
+        topk = random_routing_on_gpu(rng, tokens, EXPERTS, num_topk)
+        weights = rng.random(topk.shape, dtype=cupy.float32)
+
         def step():
-            received, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
-            buffer.low_latency_combine(received, topk, weights, handle)
-        assert_no_memory_growth(step)
+            received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
+                                                                             use_fp8=False)
+            combined, _, _ = buffer.low_latency_combine(received, topk, weights, handle)
+            return received, recv_count, handle, combined
 
-    def bad_expert_id_is_reported_by_the_next_call():
-        inputs = all_inputs(16, 1024, few_experts, 4, masked=0.0)
-        x, topk, weights = (cupy.asarray(a) for a in inputs[rank])
-        topk[0, 0] = few_experts  # out of range: treated as -1 by the kernel, reported afterwards
-        buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
-        cupy.cuda.Device().synchronize()
-        try:
-            buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts, use_fp8=False)
-        except ValueError as exc:
-            assert "topk_idx" in str(exc), exc
-        else:
-            raise AssertionError("an out-of-range expert id was not reported")
-        cupy.cuda.Device().synchronize()
-        comm.Barrier()
-        buffer.clean_low_latency_buffer(MAX_TOKENS, 1024, few_experts)
+        step()
+        stream.synchronize()
+        stream.begin_capture()
+        captured = step()  # the graph writes into these arrays: they must outlive it
+        graph = stream.end_capture()
+        _, recv_count, _, combined = captured
+        worst = cupy.full((), -1.0, dtype=cupy.float32)
+        received_total = cupy.zeros((), dtype=cupy.int64)
+        sent_total = cupy.zeros((), dtype=cupy.int64)
+        for _ in range(1000):
+            x[...] = rng.standard_normal((tokens, hidden), dtype=cupy.float32).astype(BF16)
+            topk[...] = random_routing_on_gpu(rng, tokens, EXPERTS, num_topk)
+            weights[...] = rng.random(topk.shape, dtype=cupy.float32)
+            graph.launch(stream)
+            weight_sum = cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
+            bound = cupy.abs(x.astype(cupy.float32)) * cupy.where(topk >= 0, weights, 0).sum(axis=1, keepdims=True)
+            excess = cupy.abs(combined.astype(cupy.float32) - x.astype(cupy.float32) * weight_sum) - bound * 2.0 ** -7
+            cupy.maximum(worst, excess.max(), out=worst)
+            received_total += recv_count.sum()
+            sent_total += (topk >= 0).sum()
+        stream.synchronize()
+    assert float(worst) <= 1e-5, float(worst)
+    assert comm.allreduce(int(received_total)) == comm.allreduce(int(sent_total))
 
-    def argument_errors_name_the_argument():
-        x = cupy.zeros((MAX_TOKENS + 1, 1024), dtype=BF16)
-        topk = cupy.zeros((MAX_TOKENS + 1, 4), dtype=cupy.int64)
-        for call, match in [
-            (lambda: buffer.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts), "num_max_dispatch_tokens_per_rank"),
-            (lambda: buffer.low_latency_dispatch(cupy.zeros((4, 100), dtype=BF16), topk[:4], MAX_TOKENS, few_experts),
-             "hidden"),
-            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts, use_ue8m0=True), "use_ue8m0"),
-            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts + 1), "num_experts"),
-            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, few_experts, async_finish=True,
-                                                 return_recv_hook=True), "return_recv_hook"),
-            (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], 1 << 20, few_experts), "num_max_dispatch_tokens_per_rank"),
-        ]:
-            try:
-                call()
-            except (ValueError, TypeError) as exc:
-                assert match in str(exc), (match, exc)
-            else:
-                raise AssertionError(f"no error for {match}")
 
-    def peer_that_skips_a_call_times_out():
-        os.environ["CUEP_TIMEOUT_S"] = "3"
-        try:
-            short = cuep.Buffer(comm, 0, size, low_latency_mode=True)
-        finally:
-            del os.environ["CUEP_TIMEOUT_S"]
-        inputs = all_inputs(32, 1024, few_experts, 4)
-        x, topk, _ = (cupy.asarray(a) for a in inputs[rank])
-        comm.Barrier()
-        if rank != 0:
-            short.low_latency_dispatch(x, topk, MAX_TOKENS, few_experts)
-            cupy.cuda.Device().synchronize()  # the kernel gave up after 3 s instead of hanging
-            try:
-                short.barrier()
-            except cuep.PeerTimeoutError as exc:
-                assert exc.peer == 0 and exc.rank == rank, exc
-            else:
-                raise AssertionError("a dispatch without rank 0 did not time out")
-        comm.Barrier()
-        short.destroy()
+def thousand_calls_hold_no_memory(buffer):
+    x, _, topk, weights = all_inputs(64, 1024, FEW_EXPERTS, 4)[rank].on_gpu()
+
+    def step():
+        received, _, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS, use_fp8=False)
+        buffer.low_latency_combine(received, topk, weights, handle)
+    assert_no_memory_growth(step)
+
+
+def bad_expert_id_is_reported_by_the_next_call(buffer):
+    x, _, topk, _ = all_inputs(16, 1024, FEW_EXPERTS, 4, masked=0.0)[rank].on_gpu()
+    topk[0, 0] = FEW_EXPERTS  # out of range: treated as -1 by the kernel, reported afterwards
+    buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS, use_fp8=False)
+    cupy.cuda.Device().synchronize()
+    expect_error(ValueError, lambda: buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS, use_fp8=False),
+                 "an out-of-range expert id was not reported", match="topk_idx")
+    cupy.cuda.Device().synchronize()
+    comm.Barrier()
+    buffer.clean_low_latency_buffer(MAX_TOKENS, 1024, FEW_EXPERTS)
+
+
+def argument_errors_name_the_argument(buffer):
+    x = cupy.zeros((MAX_TOKENS + 1, 1024), dtype=BF16)
+    topk = cupy.zeros((MAX_TOKENS + 1, 4), dtype=cupy.int64)
+    for call, match in [
+        (lambda: buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS), "num_max_dispatch_tokens_per_rank"),
+        (lambda: buffer.low_latency_dispatch(cupy.zeros((4, 100), dtype=BF16), topk[:4], MAX_TOKENS, FEW_EXPERTS),
+         "hidden"),
+        (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, FEW_EXPERTS, use_ue8m0=True), "use_ue8m0"),
+        (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, FEW_EXPERTS + 1), "num_experts"),
+        (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], MAX_TOKENS, FEW_EXPERTS, async_finish=True,
+                                             return_recv_hook=True), "return_recv_hook"),
+        (lambda: buffer.low_latency_dispatch(x[:4], topk[:4], 1 << 20, FEW_EXPERTS),
+         "num_max_dispatch_tokens_per_rank"),
+    ]:
+        expect_error((ValueError, TypeError), call, f"no error for {match}", match=match)
+
+
+def peer_that_skips_a_call_times_out():
+    with environment(CUEP_TIMEOUT_S="3"):
+        short = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True)
+    x, _, topk, _ = all_inputs(32, 1024, FEW_EXPERTS, 4)[rank].on_gpu()
+    comm.Barrier()
+    if rank != 0:
+        short.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS)
+        cupy.cuda.Device().synchronize()  # the kernel gave up after 3 s instead of hanging
+        expect_peer_timeout(rank, short.barrier, "a dispatch")
+    comm.Barrier()
+    short.destroy()
+
+
+def main() -> None:
+    buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True)
+
+    def on_buffer(case):
+        return functools.partial(case, buffer)
 
     run_cases(comm, [
-        ("fp8, top-8, hidden 7168, uneven token counts, -1 entries", fp8_topk8_hidden_7168_uneven_tokens),
-        ("fp8 round_scale, top-1, hidden 2048", fp8_round_scale_topk1_hidden_2048),
-        ("fp8 UE8M0, top-16", fp8_ue8m0_topk16),
+        ("fp8, top-8, hidden 7168, uneven token counts, -1 entries", on_buffer(fp8_topk8_hidden_7168_uneven_tokens)),
+        ("fp8 round_scale, top-1, hidden 2048", on_buffer(fp8_round_scale_topk1_hidden_2048)),
+        ("fp8 UE8M0, top-16", on_buffer(fp8_ue8m0_topk16)),
         ("bf16, 0 tokens on rank 1, combine into out= from the zero-copy buffer",
-         bf16_zero_tokens_on_rank_1_out_and_zero_copy),
-        ("hooks: two micro-batches in flight", hooks_two_micro_batches),
-        ("async_finish and cumulative stats", async_finish_and_cumulative_stats),
+         on_buffer(bf16_zero_tokens_on_rank_1_out_and_zero_copy)),
+        ("hooks: two micro-batches in flight", on_buffer(hooks_two_micro_batches)),
+        ("async_finish and cumulative stats", on_buffer(async_finish_and_cumulative_stats)),
         ("forced NVSHMEM put path", forced_put_path),
-        ("CUDA graph: capture once, 1000 replays with fresh inputs", cuda_graph_capture_then_1000_replays),
-        ("1000 calls without memory growth", thousand_calls_hold_no_memory),
-        ("an out-of-range expert id is reported", bad_expert_id_is_reported_by_the_next_call),
-        ("argument errors name the argument", argument_errors_name_the_argument),
+        ("CUDA graph: capture once, 1000 replays with fresh inputs", on_buffer(cuda_graph_capture_then_1000_replays)),
+        ("1000 calls without memory growth", on_buffer(thousand_calls_hold_no_memory)),
+        ("an out-of-range expert id is reported", on_buffer(bad_expert_id_is_reported_by_the_next_call)),
+        ("argument errors name the argument", on_buffer(argument_errors_name_the_argument)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ])
     buffer.destroy()
