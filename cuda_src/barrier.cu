@@ -20,6 +20,15 @@
 
 namespace cuep {
 
+// cuep_barrier's one argument, passed by value (mirror: BarrierArgs in cuep/kernels/barrier.py).
+struct BarrierArgs {
+    uint64_t* signals;             // [num_ranks] symmetric: signals[src] = newest epoch src announced here
+    int rank, num_ranks;
+    uint64_t* epoch_counter;       // this rank's barrier count (device memory, not symmetric)
+    uint64_t timeout_ns;
+    Status status;
+};
+
 __device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_t epoch,
                                   uint64_t deadline_ns, const Status& status) {
     nvshmem_quiet();
@@ -31,14 +40,12 @@ __device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_
 
 }  // namespace cuep
 
-extern "C" __global__ void cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter,
-                                        uint64_t timeout_ns, int32_t* status_words, int32_t* status_host) {
-    const cuep::Status status{status_words, status_host};
+extern "C" __global__ void cuep_barrier(const cuep::BarrierArgs args) {
     __shared__ uint64_t epoch;
     if (threadIdx.x == 0)
-        epoch = ++*epoch_counter;  // a single block runs this kernel
+        epoch = ++*args.epoch_counter;  // a single block runs this kernel
     __syncthreads();
-    const uint64_t deadline_ns = cuep::globaltimer_ns() + timeout_ns;
-    for (int peer = threadIdx.x; peer < num_ranks; peer += blockDim.x)
-        cuep::announce_and_wait(signals, rank, peer, epoch, deadline_ns, status);
+    const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
+    for (int peer = threadIdx.x; peer < args.num_ranks; peer += blockDim.x)
+        cuep::announce_and_wait(args.signals, args.rank, peer, epoch, deadline_ns, args.status);
 }

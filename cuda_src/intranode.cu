@@ -37,30 +37,39 @@
 // row in the source's per-chunk arrival counters; meanwhile the source sums, in FP32, the copies of
 // each of its tokens as soon as they have landed, adds the optional biases, and writes the result.
 // No barrier: the counters order everything.
+//
+// Each entry has an argument struct (StageArgs, NotifyArgs, DispatchArgs, PushArgs, CombineArgs
+// below), mirrored field for field in cuep/kernels/intranode.py, which also defines the sizes both
+// sides use (CUEP_* macros, read once below); it takes the struct's fields as its parameters (see
+// the entries). The call sequences that launch them are in cuep/modes/intranode.py.
 #include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
+#include <cuep/copy.cuh>
 #include <cuep/ptx.cuh>
+#include <cuep/rows.cuh>
 #include <cuep/sync.cuh>
 
 namespace cuep {
 
-constexpr int kNumThreads = 512;
+// Defined once in cuep/kernels/intranode.py (its CONSTANTS), passed by the JIT as CUEP_* macros.
+constexpr int kNumThreads = CUEP_NUM_THREADS;
 constexpr int kWarpsPerBlock = kNumThreads / kWarpSize;
-constexpr int kMaxRanks = 8;          // one NVLink domain; the notify block maps one thread per rank
-constexpr int kCopyUnroll = 4;        // 16-byte vectors each lane has in flight per copy step (2 KB a warp;
-                                      // 4 KB measured slower: NVLink congests)
+constexpr int kMaxRanks = CUEP_MAX_RANKS;  // one NVLink domain; the notify block maps one thread per rank
+// Lane r (of a warp) and thread r (of a block) stand for rank r in several places.
+static_assert(kNumThreads % kWarpSize == 0 && kMaxRanks <= kWarpSize, "a warp's lanes must cover the ranks");
 constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 
 // Written by a sender's stage kernel at the start of its buffer, read remotely by receivers.
 // Offsets are in bytes from the buffer's start (the stage kernel adds its region's base to the
-// region-relative offsets the host computes, cuep/kernels/intranode.py).
+// region-relative offsets the host computes, cuep/modes/intranode.py).
 struct SenderMeta {
     int64_t num_tokens;
     int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
     int32_t send_count[kMaxRanks];
-    // followed by int32_t num_tokens_per_expert[num_experts]
+    // followed by int32_t num_tokens_per_expert[num_experts], at most kMaxExperts
 };
-constexpr int64_t kMetaBytes = 64 * 1024;  // mirrors META_BYTES in cuep/kernels/intranode.py
+constexpr int64_t kMetaBytes = CUEP_META_BYTES;
+constexpr int kMaxExperts = CUEP_MAX_EXPERTS;
 
 // Arrivals (cached dispatch and combine) are counted per chunk of consecutive rows, at least
 // kMinChunkRows long, so that at most kMaxChunks counters serve any row count.
@@ -73,19 +82,21 @@ struct SenderControl {
     uint64_t done[kMaxRanks];          // done[r]: newest dispatch epoch receiver r has finished here
     uint64_t started[kMaxRanks];       // started[r]: newest intranode call rank r has started
     uint32_t arrivals[2][kMaxChunks];  // rows pushed here per chunk (cached dispatch, combine), per region
-    uint32_t probe_blocks[2];          // awaited ceiling probe: sender blocks done here, per launch parity
 };
-constexpr int64_t kControlBytes = 20 * 1024;  // mirrors CONTROL_BYTES
+constexpr int64_t kControlBytes = CUEP_CONTROL_BYTES;
 constexpr int64_t kControlOffset = kMetaBytes - kControlBytes;
 static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its share of the meta region");
+static_assert(sizeof(SenderMeta) + kMaxExperts * sizeof(int32_t) <= kControlOffset,
+              "the per-expert counts of the largest expert count overrun the protocol's flags");
 
-// Per-rank state on the device: the last finished dispatch and combine epochs (their sum is the
-// number of finished intranode calls), and the blocks of the running dispatch or combine kernel that
-// are done (the last one finishes the epoch).
+// Per-rank state on the device (kStateWords uint64 words): the last finished dispatch and combine
+// epochs (their sum is the number of finished intranode calls), and the blocks of the running
+// dispatch or combine kernel that are done (the last one finishes the epoch).
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
 constexpr int kStateCombineEpoch = 2;
-constexpr int kStateProbeEpoch = 3;
+constexpr int kStateWords = CUEP_STATE_WORDS;
+static_assert(kStateCombineEpoch < kStateWords, "the host allocates too few state words");
 
 __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
@@ -160,8 +171,8 @@ struct TokenRows {
     int num_scales;
 };
 
-// A sender's tokens and where this rank stages them.
-struct StageArgs : TokenRows {
+// A sender's tokens and where this rank stages them (offsets from the buffer's start).
+struct Staging : TokenRows {
     const int64_t* topk_idx;
     const float* topk_weights;
     int num_topk;
@@ -170,96 +181,128 @@ struct StageArgs : TokenRows {
     int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
 };
 
-// Received rows come grouped by source rank. Walking them in order would send every warp of every
-// rank to the same source at once, leaving the other links idle; instead each warp starts on a
-// different source (staggered by rank and warp) and claims rows from per-source counters, moving on
-// to the next source when one is exhausted. `copy_row` returns false to stop this warp (a wait timed
-// out). Rows of `skip_source` are left out.
-//
-// A warp claims kRowsPerClaim rows at a time. With `tapered_warps` > 0 (the combine's pushers: that
-// many warps share the sources) a warp that has claimed from a source before takes kLargeClaimRows
-// while more than kLargeClaimRounds rounds of such claims are left there for all of them. Each of
-// their claims ends in a release of its rows' arrivals, which waits for the warp's stores to land:
-// fewer claims keep more bytes in flight, and small claims at the end keep the last rows from landing
-// long after the rest. `on_claim(lane)` runs after a claim is requested and before its answer is read: the
-// combine releases the previous claim's arrivals there, so the release overlaps the claim's round
-// trip. Measured at EP4 (combine, eager us): claims of 2 rows, released at the next row 482.8-483.2;
-// released at the claim's end 481.0; tapered 4 then 2, 477.1-477.5; with the release overlapping the
-// next claim 475.6-476.6. Tapered 8 or 3 then 2: 481.0 or 477.6; one or three rounds of large claims:
-// 477.9-478.6 or 478.4; claims of 1 row: 493.7.
-constexpr int kRowsPerClaim = 2;
-constexpr int kLargeClaimRows = 4;
-constexpr int kLargeClaimRounds = 2;
-
-struct NoClaimHook {
-    __device__ void operator()(int) const {}
+// Where a non-cached dispatch writes what this rank receives (`[num_rows, ...]` each; the optional
+// arrays are null when not asked for).
+struct RecvArrays {
+    uint8_t* x;
+    float* scales;
+    int64_t* topk_idx;
+    float* topk_weights;
+    int32_t* src_idx;
 };
 
-template <typename CopyRow, typename OnClaim = NoClaimHook>
-__device__ __forceinline__ void for_each_row_spread_over_sources(int32_t* next_row, const int32_t* rank_prefix,
-                                                                 int rank, int num_ranks, CopyRow copy_row,
-                                                                 int skip_source = -1, int tapered_warps = 0,
-                                                                 OnClaim on_claim = {}) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-    const int large_claims_above = kLargeClaimRounds * kLargeClaimRows * (tapered_warps / num_ranks);
-    int source = (rank + 1 + warp) % num_ranks;
-    int claimed_to = -1;  // where this warp's last claim on `source` ended; -1 before its first
-    for (int exhausted = 0; exhausted < num_ranks;) {
-        if (source == skip_source) {
-            source = (source + 1) % num_ranks;
-            ++exhausted;
-            continue;
-        }
-        const int segment = rank_prefix[source + 1] - rank_prefix[source];
-        const int size = tapered_warps > 0 && claimed_to >= 0 && segment - claimed_to > large_claims_above
-                             ? kLargeClaimRows
-                             : kRowsPerClaim;
-        int first = 0;
-        if (lane == 0)
-            first = atomicAdd(next_row + source, size);
-        on_claim(lane);
-        first = __shfl_sync(kFullWarpMask, first, 0);
-        claimed_to = first + size;
-        if (first >= segment) {
-            source = (source + 1) % num_ranks;
-            ++exhausted;
-            claimed_to = -1;
-            continue;
-        }
-        const int last = min(first + size, segment);
-        for (int j = first; j < last; ++j)
-            if (!copy_row(source, rank_prefix[source] + j, j, lane))
-                return;
-    }
-}
+// ---------------------------------------------------------------------------------------------
+// Kernel arguments: one struct per entry, each field described where the kernel uses it. Pointers
+// are device addresses; `peer_bases[r]` is rank r's buffer, `state` this rank's kStateWords words,
+// `next_row` num_ranks + 1 work counters that are zero between kernels. The launcher passes a
+// struct's bytes as the entry's parameters, so its fields must sit where the parameters do: no
+// field may fall into a nested struct's tail padding (PushArgs puts pointers after its TokenRows).
 
-// One warp copies `num_bytes` (a multiple of 16) from src to dst. Each step issues up to kCopyUnroll
-// loads per lane before its stores (the last step predicated), so a row costs few round trips:
-// over NVLink the copy is bound by the bytes a warp keeps in flight. kReadOnly: nothing writes src
-// during this kernel, so the read-once load path may be used.
-template <bool kReadOnly = true>
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t num_bytes, int lane) {
-    auto* out = static_cast<int4*>(dst);
-    const auto* in = static_cast<const int4*>(src);
-    const auto load = [](const int4* ptr) {
-        if constexpr (kReadOnly)
-            return ld_nc_global(ptr);
-        else
-            return ld_volatile_global(ptr);
-    };
-    const int num_vectors = static_cast<int>(num_bytes / sizeof(int4));
-    for (int i = lane; i < num_vectors; i += kCopyUnroll * kWarpSize) {
-        int4 v[kCopyUnroll];
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u)
-            if (i + u * kWarpSize < num_vectors)
-                v[u] = load(in + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u)
-            if (i + u * kWarpSize < num_vectors)
-                st_na_global(out + i + u * kWarpSize, v[u]);
-    }
+// This rank's tokens in a non-cached dispatch, and where its stage kernel puts them: offsets relative
+// to the call's region (the kernel adds the region's start).
+struct SenderTokens {
+    TokenRows rows;
+    const int64_t* topk_idx;
+    const float* topk_weights;
+    int num_topk;
+    int num_tokens;
+    uint8_t* buffer;
+    int64_t scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
+};
+
+struct StageArgs {
+    SenderTokens tokens;
+    const bool* is_token_in_rank;
+    const int32_t* num_tokens_per_expert;
+    int num_experts, num_ranks;
+    int32_t* send_pos;
+    const uint64_t* peer_bases;
+    int rank;
+    int64_t region_bytes;
+    const uint64_t* state;
+    Status status;
+    uint64_t timeout_ns;
+};
+
+struct NotifyArgs {
+    const uint64_t* peer_bases;
+    int rank, num_ranks, num_experts, expert_alignment;
+    int32_t* recv_info;
+    int32_t* combine_offsets;
+    int32_t* send_offsets;
+    int32_t* push_offsets;
+};
+
+struct DispatchArgs {
+    SenderTokens tokens;  // only the row shape is read: the sources' headers say where their arrays sit
+    const uint64_t* peer_bases;
+    const int32_t* recv_info;
+    int rank, num_ranks, num_experts, num_rows;
+    RecvArrays recv;
+    uint64_t* state;
+    Status status;
+    int32_t* next_row;
+    uint64_t timeout_ns;
+};
+
+struct PushArgs {
+    TokenRows rows;
+    const int32_t* send_pos;
+    const int32_t* push_offsets;
+    int num_tokens;
+    int push_warps;
+    int64_t row_bytes;
+    const uint64_t* peer_bases;
+    const int32_t* recv_info;
+    int rank, num_ranks;
+    int64_t region_bytes;
+    int num_rows;
+    uint8_t* recv_x;
+    float* recv_scales;
+    uint64_t* state;
+    Status status;
+    int32_t* next_row;
+    uint64_t timeout_ns;
+};
+
+struct CombineArgs {
+    const uint64_t* peer_bases;
+    const int32_t* recv_info;
+    const int32_t* combine_offsets;
+    const int32_t* send_pos;
+    const int32_t* send_offsets;
+    int rank, num_ranks, num_tokens;
+    const uint8_t* x;
+    int64_t hidden_bytes;
+    const float* topk_weights;
+    int num_topk;
+    int64_t landing_row_bytes, region_bytes;
+    const __nv_bfloat16* bias0;
+    const __nv_bfloat16* bias1;
+    __nv_bfloat16* combined_x;
+    float* combined_topk_weights;
+    uint64_t* state;
+    Status status;
+    int32_t* next_row;
+    uint64_t timeout_ns;
+};
+
+// What a dispatch or combine kernel knows of its call before anything else (see the top of this file).
+struct CallStart {
+    uint64_t epoch;  // the dispatch or combine epoch this kernel finishes
+    uint64_t call;   // the intranode call it runs
+    int64_t region;  // where that call's region starts in every buffer
+};
+
+// The first thing every dispatch and combine kernel reads: its epoch (from state word `epoch_word`,
+// kStateEpoch or kStateCombineEpoch), its call and that call's region. (Each kernel then reads the
+// clock for its deadline; where it does so decides how the compiler schedules these loads.)
+__device__ __forceinline__ CallStart start_call(const uint64_t* state, int epoch_word, int64_t region_bytes) {
+    CallStart start;
+    start.epoch = ld_volatile_global(state + epoch_word) + 1;
+    start.call = next_call(state);
+    start.region = region_offset(start.call, region_bytes);
+    return start;
 }
 
 // One warp writes `token`'s hidden vector to `dst_x` and its scales (if any) to `dst_scales`.
@@ -338,8 +381,33 @@ __device__ bool every_landing_fits(const int32_t* rows_per_rank, int num_ranks, 
     return false;
 }
 
+// The start of every block of a kernel that pushes rows (cached dispatch, combine), before it moves
+// any: fills this block's shared plan, then synchronises the block. rank_prefix[num_ranks + 1]: the
+// rows received from each source (recv_info[2...]); chunk_rows[r]: receiver r's rows per arrival
+// counter and, with kFirstRows, first_row[r]: this rank's first landing row at receiver r, both from
+// `landing` = [first landing row at each receiver, landing rows at each receiver] (push_offsets or
+// combine_offsets); confirmed[warp][r] = -1: no chunk of rank r confirmed yet. (kFirstRows is a
+// template parameter: a null test of a shared array's address is not folded, and costs the cached
+// dispatch 8 instructions.)
+template <bool kFirstRows>
+__device__ __forceinline__ void load_push_plan(const int32_t* recv_info, const int32_t* landing, int num_ranks,
+                                               int32_t* rank_prefix, int32_t* first_row, int* chunk_rows,
+                                               int (*confirmed)[kMaxRanks]) {
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        if constexpr (kFirstRows)
+            first_row[threadIdx.x] = landing[threadIdx.x];
+        chunk_rows[threadIdx.x] = rows_per_chunk(landing[num_ranks + threadIdx.x]);
+    }
+    if (lane < num_ranks)
+        confirmed[warp_in_block][lane] = -1;
+    __syncthreads();
+}
+
 // Block 0 of each non-cached dispatch's stage kernel: the header receivers read, then its epoch.
-__device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_per_expert, int num_experts,
+__device__ void publish_meta(const Staging& args, const int32_t* num_tokens_per_expert, int num_experts,
                              uint64_t epoch) {
     auto* meta = reinterpret_cast<SenderMeta*>(args.buffer);
     SenderControl* control = control_of(args.buffer);
@@ -364,7 +432,7 @@ __device__ void publish_meta(const StageArgs& args, const int32_t* num_tokens_pe
 }
 
 // One warp stages one token: its row, scales, top-k ids and weights.
-__device__ __forceinline__ void stage_token(const StageArgs& args, int token, int lane) {
+__device__ __forceinline__ void stage_token(const Staging& args, int token, int lane) {
     auto* scales_out = reinterpret_cast<float*>(args.buffer + args.scales_offset);
     copy_token(args, token, args.buffer + args.x_offset + token * args.hidden_bytes,
                scales_out + static_cast<int64_t>(token) * args.num_scales, lane);
@@ -432,17 +500,9 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
     });
 }
 
-struct RecvArgs {
-    uint8_t* x;
-    float* scales;
-    int64_t* topk_idx;
-    float* topk_weights;
-    int32_t* src_idx;
-};
-
 // One warp copies received row `row` (source token `token`) from its source's staging area.
-__device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, int row, const StageArgs& shape,
-                                         const RecvArgs& recv, int64_t first_local, int experts_per_rank, int lane) {
+__device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, int row, const Staging& shape,
+                                         const RecvArrays& recv, int64_t first_local, int experts_per_rank, int lane) {
     // A row's scales (up to kWarpSize vectors, hidden <= 16384) are loaded before its data, so both
     // round trips overlap.
     const bool vector_scales = recv.scales != nullptr && shape.num_scales % kFloatsPerVector == 0 &&
@@ -471,14 +531,9 @@ __device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, 
 // block that finishes last, after it has cleared the block count and the work counters
 // (next_row[0, num_ranks]) for the next kernel. That thread then finishes the call.
 __device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_ranks) {
-    __syncthreads();
-    if (threadIdx.x != 0)
+    if (!last_block_done<Scope::kSystem>(state, kStateBlocksDone))
         return false;
-    __threadfence_system();
-    auto* blocks_done = reinterpret_cast<unsigned long long*>(state + kStateBlocksDone);
-    if (atomicAdd(blocks_done, 1ull) != gridDim.x - 1)
-        return false;
-    *blocks_done = 0;
+    state[kStateBlocksDone] = 0;
     for (int r = 0; r <= num_ranks; ++r)
         next_row[r] = 0;
     return true;
@@ -500,44 +555,64 @@ __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ra
 
 using namespace cuep;
 
+// The entries take their argument struct's fields as scalar parameters, in the struct's order
+// (parameter args_a_b is field args.a.b), and build the struct first: taken as one struct parameter,
+// its reads are scheduled otherwise by NVRTC and every kernel's hot loops compile to other code.
+
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
-// copy rows. Block 0 also announces the call and publishes the header. The array offsets are relative
-// to the call's region.
+// copy rows. Block 0 also announces the call and publishes the header. is_token_in_rank:
+// `[num_tokens, num_ranks]`; send_pos: `[num_tokens, num_ranks]`, written (see scan_destination);
+// num_tokens_per_expert: `[num_experts]` or null.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
-                     int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx, const float* topk_weights,
-                     int num_topk, int num_tokens, uint8_t* buffer, int64_t scales_offset, int64_t topk_idx_offset,
-                     int64_t topk_weights_offset, int64_t send_lists_offset, const bool* is_token_in_rank,
-                     const int32_t* num_tokens_per_expert, int num_experts, int num_ranks, int32_t* send_pos,
-                     const uint64_t* peer_bases, int rank, int64_t region_bytes, const uint64_t* state,
-                     int32_t* status_words, int32_t* status_host, uint64_t timeout_ns) {
-    const Status status{status_words, status_host};
-    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
-    const uint64_t call = next_call(state);
-    const int64_t region = region_offset(call, region_bytes);
-    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
-                         topk_weights, num_topk, num_tokens, buffer, region, region + scales_offset,
-                         region + topk_idx_offset, region + topk_weights_offset, region + send_lists_offset};
-    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
-    if (!wait_until_buffer_free(control_of(args.buffer), num_ranks, epoch - 1, deadline_ns, status))
+cuep_intranode_stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
+                     const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
+                     int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
+                     const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
+                     int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
+                     int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
+                     int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
+                     const bool* args_is_token_in_rank, const int32_t* args_num_tokens_per_expert,
+                     int args_num_experts, int args_num_ranks, int32_t* args_send_pos,
+                     const uint64_t* args_peer_bases, int args_rank, int64_t args_region_bytes,
+                     const uint64_t* args_state, int32_t* args_status_device, int32_t* args_status_host,
+                     uint64_t args_timeout_ns) {
+    const StageArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
+                           args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
+                           args_tokens_rows_num_scales},
+                          args_tokens_topk_idx, args_tokens_topk_weights, args_tokens_num_topk, args_tokens_num_tokens,
+                          args_tokens_buffer, args_tokens_scales_offset, args_tokens_topk_idx_offset,
+                          args_tokens_topk_weights_offset, args_tokens_send_lists_offset},
+                         args_is_token_in_rank, args_num_tokens_per_expert, args_num_experts, args_num_ranks,
+                         args_send_pos, args_peer_bases, args_rank, args_region_bytes, args_state,
+                         {args_status_device, args_status_host}, args_timeout_ns};
+    const Status status = args.status;
+    const int num_ranks = args.num_ranks;
+    const CallStart start = start_call(args.state, kStateEpoch, args.region_bytes);
+    const SenderTokens& tokens = args.tokens;
+    const int64_t region = start.region;
+    const Staging staged{tokens.rows, tokens.topk_idx, tokens.topk_weights, tokens.num_topk, tokens.num_tokens,
+                         tokens.buffer, region, region + tokens.scales_offset, region + tokens.topk_idx_offset,
+                         region + tokens.topk_weights_offset, region + tokens.send_lists_offset};
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
+    if (!wait_until_buffer_free(control_of(staged.buffer), num_ranks, start.epoch - 1, deadline_ns, status))
         return;
     if (blockIdx.x == 0) {
-        announce_call(control_of(args.buffer), peer_bases, rank, num_ranks, call);
-        publish_meta(args, num_tokens_per_expert, num_experts, epoch);
+        announce_call(control_of(staged.buffer), args.peer_bases, args.rank, num_ranks, start.call);
+        publish_meta(staged, args.num_tokens_per_expert, args.num_experts, start.epoch);
     }
     if (static_cast<int>(blockIdx.x) < num_ranks) {
-        auto* send_list = reinterpret_cast<int32_t*>(args.buffer + args.send_lists_offset) +
-                          static_cast<int64_t>(blockIdx.x) * args.num_tokens;
-        scan_destination(is_token_in_rank, args.num_tokens, num_ranks, blockIdx.x, send_list, send_pos,
-                         reinterpret_cast<SenderMeta*>(args.buffer));
+        auto* send_list = reinterpret_cast<int32_t*>(staged.buffer + staged.send_lists_offset) +
+                          static_cast<int64_t>(blockIdx.x) * staged.num_tokens;
+        scan_destination(args.is_token_in_rank, staged.num_tokens, num_ranks, blockIdx.x, send_list, args.send_pos,
+                         reinterpret_cast<SenderMeta*>(staged.buffer));
         return;
     }
     const int num_warps = (gridDim.x - num_ranks) * kWarpsPerBlock;
     const int lane = threadIdx.x % kWarpSize;
-    for (int token = (blockIdx.x - num_ranks) * kWarpsPerBlock + threadIdx.x / kWarpSize; token < args.num_tokens;
+    for (int token = (blockIdx.x - num_ranks) * kWarpsPerBlock + threadIdx.x / kWarpSize; token < staged.num_tokens;
          token += num_warps)
-        stage_token(args, token, lane);  // the barrier after this kernel publishes the rows
+        stage_token(staged, token, lane);  // the barrier after this kernel publishes the rows
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -550,8 +625,13 @@ cuep_intranode_stage(const uint8_t* x, int64_t hidden_bytes, const float* scales
 //   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
 //   destination's received rows, then each destination's received row count).
 extern "C" __global__ void __launch_bounds__(kNumThreads)
-cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int num_experts, int expert_alignment,
-                      int32_t* recv_info, int32_t* combine_offsets, int32_t* send_offsets, int32_t* push_offsets) {
+cuep_intranode_notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int args_num_experts,
+                      int args_expert_alignment, int32_t* args_recv_info, int32_t* args_combine_offsets,
+                      int32_t* args_send_offsets, int32_t* args_push_offsets) {
+    const NotifyArgs args{args_peer_bases, args_rank, args_num_ranks, args_num_experts, args_expert_alignment,
+                          args_recv_info, args_combine_offsets, args_send_offsets, args_push_offsets};
+    const auto [peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, combine_offsets, send_offsets,
+                push_offsets] = args;
     __shared__ int32_t recv_from[kMaxRanks];
     const int num_local_experts = num_experts / num_ranks;
     if (static_cast<int>(threadIdx.x) < num_ranks) {
@@ -602,31 +682,49 @@ cuep_intranode_notify(const uint64_t* peer_bases, int rank, int num_ranks, int n
 
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 4: pull. One warp per received row, source tokens from the sources'
-// send lists; rows land in order of (source rank, source token). The first fifteen arguments are the
-// stage kernel's (only the row shape is read here; the sources' headers say where their arrays sit).
+// send lists; rows land in order of (source rank, source token). recv_info: the notify kernel's;
+// num_rows: the rows of the received arrays (the received count, or num_worst_tokens).
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
-                        int64_t scale_channel_stride, int num_scales, const int64_t* topk_idx,
-                        const float* topk_weights, int num_topk, int num_tokens, uint8_t* buffer,
-                        int64_t scales_offset, int64_t topk_idx_offset, int64_t topk_weights_offset,
-                        int64_t send_lists_offset, const uint64_t* peer_bases, const int32_t* recv_info, int rank,
-                        int num_ranks, int num_experts, int num_rows, uint8_t* recv_x, float* recv_scales,
-                        int64_t* recv_topk_idx, float* recv_topk_weights, int32_t* recv_src_idx, uint64_t* state,
-                        int32_t* status_words, int32_t* status_host, int32_t* next_row, uint64_t timeout_ns) {
-    const Status status{status_words, status_host};
-    const StageArgs args{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, topk_idx,
-                         topk_weights, num_topk, num_tokens, buffer, 0, scales_offset, topk_idx_offset,
-                         topk_weights_offset, send_lists_offset};
-    const RecvArgs recv{recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx};
+cuep_intranode_dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
+                        const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
+                        int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
+                        const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
+                        int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
+                        int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
+                        int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
+                        const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+                        int args_num_ranks, int args_num_experts, int args_num_rows, uint8_t* args_recv_x,
+                        float* args_recv_scales, int64_t* args_recv_topk_idx, float* args_recv_topk_weights,
+                        int32_t* args_recv_src_idx, uint64_t* args_state, int32_t* args_status_device,
+                        int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
+    const DispatchArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
+                              args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
+                              args_tokens_rows_num_scales},
+                             args_tokens_topk_idx, args_tokens_topk_weights, args_tokens_num_topk,
+                             args_tokens_num_tokens, args_tokens_buffer, args_tokens_scales_offset,
+                             args_tokens_topk_idx_offset, args_tokens_topk_weights_offset,
+                             args_tokens_send_lists_offset},
+                            args_peer_bases, args_recv_info, args_rank, args_num_ranks, args_num_experts,
+                            args_num_rows,
+                            {args_recv_x, args_recv_scales, args_recv_topk_idx, args_recv_topk_weights,
+                             args_recv_src_idx},
+                            args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
+    const Status status = args.status;
+    const uint64_t* peer_bases = args.peer_bases;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_rows = args.num_rows;
+    const SenderTokens& tokens = args.tokens;
+    const Staging shape{tokens.rows, tokens.topk_idx, tokens.topk_weights, tokens.num_topk, tokens.num_tokens,
+                        tokens.buffer, 0, tokens.scales_offset, tokens.topk_idx_offset, tokens.topk_weights_offset,
+                        tokens.send_lists_offset};
+    const RecvArrays recv = args.recv;
     __shared__ SourcePlan plans[kMaxRanks];
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
-    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
-    const uint64_t call = next_call(state);
-    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const CallStart start = start_call(args.state, kStateEpoch, 0);  // a pull has no region
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    const bool ok = load_source_plans(plans, peer_bases, rank, num_ranks, epoch, deadline_ns, status);
+        rank_prefix[threadIdx.x] = args.recv_info[2 + threadIdx.x];
+    const bool ok = load_source_plans(plans, peer_bases, rank, num_ranks, start.epoch, deadline_ns, status);
 
     const int num_recv = rank_prefix[num_ranks];
     if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0)  // num_worst_tokens was too small
@@ -634,27 +732,28 @@ cuep_intranode_dispatch(const uint8_t* x, int64_t hidden_bytes, const float* sca
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
     for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
-        if (recv.topk_idx != nullptr && lane < args.num_topk) {
-            recv.topk_idx[static_cast<int64_t>(row) * args.num_topk + lane] = -1;
-            recv.topk_weights[static_cast<int64_t>(row) * args.num_topk + lane] = 0.0f;
+        if (recv.topk_idx != nullptr && lane < shape.num_topk) {
+            recv.topk_idx[static_cast<int64_t>(row) * shape.num_topk + lane] = -1;
+            recv.topk_weights[static_cast<int64_t>(row) * shape.num_topk + lane] = 0.0f;
         }
         if (lane == 0)
             recv.src_idx[row] = -1;
     }
     if (ok && num_recv <= num_rows) {
-        const int experts_per_rank = num_experts / num_ranks;
+        const int experts_per_rank = args.num_experts / num_ranks;
         const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
-        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
-                                         [&](int source, int row, int j, int lane) {
+        for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
+                                                         [&](int source, int row, int j, int lane) {
             const SourcePlan& plan = plans[source];
             const int64_t token = plan.send_list[j];
-            pull_row(plan, token, row, args, recv, first_local, experts_per_rank, lane);
+            pull_row(plan, token, row, shape, recv, first_local, experts_per_rank, lane);
             if (lane == 0)
                 recv.src_idx[row] = static_cast<int32_t>(token);
             return true;
         });
     }
-    finish_dispatch(peer_bases, rank, num_ranks, epoch, call, state, next_row, deadline_ns, status);
+    finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
+                    status);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -676,9 +775,9 @@ constexpr int kTokensPerRun = 2;
 constexpr uint32_t kCopyOutPollSleepNs = 200;
 
 // This rank's token rows, and the landing row they are pushed into: the hidden bytes, then the scales
-// (FP8); rows start on a 128-byte line (LANDING_ROW_ALIGN in cuep/kernels/intranode.py).
+// (FP8); rows start on a 128-byte line (LANDING_ROW_ALIGN in cuep/modes/intranode.py).
 struct PushShape : TokenRows {
-    int64_t row_bytes;  // mirrors push_row_bytes in cuep/kernels/intranode.py
+    int64_t row_bytes;  // push_row_bytes in cuep/modes/intranode.py
 };
 
 // Landing rows of `chunk` that peers push: the chunk's rows less those this rank writes itself
@@ -782,58 +881,61 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
 }  // namespace cuep
 
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
-// kWarpsPerBlock - 1), the rest copy landed rows out from the start. region_bytes: the size of each of
-// the two regions (the same on every rank); num_rows: the rows of recv_x.
+// kWarpsPerBlock - 1), the rest copy landed rows out from the start. send_pos: the handle's
+// `[num_tokens, num_ranks]`; push_offsets, recv_info: the notify kernel's; row_bytes: one landing row
+// (push_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the two regions (the
+// same on every rank); num_rows: the rows of recv_x.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float* scales, int64_t scale_token_stride,
-                             int64_t scale_channel_stride, int num_scales, int num_tokens, const int32_t* send_pos,
-                             const int32_t* push_offsets, int push_warps, int64_t row_bytes,
-                             const uint64_t* peer_bases, const int32_t* recv_info, int rank, int num_ranks,
-                             int64_t region_bytes, int num_rows, uint8_t* recv_x,
-                             float* recv_scales, uint64_t* state, int32_t* status_words, int32_t* status_host,
-                             int32_t* next_row, uint64_t timeout_ns) {
-    const Status status{status_words, status_host};
+cuep_intranode_dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
+                             int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,
+                             int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_push_offsets,
+                             int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
+                             const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+                             int args_num_ranks, int64_t args_region_bytes, int args_num_rows, uint8_t* args_recv_x,
+                             float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
+                             int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
+    const PushArgs args{{args_rows_x, args_rows_hidden_bytes, args_rows_scales, args_rows_scale_token_stride,
+                         args_rows_scale_channel_stride, args_rows_num_scales},
+                        args_send_pos, args_push_offsets, args_num_tokens, args_push_warps, args_row_bytes,
+                        args_peer_bases, args_recv_info, args_rank, args_num_ranks, args_region_bytes, args_num_rows,
+                        args_recv_x, args_recv_scales, args_state, {args_status_device, args_status_host},
+                        args_next_row, args_timeout_ns};
+    const Status status = args.status;
+    const uint64_t* peer_bases = args.peer_bases;
+    const int rank = args.rank, num_ranks = args.num_ranks;
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int32_t first_row[kMaxRanks];
     __shared__ int chunk_rows[kMaxRanks];
     __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
-    const uint64_t epoch = ld_volatile_global(state + kStateEpoch) + 1;
-    const uint64_t call = next_call(state);
-    const int64_t region = region_offset(call, region_bytes);
-    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const CallStart start = start_call(args.state, kStateEpoch, args.region_bytes);
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    if (static_cast<int>(threadIdx.x) < num_ranks) {
-        first_row[threadIdx.x] = push_offsets[threadIdx.x];
-        chunk_rows[threadIdx.x] = rows_per_chunk(push_offsets[num_ranks + threadIdx.x]);
-    }
-    if (lane < num_ranks)
-        confirmed[warp_in_block][lane] = -1;
-    __syncthreads();
+    load_push_plan<true>(args.recv_info, args.push_offsets, num_ranks, rank_prefix, first_row, chunk_rows, confirmed);
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    if (!every_landing_fits(push_offsets + num_ranks, num_ranks, row_bytes, region_bytes, status))
+    if (!every_landing_fits(args.push_offsets + num_ranks, num_ranks, args.row_bytes, args.region_bytes, status))
         return;
-
     if (blockIdx.x == 0)
-        announce_call(control_of(own), peer_bases, rank, num_ranks, call);
-    const PushShape shape{{x, hidden_bytes, scales, scale_token_stride, scale_channel_stride, num_scales}, row_bytes};
+        announce_call(control_of(own), peer_bases, rank, num_ranks, start.call);
+
+    const PushShape shape{args.rows, args.row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
     // fit the landing region) and this rank still awaits them, but nothing is written to recv_x.
     const int num_recv = rank_prefix[num_ranks];
-    const bool fits_recv_x = num_recv <= num_rows;
+    const bool fits_recv_x = num_recv <= args.num_rows;
     if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0)
         status.record(kStatusOverflow, num_recv);
-    const int pushers_per_block = min(push_warps, kWarpsPerBlock - 1);
+    const int pushers_per_block = min(args.push_warps, kWarpsPerBlock - 1);
     if (warp_in_block < pushers_per_block)
-        push_tokens(shape, send_pos, PushTargets{peer_bases, region, first_row, chunk_rows}, rank, num_ranks,
-                    num_tokens, blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, call,
-                    fits_recv_x ? recv_x : nullptr, recv_scales, rank_prefix[rank], lane);
+        push_tokens(shape, args.send_pos, PushTargets{peer_bases, start.region, first_row, chunk_rows}, rank,
+                    num_ranks, args.num_tokens, blockIdx.x * pushers_per_block + warp_in_block,
+                    gridDim.x * pushers_per_block, start.call, fits_recv_x ? args.recv_x : nullptr, args.recv_scales,
+                    rank_prefix[rank], lane);
     const int own_chunk = rows_per_chunk(num_recv);
-    const uint32_t* pushed = control_of(own)->arrivals[call % 2];
-    const PushedCall pushed_call{control_of(own), call, num_ranks};
+    const uint32_t* pushed = control_of(own)->arrivals[start.call % 2];
+    const PushedCall pushed_call{control_of(own), start.call, num_ranks};
     int* warp_confirmed = confirmed[warp_in_block];
-    for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks, [&](int source, int row, int, int lane) {
+    for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
+                                                     [&](int source, int row, int, int lane) {
         const int chunk = row / own_chunk;
         bool arrived = true;
         if (lane == 0)
@@ -845,10 +947,11 @@ cuep_intranode_dispatch_push(const uint8_t* x, int64_t hidden_bytes, const float
         if (!__shfl_sync(kFullWarpMask, arrived, 0))
             return false;
         if (fits_recv_x)
-            copy_out_row(shape, own + region, row, recv_x, recv_scales, lane);
+            copy_out_row(shape, own + start.region, row, args.recv_x, args.recv_scales, lane);
         return true;
     }, rank);
-    finish_dispatch(peer_bases, rank, num_ranks, epoch, call, state, next_row, deadline_ns, status);
+    finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
+                    status);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -998,210 +1101,83 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
 // counter of token slices. recv_info[1] is this rank's landing row count (copies of its tokens).
-// combine_offsets: see the notify kernel; region_bytes: the size of each of the two regions.
+// combine_offsets, send_offsets: see the notify kernel; send_pos: the handle's; x: `[num received
+// rows, hidden]` bf16; topk_weights: `[num received rows, num_topk]` or null; landing_row_bytes: one
+// landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the
+// two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x: `[num_tokens, hidden]`;
+// combined_topk_weights: `[num_tokens, num_topk]` or null.
 extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_combine(const uint64_t* peer_bases, const int32_t* recv_info, const int32_t* combine_offsets,
-                       const int32_t* send_pos, const int32_t* send_offsets, int rank, int num_ranks, int num_tokens,
-                       const uint8_t* x, int64_t hidden_bytes, const float* topk_weights, int num_topk,
-                       int64_t landing_row_bytes, int64_t region_bytes, const __nv_bfloat16* bias0,
-                       const __nv_bfloat16* bias1, __nv_bfloat16* combined_x, float* combined_topk_weights,
-                       uint64_t* state, int32_t* status_words, int32_t* status_host, int32_t* next_row,
-                       uint64_t timeout_ns) {
-    const Status status{status_words, status_host};
+cuep_intranode_combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info,
+                       const int32_t* args_combine_offsets, const int32_t* args_send_pos,
+                       const int32_t* args_send_offsets, int args_rank, int args_num_ranks, int args_num_tokens,
+                       const uint8_t* args_x, int64_t args_hidden_bytes, const float* args_topk_weights,
+                       int args_num_topk, int64_t args_landing_row_bytes, int64_t args_region_bytes,
+                       const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
+                       __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
+                       int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
+                       uint64_t args_timeout_ns) {
+    const CombineArgs args{args_peer_bases, args_recv_info, args_combine_offsets, args_send_pos, args_send_offsets,
+                           args_rank, args_num_ranks, args_num_tokens, args_x, args_hidden_bytes, args_topk_weights,
+                           args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0, args_bias1,
+                           args_combined_x, args_combined_topk_weights, args_state,
+                           {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
+    const Status status = args.status;
+    const uint64_t* peer_bases = args.peer_bases;
+    const int32_t* combine_offsets = args.combine_offsets;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_topk = args.num_topk;
+    const int64_t hidden_bytes = args.hidden_bytes, landing_row_bytes = args.landing_row_bytes;
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ int landing_chunks[kMaxRanks];
     __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
-    const uint64_t epoch = ld_volatile_global(state + kStateCombineEpoch) + 1;
-    const uint64_t call = next_call(state);
-    const int64_t region = region_offset(call, region_bytes);
-    const uint64_t deadline_ns = globaltimer_ns() + timeout_ns;
+    const CallStart start = start_call(args.state, kStateCombineEpoch, args.region_bytes);
+    const uint64_t call = start.call;
+    const int64_t region = start.region;
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    if (static_cast<int>(threadIdx.x) < num_ranks)
-        landing_chunks[threadIdx.x] = rows_per_chunk(combine_offsets[num_ranks + threadIdx.x]);
-    if (lane < num_ranks)
-        confirmed[warp_in_block][lane] = -1;
-    __syncthreads();
-    if (!every_landing_fits(combine_offsets + num_ranks, num_ranks, landing_row_bytes, region_bytes, status))
+    load_push_plan<false>(args.recv_info, combine_offsets, num_ranks, rank_prefix, nullptr, landing_chunks, confirmed);
+    if (!every_landing_fits(combine_offsets + num_ranks, num_ranks, landing_row_bytes, args.region_bytes, status))
         return;
-
     if (blockIdx.x == 0)
         announce_call(control_of(own), peer_bases, rank, num_ranks, call);
+
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
     if (warp_in_block >= kReducerWarps) {
         PendingArrivals pending;
         const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
         const auto publish_previous_claim = [&](int lane) { pending.flush(lane); };
-        for_each_row_spread_over_sources(next_row, rank_prefix, rank, num_ranks,
-                                         [&](int source, int row, int j, int lane) {
+        for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
+                                                         [&](int source, int row, int j, int lane) {
             const int slot = combine_offsets[source] + j;
             auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
             uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
-            warp_copy(landing, x + row * hidden_bytes, hidden_bytes, lane);
-            if (topk_weights != nullptr && lane < num_topk)
+            warp_copy(landing, args.x + row * hidden_bytes, hidden_bytes, lane);
+            if (args.topk_weights != nullptr && lane < num_topk)
                 reinterpret_cast<float*>(landing + hidden_bytes)[lane] =
-                    topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+                    args.topk_weights[static_cast<int64_t>(row) * num_topk + lane];
             pending.add(control_of(base)->arrivals[call % 2] + slot / landing_chunks[source], lane);
             return true;
         }, -1, pushing_warps, publish_previous_claim);
         pending.flush(lane);
     }
-    const int num_copies_total = recv_info[1];
+    const int num_copies_total = args.recv_info[1];
     const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rows_per_chunk(num_copies_total),
                               num_copies_total, PushedCall{control_of(own), call, num_ranks}};
     while (true) {
         int item = 0;
         if (lane == 0)
-            item = atomicAdd(next_row + num_ranks, 1);
+            item = atomicAdd(args.next_row + num_ranks, 1);
         item = __shfl_sync(kFullWarpMask, item, 0);
         const int token = item / kTokenSlices;
-        if (token >= num_tokens)
+        if (token >= args.num_tokens)
             break;
-        if (!reduce_token(token, item % kTokenSlices, landed, send_pos, send_offsets, num_ranks, shape, bias0, bias1,
-                          combined_x, combined_topk_weights, confirmed[warp_in_block], deadline_ns, status, lane))
+        if (!reduce_token(token, item % kTokenSlices, landed, args.send_pos, args.send_offsets, num_ranks, shape,
+                          args.bias0, args.bias1, args.combined_x, args.combined_topk_weights, confirmed[warp_in_block],
+                          deadline_ns, status, lane))
             break;
     }
-    if (last_block_finished(state, next_row, num_ranks)) {
+    if (last_block_finished(args.state, args.next_row, num_ranks)) {
         every_peer_started(control_of(own), num_ranks, call, deadline_ns, status);
-        state[kStateCombineEpoch] = epoch;
+        args.state[kStateCombineEpoch] = start.epoch;
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// NVLink ceiling probe (python -m cuep.bench --mode ceiling): the row copies of a dispatch (pull = 1)
-// or of a combine (pull = 0), spread over peers exactly as those kernels spread them, with nothing
-// else: no staging, no flags, no reduction. What the probe reaches is what the copies alone can do
-// on this fabric; the gap to the real kernels is what their protocol costs.
-// Every rank's buffer holds, at kMetaBytes, a source region of num_ranks * max_rows rows (rows for
-// peer p at [p * max_rows, ...)) followed by a landing region of the same size (rows from peer p at
-// [p * max_rows, ...)). rank_prefix[num_ranks + 1] counts the rows this rank receives from (pull) or
-// sends back to (push) each peer. The contents are whatever the buffer holds; only bytes are timed.
-namespace cuep {
-
-// Both probes: `copy_row(dst, src, lane)` each row this rank exchanges, warp by warp.
-template <typename CopyRow>
-__device__ __forceinline__ void probe_rows(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank,
-                                           int num_ranks, int64_t row_bytes, int max_rows, int pull,
-                                           int32_t* next_row, CopyRow copy_row) {
-    __shared__ int32_t prefix[kMaxRanks + 1];
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        prefix[threadIdx.x] = rank_prefix[threadIdx.x];
-    __syncthreads();
-    const int64_t landing_rows = static_cast<int64_t>(num_ranks) * max_rows;
-    const auto row_at = [&](int owner, int64_t index) {
-        return reinterpret_cast<uint8_t*>(peer_bases[owner]) + kMetaBytes + index * row_bytes;
-    };
-    for_each_row_spread_over_sources(next_row, prefix, rank, num_ranks, [&](int peer, int, int j, int lane) {
-        if (pull)
-            copy_row(row_at(rank, landing_rows + static_cast<int64_t>(peer) * max_rows + j),
-                     row_at(peer, static_cast<int64_t>(rank) * max_rows + j), lane);
-        else
-            copy_row(row_at(peer, landing_rows + static_cast<int64_t>(rank) * max_rows + j),
-                     row_at(rank, static_cast<int64_t>(peer) * max_rows + j), lane);
-        return true;
-    });
-}
-
-#if CUEP_ENABLE_SM90_FEATURES
-constexpr int kBulkChunkBytes = 1024;  // bulk probe: bytes per bulk copy
-constexpr int kBulkStages = 2;         // chunks a warp has in flight: 2 KB, as many bytes as warp_copy
-
-// One warp's shared stages for bulk copies; `parity` bit s is the phase of landed[s] to wait for next.
-struct BulkStages {
-    uint8_t (*chunk)[kBulkChunkBytes];
-    uint64_t* landed;
-    uint32_t parity;
-};
-
-// One thread copies a row through its warp's stages: each chunk is stored as soon as it has landed,
-// and a stage is reloaded once the store has read it.
-__device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* src, int64_t bytes) {
-    const int num_chunks = static_cast<int>((bytes + kBulkChunkBytes - 1) / kBulkChunkBytes);
-    const auto chunk_bytes = [&](int c) {
-        const int64_t left = bytes - static_cast<int64_t>(c) * kBulkChunkBytes;
-        return static_cast<uint32_t>(left < kBulkChunkBytes ? left : kBulkChunkBytes);
-    };
-    for (int c = 0; c < min(kBulkStages, num_chunks); ++c)
-        bulk_load(stages.chunk[c], src + static_cast<int64_t>(c) * kBulkChunkBytes, chunk_bytes(c), stages.landed + c);
-    for (int c = 0; c < num_chunks; ++c) {
-        const int s = c % kBulkStages;
-        mbarrier_wait(stages.landed + s, (stages.parity >> s) & 1u);
-        stages.parity ^= 1u << s;
-        bulk_store(dst + static_cast<int64_t>(c) * kBulkChunkBytes, stages.chunk[s], chunk_bytes(c));
-        const int next = c + kBulkStages;
-        if (next < num_chunks) {
-            bulk_stores_read();
-            bulk_load(stages.chunk[s], src + static_cast<int64_t>(next) * kBulkChunkBytes, chunk_bytes(next),
-                      stages.landed + s);
-        }
-    }
-    bulk_stores_read();  // the next row reloads these stages
-}
-#endif
-
-}  // namespace cuep
-
-// awaited = 1 (push only): each block then counts itself done in every receiver's probe_blocks, after a
-// system fence, and block 0 waits until all peers' blocks have counted here. That is the least any
-// call that pushes must do before it may use what it received: the floor of a combine, with no landing
-// handshake and no reduction. Every rank must launch with the same grid.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
-                     int64_t row_bytes, int max_rows, int pull, int awaited, uint64_t* state, int32_t* next_row,
-                     uint64_t timeout_ns) {
-    const uint64_t epoch = ld_volatile_global(state + kStateProbeEpoch) + 1;
-    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
-               [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, row_bytes, lane); });
-    if (awaited) {
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence_system();
-            for (int peer = 0; peer < num_ranks; ++peer)
-                atomicAdd_system(&control_of_rank(peer_bases, peer)->probe_blocks[epoch % 2], 1u);
-            if (blockIdx.x == 0) {
-                // A peer's next launch counts in the other parity, and its launch after that only once
-                // this rank's next launch has counted there, so clearing the count here is safe. At the
-                // deadline it gives up instead of hanging (that launch's time is then meaningless).
-                uint32_t* arrived = control_of_rank(peer_bases, rank)->probe_blocks + epoch % 2;
-                wait_at_least_until(arrived, static_cast<uint32_t>(num_ranks) * gridDim.x,
-                                    globaltimer_ns() + timeout_ns);
-                *arrived = 0;
-            }
-        }
-    }
-    if (last_block_finished(state, next_row, num_ranks))
-        state[kStateProbeEpoch] = epoch;
-}
-
-// The same probe with the copies made by the Hopper bulk-copy unit (TMA) instead of the warps' loads
-// and stores: one lane per warp drives each row through 2 KB of shared memory. Hopper path only (the
-// launch module refuses it otherwise).
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_bulk_probe(const uint64_t* peer_bases, const int32_t* rank_prefix, int rank, int num_ranks,
-                          int64_t row_bytes, int max_rows, int pull, uint64_t* state, int32_t* next_row) {
-#if CUEP_ENABLE_SM90_FEATURES
-    __shared__ alignas(128) uint8_t chunks[kWarpsPerBlock][kBulkStages][kBulkChunkBytes];
-    __shared__ uint64_t landed[kWarpsPerBlock][kBulkStages];
-    const int warp = threadIdx.x / kWarpSize;
-    const bool driver = threadIdx.x % kWarpSize == 0;
-    if (driver) {
-        for (int s = 0; s < kBulkStages; ++s)
-            mbarrier_init(&landed[warp][s], 1);
-        fence_mbarrier_init();
-    }
-    __syncwarp();
-    BulkStages stages{chunks[warp], landed[warp], 0};
-    probe_rows(peer_bases, rank_prefix, rank, num_ranks, row_bytes, max_rows, pull, next_row,
-               [&](uint8_t* dst, const uint8_t* src, int) {
-                   if (driver)
-                       bulk_copy_row(stages, dst, src, row_bytes);
-               });
-    if (driver)
-        bulk_stores_done();
-#else
-    __trap();
-#endif
-    last_block_finished(state, next_row, num_ranks);
 }

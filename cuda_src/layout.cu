@@ -18,8 +18,9 @@
 
 namespace cuep {
 
+// From cuep/kernels/layout.py (its num_blocks() relies on the same counts).
 constexpr int kNumThreads = CUEP_NUM_THREADS;
-constexpr int kExpertsPerBlock = CUEP_EXPERTS_PER_BLOCK;
+constexpr int kExpertsPerBlock = CUEP_EXPERTS_PER_BLOCK;  // counters per block live in registers
 constexpr int kGroupsPerBlock = CUEP_GROUPS_PER_BLOCK;
 static_assert(kNumThreads % kWarpSize == 0 && kNumThreads <= kWarpSize * kMaxWarpsPerBlock);
 static_assert(kExpertsPerBlock <= kNumThreads && kGroupsPerBlock <= kNumThreads);
@@ -112,17 +113,42 @@ __device__ void dispatch_layout(const TopkIdx* topk_idx, int num_tokens, int num
                      num_nodes, block * kGroupsPerBlock, static_cast<bool*>(nullptr), num_tokens_per_node);
 }
 
+// What both entries take (mirror: LayoutArgs in cuep/kernels/layout.py). The entries take its fields
+// as scalar parameters, in order (parameter args_x is field args.x), and build it first: taken as one
+// struct parameter, its fields are loads that NVRTC schedules otherwise, and the counting loops
+// compile to other code.
+struct LayoutArgs {
+    const void* topk_idx;          // [num_tokens, num_topk], the entry's type
+    int num_tokens, num_topk, num_experts, num_ranks, num_nodes;
+    int* num_tokens_per_expert;    // [num_experts]
+    int* num_tokens_per_rank;      // [num_ranks]
+    int* num_tokens_per_node;      // [num_nodes], or nullptr with one node
+    bool* is_token_in_rank;        // [num_tokens, num_ranks]
+};
+
+template <typename TopkIdx>
+__device__ __forceinline__ void dispatch_layout(const LayoutArgs& a) {
+    dispatch_layout(static_cast<const TopkIdx*>(a.topk_idx), a.num_tokens, a.num_topk, a.num_experts, a.num_ranks,
+                    a.num_nodes, a.num_tokens_per_expert, a.num_tokens_per_rank, a.num_tokens_per_node,
+                    a.is_token_in_rank);
+}
+
 }  // namespace cuep
 
-#define CUEP_DEFINE_LAYOUT_ENTRY(NAME, TOPK_IDX)                                                               \
-    extern "C" __global__ void __launch_bounds__(cuep::kNumThreads)                                            \
-        NAME(const TOPK_IDX* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,          \
-             int num_nodes, int* num_tokens_per_expert, int* num_tokens_per_rank, int* num_tokens_per_node,   \
-             bool* is_token_in_rank) {                                                                         \
-        cuep::dispatch_layout(topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_nodes,               \
-                              num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_node,                 \
-                              is_token_in_rank);                                                               \
-    }
+extern "C" __global__ void __launch_bounds__(cuep::kNumThreads)
+cuep_dispatch_layout_i32(const cuep::int32_t* args_topk_idx, int args_num_tokens, int args_num_topk,
+                         int args_num_experts, int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
+                         int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+    cuep::dispatch_layout<cuep::int32_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts,
+                                          args_num_ranks, args_num_nodes, args_num_tokens_per_expert,
+                                          args_num_tokens_per_rank, args_num_tokens_per_node, args_is_token_in_rank});
+}
 
-CUEP_DEFINE_LAYOUT_ENTRY(cuep_dispatch_layout_i32, cuep::int32_t)
-CUEP_DEFINE_LAYOUT_ENTRY(cuep_dispatch_layout_i64, cuep::int64_t)
+extern "C" __global__ void __launch_bounds__(cuep::kNumThreads)
+cuep_dispatch_layout_i64(const cuep::int64_t* args_topk_idx, int args_num_tokens, int args_num_topk,
+                         int args_num_experts, int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
+                         int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+    cuep::dispatch_layout<cuep::int64_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts,
+                                          args_num_ranks, args_num_nodes, args_num_tokens_per_expert,
+                                          args_num_tokens_per_rank, args_num_tokens_per_node, args_is_token_in_rank});
+}

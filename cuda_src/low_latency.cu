@@ -1,10 +1,10 @@
 // Low-latency (decode) dispatch and combine through NVSHMEM, for any number of ranks.
 //
-// Each rank's low-latency buffer (NVSHMEM symmetric memory; cuep/kernels/low_latency.py lays it out)
+// Each rank's low-latency buffer (NVSHMEM symmetric memory; cuep/modes/low_latency.py lays it out)
 // has two halves that calls alternate between, so one call's data can still be in flight while the
 // next is sent. Every flag is a uint64 that only grows: a call numbered `seq` (counted on the device,
-// equal on every rank) raises flags to `seq`, so nothing is ever reset between calls and a CUDA graph
-// that replays a call keeps counting.
+// equal on every rank; see call_number) raises flags to `seq`, so nothing is ever reset between calls
+// and a CUDA graph that replays a call keeps counting.
 //
 // Dispatch (rank s sends its T tokens; every rank holds L = E / R experts):
 //   send: s publishes its routing table (T and its top-k ids) to every rank, each block the rows of
@@ -26,9 +26,13 @@
 // external __device__ function is also compiled as a stand-alone copy that the link then drops.
 // combine_token stays external: as a static function the combine kernel's code changes.
 //
-// Every wait is bounded: a timed-out wait records the peer and phase in `status` (mirrored to
-// pinned host memory, so no copy is enqueued per call) and every later wait of the launch gives up
-// at once; the host raises PeerTimeoutError.
+// Every wait is bounded (cuep/sync.cuh): a timed-out wait records the peer and phase in `status`
+// (mirrored to pinned host memory, so no copy is enqueued per call) and every later wait of the
+// launch gives up at once; the host raises PeerTimeoutError.
+//
+// Values the host shares with these kernels (block size, top-k bound, phases, trace points, the
+// sequence state's size) are defined once in cuep/kernels/low_latency.py and arrive as CUEP_* macros;
+// the argument structs are mirrored there field for field (tests/test_kernel_args.py checks them).
 
 // libnvshmem_device.a (3.8) does not export nvshmemi_transfer_put_signal_dispatch<scope>, which the
 // put-with-signal calls reach; with this switch the headers compile the transfer code in here
@@ -39,6 +43,7 @@
 
 #include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
+#include <cuep/copy.cuh>
 #include <cuep/fp8.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
@@ -46,10 +51,10 @@
 
 namespace cuep {
 
-constexpr int kNumThreads = 512;
-constexpr int kMaxTopk = 32;             // mirrors MAX_TOPK in cuep/kernels/low_latency.py
+constexpr int kNumThreads = CUEP_NUM_THREADS;
+constexpr int kMaxTopk = CUEP_MAX_TOPK;  // experts per token; a warp's lanes hold one each
+static_assert(kMaxTopk <= kWarpSize, "ranks_holding_token gives each choice a lane");
 constexpr int kBytesPerVector = 16;
-constexpr int kScaleBlock = 128;         // channels per FP8 scale
 // The FP8 send quantises a unit of two vectors (16 channels) per lane into one 16-byte store, so a
 // warp covers four whole scale blocks and stores their scales as one 16-byte vector too: NVLink
 // carries full vectors only, no 8- or 4-byte stragglers.
@@ -57,13 +62,17 @@ constexpr int kVectorsPerUnit = 2;
 constexpr int kChannelsPerUnit = kVectorsPerUnit * kBf16PerVector;
 constexpr int kLanesPerScaleBlock = kScaleBlock / kChannelsPerUnit;
 constexpr int kScaleBlocksPerWarp = kWarpSize / kLanesPerScaleBlock;
-constexpr int kScalesPerUe8m0Word = 4;   // UE8M0 exponents packed in one int32
+static_assert(kScaleBlock % kChannelsPerUnit == 0 && kScaleBlocksPerWarp == 4,
+              "a warp's scales go out as one 16-byte vector (store_fp8_unit)");
+constexpr int kScalesPerUe8m0Word = CUEP_UE8M0_SCALES_PER_WORD;  // UE8M0 exponents packed in one int32
 constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-zero block
-constexpr int kRoutingHeaderWords = 4;   // routing table: [num_tokens, 0, 0, 0, ids[T_max][K rounded up to even]]
+// Routing table: [num_tokens, 0, 0, 0, ids[T_max][K rounded up to even]]; an even header keeps every
+// token's row 16-byte aligned for paired loads.
+constexpr int kRoutingHeaderWords = CUEP_ROUTING_HEADER_WORDS;
+static_assert(kRoutingHeaderWords % 2 == 0, "rows of the routing table are loaded in pairs");
 constexpr int kIdsAtOnce = 8;            // routing-table words a receiver loads (two per load) before checking any
-// Loads a thread issues before its first store. Every loop below that moves data loads a batch, then
-// stores it: stores are ordered after earlier loads, so a loop that alternated them would wait out
-// one memory latency per element. Sized to the 128 registers a thread has at 512 threads (more spills).
+// Loads a thread issues before its first store (batched_copy in cuep/copy.cuh says why); sized to the
+// 128 registers a thread has at 512 threads (more spills).
 constexpr int kCopyBatch = 8;            // receive copy: 16-byte vectors per lane (FP8 7168: 14, two batches)
 constexpr int kTableBatch = 16;          // routing / weight tables: words per thread (T=128, top-8: 9)
 constexpr int kSendBatch = 4;            // dispatch send: 16-byte vectors of x per thread (7168: one round)
@@ -73,62 +82,65 @@ constexpr int kPartialBatch = 7;         // combine send: vectors per thread sum
 constexpr int kSumBatch = 2;             // combine receive: block-wide strides summed at once (7168: 2)
 constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
 
-constexpr int kSendPhase = 1;            // mirrors SEND_PHASE / RECV_PHASE in the launch module
-constexpr int kRecvPhase = 2;
+// A launch's phases (a bit set): both for a whole call, one of them for a hook's send and receive.
+constexpr int kSendPhase = CUEP_SEND_PHASE;
+constexpr int kRecvPhase = CUEP_RECV_PHASE;
+static_assert((kSendPhase & kRecvPhase) == 0, "the phases are separate bits");
 
-// Trace points (trace.cuh; cuep/bench.py names them). Dispatch:
-constexpr int kTraceStart = 0;
-constexpr int kTraceTablePublished = 1;   // this block's routing rows (or weight tables) went out
-constexpr int kTraceTokensStored = 2;     // this block's token stores issued (before their flags)
-constexpr int kTraceSendDone = 3;
-constexpr int kTraceTablesRead = 4;       // every source's routing table arrived
-constexpr int kTraceLaidOut = 5;          // the block's (last) unit laid out
-constexpr int kTraceFlagsReleased = 6;    // latest token flag release of this block that completed
-constexpr int kTraceLastRowFlag = 7;      // latest token flag a row of this block waited for
-constexpr int kTraceRowsCopied = 8;
-constexpr int kTraceEnd = 9;
-constexpr int kTraceIdsRead = 10;         // the block's (last) unit read every routed id it scans
+// Trace points (trace.cuh): what each is, and what cuep.bench prints for it, is in
+// cuep/kernels/low_latency.py (DISPATCH_TRACE, COMBINE_TRACE). Dispatch:
+constexpr int kTraceStart = CUEP_TRACE_START;
+constexpr int kTraceTablePublished = CUEP_TRACE_TABLE_PUBLISHED;  // routing rows (or weight tables) out
+constexpr int kTraceTokensStored = CUEP_TRACE_TOKENS_STORED;      // token stores issued (before their flags)
+constexpr int kTraceSendDone = CUEP_TRACE_SEND_DONE;
+constexpr int kTraceTablesRead = CUEP_TRACE_TABLES_READ;          // every source's routing table arrived
+constexpr int kTraceIdsRead = CUEP_TRACE_IDS_READ;                // the (last) unit read its routed ids
+constexpr int kTraceLaidOut = CUEP_TRACE_LAID_OUT;                // the block's (last) unit laid out
+constexpr int kTraceFlagsReleased = CUEP_TRACE_FLAGS_RELEASED;    // latest token flag release that returned
+constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest token flag a row waited for
+constexpr int kTraceRowsCopied = CUEP_TRACE_ROWS_COPIED;
+constexpr int kTraceEnd = CUEP_TRACE_END;
 // Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
-constexpr int kTraceWeightsReady = 2;     // latest pair whose rows and source weights were ready
-constexpr int kTracePartialStored = 3;    // latest partial stored (before its flag)
-constexpr int kTracePartialFlagged = 4;
-constexpr int kTracePartialsArrived = 5;  // latest token whose partials had all arrived
-constexpr int kTraceTokensSummed = 6;
+constexpr int kTraceWeightsReady = CUEP_TRACE_WEIGHTS_READY;      // latest pair with rows and weights ready
+constexpr int kTracePartialStored = CUEP_TRACE_PARTIAL_STORED;    // latest partial stored (before its flag)
+constexpr int kTracePartialFlagged = CUEP_TRACE_PARTIAL_FLAGGED;
+constexpr int kTracePartialsArrived = CUEP_TRACE_PARTIALS_ARRIVED;  // latest token whose partials all came
+constexpr int kTraceTokensSummed = CUEP_TRACE_TOKENS_SUMMED;
 
 // Named barriers of the fused dispatch's two teams (0 is the whole block's).
 constexpr int kSenderBarrier = 1;
 constexpr int kReceiverBarrier = 2;
 
-// Words of the per-Buffer sequence state (device memory, not symmetric).
+// Words of the per-Buffer sequence state (device memory, not symmetric; the host allocates
+// kSeqWords of them, zeroed).
 constexpr int kSeqLatest = 0;            // number of the newest call sent
 constexpr int kSeqOfHalf = 1;            // [2]: number of the newest call sent on each half
 constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running send launch that finished
 constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
 constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all went out
+constexpr int kSeqWords = CUEP_SEQ_WORDS;
+static_assert(kSeqTablesSent < kSeqWords, "the sequence state outgrew SEQ_WORDS");
 
 // ---------------------------------------------------------------------------------------------
 // Launch bookkeeping
 
 // A launch with the send phase numbers a new call; a receive-only launch (a hook) completes the
-// newest call sent on its half.
+// newest call sent on its half, which may be older than the newest call (the other half may have
+// sent since): hence a number per half (why intranode counts its calls otherwise: cuep/sync.cuh).
 __device__ __forceinline__ uint64_t call_number(uint64_t* seq_state, int phases, int half) {
     return (phases & kSendPhase) ? ld_volatile_global(seq_state + kSeqLatest) + 1
                                  : ld_volatile_global(seq_state + kSeqOfHalf + half);
 }
 
 // The last block of a send launch publishes its call number (every block has read the old one).
+// Only this GPU reads it, so a GPU-scope fence orders it after every block's reads.
 __device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phases, int half, uint64_t seq) {
     if (!(phases & kSendPhase))
         return;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(reinterpret_cast<unsigned long long*>(seq_state + kSeqBlocksDone + half), 1ull) ==
-            gridDim.x - 1) {
-            seq_state[kSeqBlocksDone + half] = 0;
-            seq_state[kSeqLatest] = seq;
-            seq_state[kSeqOfHalf + half] = seq;
-        }
+    if (last_block_done<Scope::kGpu>(seq_state + kSeqBlocksDone, half)) {
+        seq_state[kSeqBlocksDone + half] = 0;
+        seq_state[kSeqLatest] = seq;
+        seq_state[kSeqOfHalf + half] = seq;
     }
 }
 
@@ -144,22 +156,6 @@ __device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, 
         *done = 0;
         atomicMax(reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesSent), seq);
     }
-}
-
-// Wait until *flag >= seq. Gives up at the deadline (recording who never came) or at once when
-// another wait of this launch already timed out: the call's result is void then, and one dead peer
-// must cost one timeout, not one per token.
-__device__ __forceinline__ bool wait_for_flag(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
-                                              const Status& status, int peer, int phase) {
-    while (ld_acquire_sys_global(flag) < seq) {
-        if (status.timed_out())
-            return false;
-        if (globaltimer_ns() > deadline_ns) {
-            status.record_timeout(peer, phase);
-            return false;
-        }
-    }
-    return true;
 }
 
 // The tag of call `seq`: seq mod (2^32 - 1), plus 1, so never 0 and a word no call has written yet
@@ -185,24 +181,17 @@ __device__ __forceinline__ bool has_tag(uint64_t word, uint64_t seq) {
     return static_cast<uint32_t>(word >> 32) == word_tag(seq);
 }
 
-// Table word `word` (already loaded once into `value`) once it carries seq's tag. Bounded as wait_for_flag.
+// Table word `word` (already loaded once into `value`) once it carries seq's tag; false if the wait
+// gave up (wait_until, as every wait of this family).
 __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq, uint64_t deadline_ns,
-                                           const Status& status, int peer, int phase, uint64_t& value) {
-    while (!has_tag(value, seq)) {
-        if (status.timed_out())
-            return false;
-        if (globaltimer_ns() > deadline_ns) {
-            status.record_timeout(peer, phase);
-            return false;
-        }
-        value = ld_volatile_global(word);
-    }
-    return true;
+                                              const Status& status, int peer, int phase, uint64_t& value) {
+    return wait_until([&] { return has_tag(value, seq); }, [&] { value = ld_volatile_global(word); }, deadline_ns,
+                      status, peer, phase);
 }
 
 // Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
-// came (the call is void then). A batch of `Batch` words is loaded before any is checked (see
-// kCopyBatch), and the spin is only entered when a word of the batch is missing. `Pairs`: load two
+// came (the call is void then). A batch of `Batch` words is loaded before any is checked (as in
+// batched_copy), and the spin is only entered when a word of the batch is missing. `Pairs`: load two
 // words at once (`words` 16-byte aligned, and the word after an odd `count` readable).
 template <int Batch, bool Pairs = false, typename Use>
 __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uint64_t seq, uint64_t deadline_ns,
@@ -261,23 +250,6 @@ __device__ __forceinline__ T* direct_address(T* symmetric, int pe, int rank, boo
     return force_put ? nullptr : static_cast<T*>(nvshmem_ptr(symmetric, pe));
 }
 
-// Elements [0, count) moved by `store(i, load(i))`, this thread taking first, first + step, ...: it
-// loads `Batch` of them before storing any (see kCopyBatch).
-template <typename T, int Batch = kCopyBatch, typename Load, typename Store>
-__device__ __forceinline__ void batched_copy(int first, int step, int count, const Load& load, const Store& store) {
-    for (int base = first; base < count; base += Batch * step) {
-        T values[Batch];
-#pragma unroll
-        for (int i = 0; i < Batch; ++i)
-            if (base + i * step < count)
-                values[i] = load(base + i * step);
-#pragma unroll
-        for (int i = 0; i < Batch; ++i)
-            if (base + i * step < count)
-                store(base + i * step, values[i]);
-    }
-}
-
 // Whole warps of a block that work together, with their own named barrier: the whole block (barrier
 // 0, as __syncthreads), or, in a fused dispatch, the sending half and the receiving half, so that the
 // receivers lay out rows while the senders' stores still wait for the links.
@@ -324,7 +296,7 @@ __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t s
                                                 const Status& status, int pe, int rank, bool force_put, int phase) {
     if (direct_address(flag, pe, rank, force_put) != nullptr)
         return true;
-    return wait_for_flag(flag, seq, deadline_ns, status, pe, phase);
+    return wait_at_least(flag, seq, deadline_ns, status, pe, phase);
 }
 
 // Slot of token t from `source` in a [num_ranks][max_tokens][slot_bytes] message region.
@@ -377,6 +349,7 @@ __device__ __forceinline__ float power_of_two_at_least(float value) {
 // ---------------------------------------------------------------------------------------------
 // Dispatch
 
+// cuep_ll_dispatch's one argument, passed by value (mirror: DispatchArgs in cuep/kernels/low_latency.py).
 struct DispatchArgs {
     int phases, half;
     const int4* x;                 // [num_tokens, hidden] bf16
@@ -558,7 +531,7 @@ static __device__ void send_token(const Team& team, const DispatchArgs& a, int t
     find_destinations(team, a, t, dst);
     if (tables_of != 0) {
         if (team.leader())
-            wait_for_flag(a.seq_state + kSeqTablesSent, tables_of, deadline_ns, a.status, a.rank,
+            wait_at_least(a.seq_state + kSeqTablesSent, tables_of, deadline_ns, a.status, a.rank,
                           kPhaseLowLatencyRouting);
         team.sync();
     }
@@ -692,7 +665,7 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
     const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
     const int64_t flat_row = e * rows_per_expert + row;
     const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
-    if (!wait_for_flag(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
+    if (!wait_at_least(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
                        kPhaseLowLatencyToken))
         return;
     if (lane == 0)
@@ -702,8 +675,8 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
     const int num_vectors = static_cast<int>(data_bytes / kBytesPerVector);
     const int4* src = reinterpret_cast<const int4*>(message);
     int4* dst = reinterpret_cast<int4*>(a.recv_x + flat_row * data_bytes);
-    batched_copy<int4>(lane, kWarpSize, num_vectors, [&](int v) { return ld_cg_global(src + v); },
-                       [&](int v, const int4& value) { st_na_global(dst + v, value); });
+    batched_copy<int4, kCopyBatch>(lane, kWarpSize, num_vectors, [&](int v) { return ld_cg_global(src + v); },
+                                   [&](int v, const int4& value) { st_na_global(dst + v, value); });
     if (a.use_fp8) {
         const float* scales = reinterpret_cast<const float*>(message + a.hidden);
         const int num_scales = a.hidden / kScaleBlock;
@@ -717,12 +690,12 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
                     word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
                 return static_cast<int32_t>(word);
             };
-            batched_copy<int32_t>(lane, kWarpSize, num_words, packed_word,
-                                  [&](int w, int32_t word) { out[w * rows_per_expert] = word; });
+            batched_copy<int32_t, kCopyBatch>(lane, kWarpSize, num_words, packed_word,
+                                              [&](int w, int32_t word) { out[w * rows_per_expert] = word; });
         } else {
             float* out = static_cast<float*>(a.recv_scales) + e * num_scales * rows_per_expert + row;
-            batched_copy<float>(lane, kWarpSize, num_scales, [&](int g) { return __ldcg(scales + g); },
-                                [&](int g, float scale) { out[g * rows_per_expert] = scale; });
+            batched_copy<float, kCopyBatch>(lane, kWarpSize, num_scales, [&](int g) { return __ldcg(scales + g); },
+                                            [&](int g, float scale) { out[g * rows_per_expert] = scale; });
         }
     }
     if (lane == 0)
@@ -904,6 +877,7 @@ static __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t de
 // ---------------------------------------------------------------------------------------------
 // Combine
 
+// cuep_ll_combine's one argument, passed by value (mirror: CombineArgs in cuep/kernels/low_latency.py).
 struct CombineArgs {
     int phases, half;
     const int4* x;                 // [L * num_ranks * max_tokens][hidden] bf16: the expert outputs
@@ -1089,7 +1063,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
                                               a.num_ranks, a.status, ranks, a.topk_weights, partial_weights);
         __syncwarp();
         if (static_cast<int>(threadIdx.x) < count)
-            wait_for_flag(a.token_flags + static_cast<int64_t>(ranks[threadIdx.x]) * a.flag_stride + t, seq,
+            wait_at_least(a.token_flags + static_cast<int64_t>(ranks[threadIdx.x]) * a.flag_stride + t, seq,
                           deadline_ns, a.status, ranks[threadIdx.x], kPhaseLowLatencyPartial);
         if (threadIdx.x == 0)
             num_ranks_holding = count;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -164,6 +164,22 @@ def check_vector(call: str, name: str, array, dtype, length: int) -> None:
                          f"{array.dtype} {tuple(array.shape)}")
 
 
+def optional_vector(call: str, name: str, value: Any, dtype, length: int):
+    """``None``, or ``value`` as a contiguous 1-D device array of ``dtype`` and ``length``."""
+    if value is None:
+        return None
+    array = as_device_array(call, name, value)
+    check_vector(call, name, array, dtype, length)
+    return array
+
+
+def check_positive_ints(call: str, **values: Any) -> None:
+    """Each of ``values`` is a positive int."""
+    for name, value in values.items():
+        if check_nonnegative_int(call, name, value) == 0:
+            raise ValueError(f"{call}: {name} must be positive")
+
+
 def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) -> None:
     if async_finish and return_recv_hook:
         raise ValueError(f"{call}: async_finish and return_recv_hook exclude each other (the hook runs the "
@@ -172,8 +188,8 @@ def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) ->
 
 def intranode_handle(call: str, handle: Any, num_ranks: int):
     """A normal-mode dispatch handle, or the flat tuple it iterates as (its arrays as CuPy, torch, JAX or,
-    for its host ``scalars``, NumPy or CPU torch), as a :class:`~cuep.kernels.intranode.Handle`."""
-    from .kernels.intranode import HANDLE_ARRAYS, Handle
+    for its host ``scalars``, NumPy or CPU torch), as a :class:`~cuep.modes.intranode.Handle`."""
+    from .modes.intranode import HANDLE_ARRAYS, Handle
     if isinstance(handle, Handle):
         return handle
     if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_ARRAYS):
@@ -195,3 +211,180 @@ def _host_array(value: Any) -> np.ndarray:
     """A host copy of a small array that may live on the host (NumPy, CPU torch) or on the GPU."""
     device = _interop.as_cupy(value)
     return device.get() if device is not None else np.asarray(value)
+
+
+class DispatchArguments(NamedTuple):
+    """A normal-mode dispatch's arguments, checked: CuPy arrays, the routing as ``int64``."""
+
+    x: Any
+    scales: Any                   # FP8 scales, or None for BF16
+    handle: Any                   # the cached dispatch's handle, or None
+    is_token_in_rank: Any
+    num_tokens_per_expert: Any
+    num_experts: int              # 0 for a cached dispatch
+    topk_idx: Any
+    topk_weights: Any
+    expert_alignment: int
+    num_worst_tokens: int
+
+
+def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: int, x, handle, num_tokens_per_rank,
+                       num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                       expert_alignment: Any, num_worst_tokens: Any) -> DispatchArguments:
+    """Every argument of :meth:`cuep.Buffer.dispatch` but the config and stream options."""
+    x, scales = tokens(call, x)
+    expert_alignment = check_nonnegative_int(call, "expert_alignment", expert_alignment)
+    num_worst_tokens = check_nonnegative_int(call, "num_worst_tokens", num_worst_tokens)
+    if expert_alignment < 1:
+        raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
+    if handle is not None:
+        handle = cached_dispatch_handle(call, handle, x.shape[0], num_ranks, topk_idx, topk_weights)
+        return DispatchArguments(x, scales, handle, None, None, 0, None, None, expert_alignment, num_worst_tokens)
+    routing = dispatch_routing(call, x.shape[0], num_ranks, num_nodes, max_experts, num_tokens_per_rank,
+                               num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                               topk_weights)
+    return DispatchArguments(x, scales, None, *routing, expert_alignment, num_worst_tokens)
+
+
+def tokens(call: str, x) -> tuple[Any, Any]:
+    """A dispatch's ``x``: BF16 ``[num_tokens, hidden]``, or the FP8 pair ``(x_fp8, scales)``; returns
+    ``(x, scales)`` as CuPy arrays (``scales`` ``None`` for BF16)."""
+    fp8 = isinstance(x, tuple)
+    if fp8:
+        if len(x) != 2:
+            raise ValueError(f"{call}: FP8 x must be a tuple (x_fp8, scales), got {len(x)} items")
+        x, scales = (as_device_array(call, name, a) for name, a in zip(("x", "x scales"), x))
+    else:
+        x, scales = as_device_array(call, "x", x), None
+    check_matrix(call, "x", x, [np.uint8] if fp8 else [bf16_dtype()])
+    num_tokens, hidden = x.shape
+    check_hidden(call, hidden, fp8)
+    if fp8:
+        check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // 128, contiguous=False)
+    return x, scales
+
+
+def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int, max_experts: int,
+                     num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                     topk_idx, topk_weights) -> tuple[Any, Any, int, Any, Any]:
+    """A non-cached dispatch's layout and routing; returns ``(is_token_in_rank, num_tokens_per_expert,
+    num_experts, topk_idx as int64 or None, topk_weights or None)``."""
+    if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
+        raise ValueError(f"{call}: without a handle, pass num_tokens_per_rank, is_token_in_rank and "
+                         f"num_tokens_per_expert from get_dispatch_layout()")
+    if (topk_idx is None) != (topk_weights is None):
+        raise ValueError(f"{call}: pass topk_idx and topk_weights together, or neither (got only "
+                         f"{'topk_idx' if topk_weights is None else 'topk_weights'})")
+    check_vector(call, "num_tokens_per_rank", as_device_array(call, "num_tokens_per_rank", num_tokens_per_rank),
+                 np.int32, num_ranks)
+    if num_tokens_per_rdma_rank is not None:
+        check_vector(call, "num_tokens_per_rdma_rank",
+                     as_device_array(call, "num_tokens_per_rdma_rank", num_tokens_per_rdma_rank), np.int32, num_nodes)
+    is_token_in_rank = as_device_array(call, "is_token_in_rank", is_token_in_rank)
+    check_matrix(call, "is_token_in_rank", is_token_in_rank, [np.bool_], num_tokens, num_ranks)
+    num_tokens_per_expert = as_device_array(call, "num_tokens_per_expert", num_tokens_per_expert)
+    num_experts = num_tokens_per_expert.size
+    if num_tokens_per_expert.dtype != np.int32 or num_tokens_per_expert.ndim != 1:
+        raise TypeError(f"{call}: num_tokens_per_expert must be [num_experts] int32, got "
+                        f"{num_tokens_per_expert.dtype} {tuple(num_tokens_per_expert.shape)}")
+    check_num_experts(call, num_experts, num_ranks)
+    if num_experts > max_experts:
+        raise ValueError(f"{call}: at most {max_experts} experts, got {num_experts}")
+    if topk_idx is not None:
+        topk_idx = as_device_array(call, "topk_idx", topk_idx)
+        check_topk_idx(call, topk_idx, num_experts, num_tokens)
+        topk_idx = topk_idx.astype(np.int64, copy=False)
+        topk_weights = as_device_array(call, "topk_weights", topk_weights)
+        check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
+    return is_token_in_rank, num_tokens_per_expert, num_experts, topk_idx, topk_weights
+
+
+def cached_dispatch_handle(call: str, handle: Any, num_tokens: int, num_ranks: int, topk_idx, topk_weights):
+    """The handle of a cached dispatch, which takes no routing and must match ``x``'s token count."""
+    if topk_idx is not None or topk_weights is not None:
+        raise ValueError(f"{call}: a cached dispatch (handle given) takes no topk_idx or topk_weights")
+    handle = intranode_handle(call, handle, num_ranks)
+    if handle.num_tokens != num_tokens:
+        raise ValueError(f"{call}: handle must come from a dispatch of {num_tokens} tokens, got one of "
+                         f"{handle.num_tokens}")
+    return handle
+
+
+def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int) -> tuple[Any, Any, Any, Any, Any]:
+    """A normal-mode combine's arguments; returns ``(x, handle, topk_weights or None, bias0, bias1)``."""
+    bf16 = bf16_dtype()
+    handle = intranode_handle(call, handle, num_ranks)
+    x = as_device_array(call, "x", x)
+    check_matrix(call, "x", x, [bf16], handle.num_rows)
+    check_hidden(call, x.shape[1], fp8=False)
+    if topk_weights is not None:
+        topk_weights = as_device_array(call, "topk_weights", topk_weights)
+        check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_rows)
+    biases = bias if isinstance(bias, tuple) else (bias,)
+    if len(biases) > 2:
+        raise ValueError(f"{call}: bias must be one array or a tuple of two, got {len(biases)}")
+    biases = [as_device_array(call, "bias", b) if b is not None else None for b in biases] + [None] * (2 - len(biases))
+    for b in biases:
+        if b is not None:
+            check_matrix(call, "bias", b, [bf16], handle.num_tokens, x.shape[1])
+    return x, handle, topk_weights, biases[0], biases[1]
+
+
+def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int,
+                               handle_type: type) -> tuple[Any, Any, Any, Any]:
+    """A low-latency combine's arguments against its dispatch's ``handle``; returns ``(x, topk_idx,
+    topk_weights, out)``, ``out`` allocated when ``None``."""
+    if not isinstance(handle, handle_type):
+        raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
+    bf16 = bf16_dtype()
+    shape = (handle.num_experts // num_ranks, num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+    x = as_device_array(call, "x", x)
+    if x.dtype != bf16 or x.shape != shape or not x.flags.c_contiguous:
+        raise ValueError(f"{call}: x must be a C-contiguous {list(shape)} bfloat16 array, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    topk_idx = as_device_array(call, "topk_idx", topk_idx)
+    check_topk_idx(call, topk_idx, handle.num_experts, handle.num_tokens)
+    if topk_idx.shape[1] != handle.num_topk:
+        raise ValueError(f"{call}: topk_idx must be the dispatch's [{handle.num_tokens}, {handle.num_topk}], got "
+                         f"{tuple(topk_idx.shape)}")
+    topk_weights = as_device_array(call, "topk_weights", topk_weights)
+    check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_tokens, handle.num_topk)
+    if out is None:
+        out = _deps.cupy().empty((handle.num_tokens, handle.hidden), dtype=bf16)
+    else:
+        out = as_device_array(call, "out", out)
+        check_matrix(call, "out", out, [bf16], handle.num_tokens, handle.hidden)
+    return x, topk_idx, topk_weights, out
+
+
+def communicator(call: str, comm: Any):
+    """``comm`` (default ``MPI.COMM_WORLD``), which must be an mpi4py communicator."""
+    mpi = _deps.mpi()
+    comm = mpi.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, mpi.Comm):
+        raise TypeError(f"{call}: comm must be an mpi4py communicator, got {type(comm).__name__}")
+    return comm
+
+
+def buffer_sizes(call: str, num_nvl_bytes: Any, num_rdma_bytes: Any, num_qps_per_rank: Any,
+                 min_nvl_bytes: int) -> tuple[int, int]:
+    """A Buffer's ``(num_nvl_bytes, num_rdma_bytes)``; an NVL buffer holds at least ``min_nvl_bytes``."""
+    nvl = check_nonnegative_int(call, "num_nvl_bytes", num_nvl_bytes)
+    if 0 < nvl < min_nvl_bytes:
+        raise ValueError(f"{call}: num_nvl_bytes must be 0 or at least {min_nvl_bytes} (the dispatch metadata "
+                         f"region), got {nvl}")
+    rdma = check_nonnegative_int(call, "num_rdma_bytes", num_rdma_bytes)
+    if check_nonnegative_int(call, "num_qps_per_rank", num_qps_per_rank) == 0:
+        raise ValueError(f"{call}: num_qps_per_rank must be >= 1, got 0")
+    return nvl, rdma
+
+
+def same_on_every_rank(call: str, comm: Any, **values: Any) -> None:
+    """Collective (bounded): raise on every rank unless each of ``values`` is the same on every rank of
+    ``comm`` (symmetric memory sizes: the kernels derive offsets from them)."""
+    from .runtime import wait_for_all
+    wait_for_all(comm, call)  # the allgather below cannot time out itself
+    seen = sorted(set(comm.allgather(tuple(values.values()))))
+    if len(seen) > 1:
+        names = ", ".join(values)
+        raise ValueError(f"{call}: {names} must be the same on every rank, got ({names}) {seen}")

@@ -14,17 +14,16 @@ import os
 import numpy as np
 
 from . import _deps
-from .fp8 import SCALE_BLOCK
+from .kernels.common import SCALE_BLOCK
+from .kernels import low_latency as low_latency_kernels
 
 TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 BACK_TO_BACK = 20  # low-latency graph replays timed as one run
 TRACE_SAMPLES = 50
-# Trace points of cuda_src/low_latency.cu (kTrace*), in the order a block passes them.
-DISPATCH_TRACE = {0: "start", 1: "routing rows published", 2: "token stores issued", 3: "send done",
-                  4: "routing tables arrived", 10: "unit's routed ids read", 5: "unit laid out",
-                  6: "token flag releases returned", 7: "last row's token flag seen", 8: "rows copied", 9: "end"}
-COMBINE_TRACE = {0: "start", 1: "weight tables published", 2: "pair rows and weights ready", 3: "partial stored",
-                 4: "partial flag raised", 5: "token's partials arrived", 6: "tokens summed", 9: "end"}
+# Trace points of cuda_src/low_latency.cu, index -> label, in the order a block passes them (defined,
+# with the indices the kernels stamp, in cuep/kernels/low_latency.py).
+DISPATCH_TRACE = dict(low_latency_kernels.DISPATCH_TRACE.values())
+COMBINE_TRACE = dict(low_latency_kernels.COMBINE_TRACE.values())
 
 
 def _times_us(fn, warmup: int, iters: int, phases: int = 1) -> np.ndarray:
@@ -202,18 +201,29 @@ def bench_normal(args) -> None:
 
 
 def bench_ceiling(args) -> None:
-    """What the dispatch's and combine's row copies reach with no protocol around them (the
-    ``cuep_intranode_probe`` kernel), for the benchmark's routing, beside the full operations' NVLink
+    """What the dispatch's and combine's row copies reach with no protocol around them (the probe
+    family, ``cuda_src/probe.cu``), for the benchmark's routing, beside the full operations' NVLink
     rates from ``--mode normal``: the difference is what staging, flags and reduction cost. Pull is the
     normal dispatch's pattern, push the normal combine's and the low-latency kernels' (``--tokens 128``
     gives their volume); rows of BF16 and of FP8 with scales; on Hopper each also through the bulk-copy
-    unit (TMA, ``cuep_intranode_bulk_probe``); each "synced", after a device barrier per launch, which
-    is what one call that must first agree with its peers can reach; and the push "awaited", each launch
+    unit (TMA, ``cuep_probe_bulk_copy``); each "synced", after a device barrier per launch, which is
+    what one call that must first agree with its peers can reach; and the push "awaited", each launch
     ending only once its peers' rows have landed, the floor of any call that pushes and uses what it
-    received (a combine with neither landing handshake nor reduction)."""
+    received (a combine with neither landing handshake nor reduction).
+
+    The probe runs on its own NVSHMEM world and symmetric memory (no Buffer): it overwrites every
+    rank's probe buffer. A peer that stops answering makes a synced or awaited launch record a
+    timeout, raised here as :class:`~cuep.errors.PeerTimeoutError` instead of a time."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
-    import cuep
-    from .kernels import intranode as intranode_kernel
+    from . import env
+    from ._status import StatusWords
+    from .jit import get_libraries
+    from .kernels import barrier as barrier_kernel
+    from .kernels import probe as probe_kernel
+    from .kernels.status import Status
+    from .runtime import MpiGroup, discover_topology
+    from .runtime import world
+    from .runtime.regions import Regions, SymmetricMemory
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     _, topk_idx, _ = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
@@ -221,13 +231,33 @@ def bench_ceiling(args) -> None:
     received = [int(c) for c in comm.alltoall(sent)]  # rows pulled from each peer = rows pushed back to it
     bf16_row, fp8_row = args.hidden * 2, _fp8_row_bytes(args.hidden)
     max_rows = max(comm.allgather(max(received)))
-    buffer = cuep.Buffer(comm, num_nvl_bytes=intranode_kernel.probe_bytes(num_ranks, max_rows, bf16_row))
-    ctx = buffer._intranode_ready("probe()")
+
+    # The probe's world: the barrier's signals, then each rank's probe buffer, in symmetric memory.
+    topology = discover_topology(comm)
+    device_id = world.choose_device(comm, topology)
+    probe_bytes = probe_kernel.buffer_bytes(num_ranks, max_rows, bf16_row)
+    regions = Regions.carve(barrier_kernel.signal_bytes(num_ranks), probe_bytes, 0)
+    world.init_world(comm, topology, regions.total_bytes, device_id)
+    arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
+    group = MpiGroup.by_host(comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
+    try:
+        probe_library, barrier_library = get_libraries([probe_kernel.spec(arch), barrier_kernel.spec(arch)], group)
+    finally:
+        group.close()
+    memory = SymmetricMemory(regions)  # zeroed: the probe's flags start at 0 on every rank
+    device_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    peer_bases = cupy.asarray(np.array(memory.peer_addresses(regions.nvl_offset, num_ranks, rank), dtype=np.uint64))
+    status, timeout_s = StatusWords(), env.get("CUEP_TIMEOUT_S")
+    state = cupy.zeros(probe_kernel.STATE_WORDS, dtype=cupy.uint64)
+    next_row = cupy.zeros(num_ranks + 1, dtype=cupy.int32)
+    barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
+    cupy.cuda.Device(device_id).synchronize()
+    comm.Barrier()  # every rank's memory is zeroed before any peer writes into it
     remote_rows = sum(received) - received[rank]
     results = {}
-    stream = buffer._comm_stream
-    bulk_modes = (False, True) if ctx.library.spec.sm90_features else (False,)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    bulk_modes = (False, True) if probe_library.spec.sm90_features else (False,)
     # (pull, bulk, synced, awaited) per row size. synced puts a device barrier before each launch, as a
     # real call must agree with its peers before it writes into their buffers; unsynced launches overlap
     # one launch's tail with the next one's start. awaited pushes end only when every peer's rows have
@@ -239,11 +269,17 @@ def bench_ceiling(args) -> None:
     for pull, row_bytes, bulk, synced, awaited in copies:
         name = ("pull" if pull else "push") + (" (TMA)" if bulk else "") + (" synced" if synced else "") + \
             (" awaited" if awaited else "")
+        probe_args = probe_kernel.ProbeArgs(
+            peer_bases=peer_bases.data.ptr, rank_prefix=prefix.data.ptr, rank=rank, num_ranks=num_ranks,
+            row_bytes=row_bytes, max_rows=max_rows, pull=pull, awaited=awaited, state=state.data.ptr,
+            next_row=next_row.data.ptr, status=Status(status.device.data.ptr, status.host_ptr),
+            timeout_ns=int(timeout_s * 1e9))
 
-        def launch(sms, pull=pull, row_bytes=row_bytes, bulk=bulk, synced=synced, awaited=awaited):
+        def launch(sms, bulk=bulk, synced=synced, probe_args=probe_args):
             if synced:
-                ctx.barrier(stream)
-            intranode_kernel.probe(ctx, stream, prefix, max_rows, row_bytes, pull, sms, bulk, awaited)
+                barrier_kernel.launch(barrier_library, stream, memory.control, rank, num_ranks, barrier_epoch,
+                                      timeout_s, status.device, status.host_ptr)
+            probe_kernel.launch(probe_library, stream, probe_args, min(sms, device_sms), probe_bytes, bulk)
 
         for sms in args.sms or TUNE_SMS:
             cupy.cuda.Device().synchronize()  # every rank starts together: nothing of the last size in flight
@@ -251,9 +287,11 @@ def bench_ceiling(args) -> None:
             with stream:
                 us = _median_us(lambda: [launch(sms) for _ in range(BACK_TO_BACK)], args.warmup,
                                 args.iters) / BACK_TO_BACK
+            status.raise_recorded(rank, timeout_s)  # a peer that never arrived: no time to report
             results[(name, row_bytes, sms)] = us
     gathered = comm.gather(results, root=0)
-    buffer.destroy()
+    stream.synchronize()
+    memory.free()  # collective; after a timeout, left to the bounded teardown at exit
     if rank != 0:
         return
     print(f"cuep NVLink ceiling probe: {num_ranks} ranks, the routing of --mode normal ({args.tokens} tokens/rank, "
@@ -385,7 +423,7 @@ def bench_low_latency(args) -> None:
         graphs.stream.synchronize()
     traces = {}
     if args.trace:
-        trace = buffer._low_latency.trace
+        trace = buffer.get_low_latency_trace()
         traces = {"dispatch": _trace_launch(trace, graphs, dispatch_graph, DISPATCH_TRACE),
                   "combine": _trace_launch(trace, graphs, combine_graph, COMBINE_TRACE)}
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernels import intranode
+from ._math import ceil_div
+from .kernels.common import SCALE_BLOCK
+from .modes import intranode
 
 # Sizes that the hints assume: a prefill/training batch of this many tokens per rank, top-8.
 HINT_TOKENS_PER_RANK = 4096
@@ -55,7 +57,7 @@ class Config:
         cycle through.
         """
         hidden = hidden_bytes // 2
-        num_scales = -(-hidden // intranode.SCALE_BLOCK)
+        num_scales = ceil_div(hidden, SCALE_BLOCK)
         dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
         cached = num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
         copies = num_tokens * min(num_ranks, num_topk)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-SCALE_BLOCK = 128
+from .kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD  # the kernels' FP8 layout, defined once
+
 E4M3_MAX = np.float32(448.0)
 MIN_AMAX = np.float32(1e-4)
-UE8M0_SCALES_PER_WORD = 4
 _MAX_CODE, _NAN_CODE = 0x7E, 0x7F
 
 

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._math import align_up
+
 
 class DispatchLayout(NamedTuple):
     """What ``Buffer.get_dispatch_layout`` returns, minus the event."""
@@ -94,7 +96,7 @@ def dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int
                 weights.append(np.where(local, topk_weights[s][tokens], 0).astype(np.float32))
             sources.append(np.stack([np.full(len(tokens), s), tokens], axis=1))
         counts = [sum(int((np.asarray(t) == r * per_rank + e).sum()) for t in topk_idxs) for e in range(per_rank)]
-        aligned = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        aligned = [align_up(c, expert_alignment) for c in counts]
         results.append(DispatchResult(np.concatenate(rows), np.concatenate(row_scales) if scales is not None else None,
                                       np.concatenate(ids).astype(np.int64),
                                       np.concatenate(weights) if topk_weights is not None else None,
@@ -161,7 +163,7 @@ def low_latency_dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_
         recv_x = np.zeros((per_rank, num_ranks * max_tokens, hidden), dtype=data_dtype)
         recv_scales = None
         if use_fp8:
-            columns = hidden // 128 // (4 if use_ue8m0 else 1)
+            columns = hidden // fp8.SCALE_BLOCK // (fp8.UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
             recv_scales = np.zeros((per_rank, num_ranks * max_tokens, columns), sent[0][1].dtype)
         counts, sources = np.zeros(per_rank, np.int32), []
         for e in range(per_rank):

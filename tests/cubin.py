@@ -1,9 +1,11 @@
-"""Read a cubin (an ELF64 file) far enough to compare the generated code of two builds.
+"""Read a cubin (an ELF64 file) far enough to compare the generated code of two builds, and to read
+each kernel's parameters.
 
 Two cubins can differ in bytes while their kernels are the same code: symbol tables list a different
 number of unused constants, so every symbol index shifts. :func:`code_of` keeps what the GPU runs
 -- each function's instructions, and each relocation with its symbol by name -- and nothing that
-only counts or orders symbols.
+only counts or orders symbols. :func:`kernel_params` reads where each kernel's parameters sit, as
+the driver lays out a launch's parameter buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ _ELF_SECTION_COUNTS = struct.Struct("<HHH")  # e_shentsize, e_shnum, e_shstrndx,
 _SECTION_HEADER = struct.Struct("<IIQQQQIIQQ")
 _SYMBOL = struct.Struct("<IBBHQQ")  # name, info, other, section index, value, size
 _RELA = struct.Struct("<QQq")  # offset, info (symbol << 32 | type), addend
+_INFO_RECORD = struct.Struct("<BB")  # format, attribute: the head of each record of a .nv.info section
+_INFO_VALUE = struct.Struct("<H")  # the payload's size (EIFMT_SVAL) or the value (EIFMT_HVAL)
+_KPARAM_INFO = struct.Struct("<IHHI")  # index, ordinal, offset, flags (the size in bits 18-31)
 _SHT_RELA, _SHT_NOBITS = 4, 8
+_EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 1, 2, 3, 4  # a record's format: no value, u8, u16, sized
+_EIATTR_KPARAM_INFO = 0x17  # one kernel parameter (EIFMT_SVAL)
+_KERNEL_INFO = ".nv.info."  # a kernel's attributes: section .nv.info.<kernel>
 
 
 class Section(NamedTuple):
@@ -60,3 +68,43 @@ def code_of(cubin: bytes) -> dict[str, object]:
             code[section.name] = sorted((offset, info & 0xFFFFFFFF, names[info >> 32], addend)
                                         for offset, info, addend in entries)
     return code
+
+
+def _info_records(body: bytes):
+    """``(attribute, payload)`` of each record of a ``.nv.info`` section. Records are a format and an
+    attribute byte, then: nothing (EIFMT_NVAL); a u8 value and a pad byte (EIFMT_BVAL); a u16 value
+    (EIFMT_HVAL); a u16 size and that many bytes (EIFMT_SVAL). The payload of the first three is the
+    value's bytes (none for EIFMT_NVAL)."""
+    at = 0
+    while at < len(body):
+        form, attribute = _INFO_RECORD.unpack_from(body, at)
+        at += _INFO_RECORD.size
+        if form == _EIFMT_NVAL:
+            payload = b""
+        elif form == _EIFMT_BVAL:
+            payload, at = body[at:at + 1], at + 2
+        elif form == _EIFMT_HVAL:
+            payload, at = body[at:at + 2], at + 2
+        elif form == _EIFMT_SVAL:
+            (size,) = _INFO_VALUE.unpack_from(body, at)
+            payload, at = body[at + 2:at + 2 + size], at + 2 + size
+        else:
+            raise ValueError(f"unknown .nv.info record format {form:#x} at byte {at - _INFO_RECORD.size}")
+        yield attribute, payload
+
+
+def kernel_params(cubin: bytes) -> dict[str, list[tuple[int, int]]]:
+    """Each kernel's parameters as ``(offset, size)`` in bytes within its parameter buffer, in order
+    (by ordinal), from the EIATTR_KPARAM_INFO records of its ``.nv.info.<kernel>`` section."""
+    kernels = {}
+    for section in sections(cubin):
+        if not section.name.startswith(_KERNEL_INFO):
+            continue
+        params = {}
+        for attribute, payload in _info_records(section.body):
+            if attribute == _EIATTR_KPARAM_INFO:
+                _index, ordinal, offset, flags = _KPARAM_INFO.unpack(payload)
+                params[ordinal] = (offset, (flags >> 18) & 0x3FFF)
+        assert sorted(params) == list(range(len(params))), f"{section.name}: parameter ordinals {sorted(params)}"
+        kernels[section.name[len(_KERNEL_INFO):]] = [params[ordinal] for ordinal in range(len(params))]
+    return kernels

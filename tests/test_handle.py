@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cuep import _checks
-from cuep.kernels.intranode import HANDLE_ARRAYS, Handle
+from cuep.modes.intranode import HANDLE_ARRAYS, Handle
 
 
 def make_handle(num_recv=5, num_copies=7, num_tokens=4, num_ranks=2, num_rows=6):

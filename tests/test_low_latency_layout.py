@@ -1,34 +1,14 @@
-"""Low-latency launch module (no GPU needed): the ctypes argument structs mirror the C++ ones, the
-buffer layout arithmetic holds, and the benchmark names every trace point the kernels stamp."""
+"""Low-latency mode and launch module (no GPU needed): the buffer layout arithmetic holds, the
+dispatch's shared memory is checked, and the trace points are defined once, for the kernels and the
+benchmark alike. (The argument structs' layouts are checked by tests/test_kernel_args.py.)"""
 
 import math
-import re
 
 import numpy as np
 import pytest
 
-from cuep.jit.compiler import source_root
-from cuep.kernels import low_latency
-
-
-def c_struct_fields(name: str) -> list[str]:
-    source = (source_root() / "low_latency.cu").read_text()
-    body = re.search(r"struct %s \{(.*?)\n\};" % name, source, re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for declaration in body.split(";"):
-        declaration = declaration.strip()
-        if not declaration or "(" in declaration:  # member functions, none here
-            continue
-        names = declaration.split(None, 1)[1] if " " in declaration else declaration
-        fields += [n.strip().lstrip("*") for n in names.replace("*", " *").split(",") if n.strip()]
-    return [f.split()[-1].lstrip("*") for f in fields]
-
-
-@pytest.mark.parametrize("name, mirror", [("DispatchArgs", low_latency.DispatchArgs),
-                                          ("CombineArgs", low_latency.CombineArgs)])
-def test_ctypes_structs_mirror_the_kernel_arguments(name, mirror):
-    assert [f for f, _ in mirror._fields_] == c_struct_fields(name)
+from cuep.kernels import low_latency as kernels
+from cuep.modes import low_latency
 
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
@@ -39,9 +19,9 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     assert offsets[0] == 0 and len(set(offsets)) == len(names)
     assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
     # paired (16-byte) loads: every source's routing table, and its token rows, start 16-byte aligned
-    assert low_latency.ROUTING_WORDS % 2 == 0 and low_latency.ROUTING_HEADER_WORDS % 2 == 0
+    assert low_latency.ROUTING_WORDS % 2 == 0 and kernels.ROUTING_HEADER_WORDS % 2 == 0
     assert low_latency.flags_bytes(4) % 16 == 0
-    assert layout.routing_staging_words >= low_latency.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    assert layout.routing_staging_words >= kernels.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
     assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
     hint = low_latency.size_hint(128, 7168, 4)
     assert low_latency.half_data_bytes(hint, 4) >= layout.end
@@ -60,24 +40,20 @@ def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
 
 
 def test_dispatch_shared_memory_stays_within_the_default_limit():
-    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
-    assert low_latency.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
+    limit = kernels.MAX_SHARED_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
+    assert kernels.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
 
 
 def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
     ranks = 256
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:
-        low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
+        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
     most = int(str(error.value).rsplit("<= ", 1)[1].split()[0])
-    limit = low_latency.MAX_SHARED_BYTES - low_latency.DISPATCH_STATIC_SHARED_BYTES
-    assert low_latency.dispatch_shared_bytes(most, ranks) <= limit < low_latency.dispatch_shared_bytes(most + 32, ranks)
+    limit = kernels.MAX_SHARED_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
+    assert kernels.dispatch_shared_bytes(most, ranks) <= limit < kernels.dispatch_shared_bytes(most + 32, ranks)
     with pytest.raises(ValueError, match="use fewer ranks per Buffer"):
-        low_latency.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
-    assert low_latency.check_dispatch_shared_bytes("c", most, ranks) == low_latency.dispatch_shared_bytes(most, ranks)
-
-
-def trace_constants(text: str) -> set[int]:
-    return {int(v) for v in re.findall(r"constexpr int kTrace\w+ = (\d+);", text)}
+        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
+    assert kernels.check_dispatch_shared_bytes("c", most, ranks) == kernels.dispatch_shared_bytes(most, ranks)
 
 
 @pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])
@@ -102,16 +78,17 @@ def test_dispatch_outputs_share_one_allocation_without_overlap(use_fp8, use_ue8m
         assert math.prod(scales.shape) == 0
 
 
-def kernel_trace_points() -> tuple[set[int], set[int]]:
-    """The dispatch's and the combine's kTrace* constants in low_latency.cu (the combine shares start,
-    tables published and end with the dispatch)."""
-    source = (source_root() / "low_latency.cu").read_text()
-    dispatch_part, combine_part = source.split("// Trace points", 1)[1].split("// Combine (", 1)
-    return trace_constants(dispatch_part), trace_constants(combine_part.split("\n\n", 1)[0]) | {0, 1, 9}
-
-
-def test_bench_names_every_trace_point_the_kernels_stamp():
+def test_trace_points_are_defined_once_for_kernels_and_benchmark():
     from cuep import bench
-    dispatch, combine = kernel_trace_points()
-    assert set(bench.DISPATCH_TRACE) == dispatch and set(bench.COMBINE_TRACE) == combine
-    assert max(dispatch | combine) < low_latency.TRACE_POINTS
+    constants = kernels.spec("sm_90").macros()
+    stamped = {name: int(value) for name, value in constants if name.startswith("CUEP_TRACE_") and
+               name != "CUEP_TRACE_POINTS"}
+    for points, printed in ((kernels.DISPATCH_TRACE, bench.DISPATCH_TRACE), (kernels.COMBINE_TRACE, bench.COMBINE_TRACE)):
+        indices = [index for index, _ in points.values()]
+        assert len(set(indices)) == len(indices) and max(indices) < kernels.TRACE_POINTS
+        assert {f"CUEP_TRACE_{name.upper()}": index for name, (index, _) in points.items()}.items() <= stamped.items()
+        assert list(printed) == indices  # the benchmark prints them in the order a block passes them
+    shared = kernels.DISPATCH_TRACE.keys() & kernels.COMBINE_TRACE.keys()
+    assert shared == {"start", "table_published", "end"}
+    assert all(kernels.DISPATCH_TRACE[n][0] == kernels.COMBINE_TRACE[n][0] for n in shared)
+    assert dict(constants)["CUEP_TRACE_POINTS"] == str(kernels.TRACE_POINTS)

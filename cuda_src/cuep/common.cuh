@@ -1,12 +1,21 @@
-// Shared by every kernel family: integer types, named constants, and the CUEP_* feature macros
-// (set by the JIT, see cuep/jit/spec.py) turned into constexpr bools that the rest reads with
-// `if constexpr`. This is the only header that tests __CUDA_ARCH__ or a CUEP_* feature macro.
+// Shared by every kernel family: integer types, the constants Python shares with the kernels, and
+// the CUEP_* feature macros turned into constexpr bools that the rest reads with `if constexpr`.
+// This is the only header that tests __CUDA_ARCH__ or a CUEP_* feature macro; a family's source may
+// still use `#if CUEP_ENABLE_SM90_FEATURES` to leave out a whole Hopper-only entry (probe.cu).
+//
+// Shared values are defined once, in Python (cuep/kernels/common.py and each family's launch
+// module), and arrive as CUEP_<NAME> macros (KernelSpec.constants); headers and families give each
+// a k-prefixed name and static_assert what the code relies on.
 #pragma once
 
 #include <cuda/std/cstdint>
 
 #if !defined(CUEP_ENABLE_SM90_FEATURES) || !defined(CUEP_AGGRESSIVE_PTX) || !defined(CUEP_SOFTWARE_FP8)
 #error "the CUEP_* feature macros are set by cuep's JIT (cuep/jit/spec.py); compile through it"
+#endif
+
+#if !defined(CUEP_WARP_SIZE) || !defined(CUEP_STATUS_WORDS) || !defined(CUEP_PHASE_BARRIER)
+#error "the shared CUEP_* constants come from cuep/kernels/common.py (pass common.CONSTANTS in the family's spec)"
 #endif
 
 #if defined(__CUDA_ARCH__) && CUEP_ENABLE_SM90_FEATURES && __CUDA_ARCH__ < 900
@@ -21,7 +30,9 @@ using cuda::std::uint8_t;
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
 
-// Hopper path: TMA bulk copies, cluster launch. Off on Ampere and when the fallback is forced.
+// Hopper (sm_90) path: the bulk-copy (TMA) wrappers of ptx.cuh are compiled in (only the benchmark's
+// NVLink ceiling probe uses them) and aggressive_ptx may be set. No kernel uses cluster launch. Off
+// on other archs and when the fallback is forced.
 constexpr bool kEnableSM90Features = CUEP_ENABLE_SM90_FEATURES != 0;
 // Read-once data through the non-coherent L1-bypassing path (see ld_nc_global in ptx.cuh).
 constexpr bool kAggressivePtx = CUEP_AGGRESSIVE_PTX != 0;
@@ -33,31 +44,38 @@ constexpr bool kSoftwareFp8 = CUEP_SOFTWARE_FP8 != 0;
 #endif
 constexpr bool kTrace = CUEP_TRACE != 0;
 
-constexpr int kWarpSize = 32;
+constexpr int kWarpSize = CUEP_WARP_SIZE;
+static_assert(kWarpSize == 32, "lane masks (kFullWarpMask, __ballot_sync) assume 32 lanes");
 constexpr uint32_t kFullWarpMask = 0xffffffffu;
 // Largest block CUDA allows; sizes per-warp scratch arrays in shared memory.
 constexpr int kMaxWarpsPerBlock = 1024 / kWarpSize;
+// FP8 channels per float32 scale (per-128-channel scales, as DeepEP's).
+constexpr int kScaleBlock = CUEP_SCALE_BLOCK;
 
-// Layout of the int32 status words a kernel fills when a bounded wait gives up; the host reads
-// them after the stream completes and raises PeerTimeoutError (cuep/kernels/status.py mirrors it).
-constexpr int kStatusTimedOut = 0;  // 0 = fine, 1 = a wait timed out
-constexpr int kStatusPeer = 1;      // the rank that never arrived
-constexpr int kStatusPhase = 2;     // which wait (kPhase* below)
-constexpr int kStatusOverflow = 3;  // rows a dispatch needed beyond the num_worst_tokens it was given
-constexpr int kStatusBadExpertIds = 4;  // top-k ids outside [-1, num_experts) that a kernel ignored
-constexpr int kStatusLandingRows = 5;   // rows a push dispatch had to land on one rank, beyond its buffer
-constexpr int kStatusWords = 6;
+// Layout of the int32 status words a kernel fills when something goes wrong on the device (a
+// bounded wait gave up, a caller's bad input); the host reads them after the stream completes and
+// raises (cuep/kernels/status.py defines and names them).
+constexpr int kStatusTimedOut = CUEP_STATUS_TIMED_OUT;          // 0 = fine, 1 = a wait timed out
+constexpr int kStatusPeer = CUEP_STATUS_PEER;                   // the rank that never arrived
+constexpr int kStatusPhase = CUEP_STATUS_PHASE;                 // which wait (kPhase* below)
+constexpr int kStatusOverflow = CUEP_STATUS_OVERFLOW;           // rows beyond num_worst_tokens
+constexpr int kStatusBadExpertIds = CUEP_STATUS_BAD_EXPERT_IDS; // top-k ids a kernel treated as -1
+constexpr int kStatusLandingRows = CUEP_STATUS_LANDING_ROWS;    // rows beyond one rank's landing region
+constexpr int kStatusWords = CUEP_STATUS_WORDS;
+static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kStatusPhase < kStatusWords &&
+              kStatusOverflow < kStatusWords && kStatusBadExpertIds < kStatusWords &&
+              kStatusLandingRows < kStatusWords, "a status word outside the status array");
 
-// Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py names them.
-constexpr int kPhaseBarrier = 1;
-constexpr int kPhaseLowLatencyRouting = 2;  // a source's routing table (low-latency dispatch)
-constexpr int kPhaseLowLatencyToken = 3;    // a dispatched token
-constexpr int kPhaseLowLatencyWeights = 4;  // a source's top-k weights (low-latency combine)
-constexpr int kPhaseLowLatencyPartial = 5;  // a combined partial sum
-constexpr int kPhaseIntranodeStaged = 6;    // a sender's staged tokens (intranode dispatch)
-constexpr int kPhaseIntranodeReuse = 7;     // receivers done with the previous dispatch (intranode)
-constexpr int kPhaseIntranodeStarted = 8;   // a peer starting the same call (intranode dispatch or combine)
-constexpr int kPhaseIntranodeArrival = 9;   // a combined row's arrival (intranode combine)
-constexpr int kPhaseIntranodePushed = 11;   // a pushed row's arrival (intranode dispatch)
+// Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py (Phase) names them.
+constexpr int kPhaseBarrier = CUEP_PHASE_BARRIER;
+constexpr int kPhaseLowLatencyRouting = CUEP_PHASE_LOW_LATENCY_ROUTING;  // a source's routing table
+constexpr int kPhaseLowLatencyToken = CUEP_PHASE_LOW_LATENCY_TOKEN;      // a dispatched token
+constexpr int kPhaseLowLatencyWeights = CUEP_PHASE_LOW_LATENCY_WEIGHTS;  // a source's top-k weights
+constexpr int kPhaseLowLatencyPartial = CUEP_PHASE_LOW_LATENCY_PARTIAL;  // a combined partial sum
+constexpr int kPhaseIntranodeStaged = CUEP_PHASE_INTRANODE_STAGED;       // a sender's staged tokens
+constexpr int kPhaseIntranodeReuse = CUEP_PHASE_INTRANODE_REUSE;         // receivers done with the last dispatch
+constexpr int kPhaseIntranodeStarted = CUEP_PHASE_INTRANODE_STARTED;     // a peer starting the same call
+constexpr int kPhaseIntranodeArrival = CUEP_PHASE_INTRANODE_ARRIVAL;     // a combined row's arrival
+constexpr int kPhaseIntranodePushed = CUEP_PHASE_INTRANODE_PUSHED;       // a pushed row's arrival
 
 }  // namespace cuep

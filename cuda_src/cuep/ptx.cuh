@@ -134,52 +134,83 @@ __device__ __forceinline__ T ld_nc_global(const T* ptr) {
         return ld_volatile_global(ptr);
 }
 
-#if CUEP_ENABLE_SM90_FEATURES
 // ---------------------------------------------------------------------------------------------
 // Bulk (TMA) copies, Hopper path only: one thread moves a contiguous run of bytes (a multiple of 16,
-// both ends 16-byte aligned) between global memory, a peer's included, and shared memory.
+// both ends 16-byte aligned) between global memory, a peer's included, and shared memory. Each body
+// is discarded (`if constexpr`) unless kEnableSM90Features, so these instructions never reach the PTX
+// of an older arch; called without the Hopper path (a broken invariant: callers test the same
+// switch), they trap.
 
 __device__ __forceinline__ uint32_t shared_address(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(barrier)), "r"(arrivals) : "memory");
+    if constexpr (kEnableSM90Features)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(barrier)), "r"(arrivals)
+                     : "memory");
+    else
+        __trap();
 }
 
 // Makes initialised mbarriers visible to the bulk-copy unit.
 __device__ __forceinline__ void fence_mbarrier_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if constexpr (kEnableSM90Features)
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    else
+        __trap();
 }
 
 // Global -> shared; `barrier` completes its current phase once the bytes have landed.
 __device__ __forceinline__ void bulk_load(void* shared, const void* global, uint32_t bytes, uint64_t* barrier) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(shared_address(barrier)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier)) : "memory");
+    if constexpr (kEnableSM90Features) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(shared_address(barrier)), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(barrier))
+                     : "memory");
+    } else {
+        __trap();
+    }
 }
 
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory");
+    if constexpr (kEnableSM90Features) {
+        uint32_t done = 0;
+        while (!done)
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         " selp.u32 %0, 1, 0, p;\n}"
+                         : "=r"(done) : "r"(shared_address(barrier)), "r"(parity) : "memory");
+    } else {
+        __trap();
+    }
 }
 
 // Shared -> global, as one bulk group.
 __device__ __forceinline__ void bulk_store(void* global, const void* shared, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(global), "r"(shared_address(shared)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if constexpr (kEnableSM90Features) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(global), "r"(shared_address(shared)), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    } else {
+        __trap();
+    }
 }
 
 // This thread's bulk stores have finished reading shared memory (it may be overwritten).
-__device__ __forceinline__ void bulk_stores_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_stores_read() {
+    if constexpr (kEnableSM90Features)
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    else
+        __trap();
+}
 
 // This thread's bulk stores are complete.
-__device__ __forceinline__ void bulk_stores_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-#endif
+__device__ __forceinline__ void bulk_stores_done() {
+    if constexpr (kEnableSM90Features)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    else
+        __trap();
+}
 
 }  // namespace cuep

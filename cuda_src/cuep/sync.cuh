@@ -1,4 +1,18 @@
-// Bounded waits on flags written by peers, and the status record a timed-out wait leaves behind.
+// The protocol's synchronisation, written once for every family: the bounded waits on peers, the
+// status record a timed-out wait leaves behind, and the count by which the last block of a launch
+// learns that it finishes the call.
+//
+// Two waits, because two policies: wait_at_least_until leaves the timeout to its caller (which may
+// blame another peer than the flag's writer, and may sleep between polls); wait_until records the
+// timeout itself and gives up at once once another wait of the launch has timed out.
+//
+// Call numbers are not here: both NVSHMEM families number calls on the device (a counter in this
+// rank's device memory, read at launch and advanced by the last block, last_block_done), but what
+// they count differs. The low-latency family numbers every send launch and keeps the newest number
+// of each buffer half, because a receive-only launch (a hook) completes a call after the other half
+// may have sent the next one (low_latency.cu, call_number). The intranode family counts dispatches
+// on their own, because a sender's header is reused per dispatch (done[] holds dispatch epochs), and
+// derives the call number, which picks the region, as dispatches plus combines (intranode.cu, next_call).
 #pragma once
 
 #include <cuep/common.cuh>
@@ -6,8 +20,10 @@
 
 namespace cuep {
 
-// Spin until *flag >= target (flags and counters here only grow; 32- or 64-bit) or until the global
-// timer passes deadline_ns, pausing `sleep_ns` between polls. Returns whether the target was reached.
+// Spin until *flag >= target (32- or 64-bit, acquire; flags and counters here only grow) or until
+// the global timer passes deadline_ns, pausing `sleep_ns` between polls. Returns whether the target
+// was reached. The caller records a timeout: it may blame another peer than the flag's writer
+// (intranode's wait_chunk_count does). Waits that record their own timeout use wait_until below.
 template <typename Flag>
 __device__ __forceinline__ bool wait_at_least_until(const Flag* flag, Flag target, uint64_t deadline_ns,
                                                     uint32_t sleep_ns = 0) {
@@ -59,5 +75,54 @@ struct Status {
 
     __device__ void record_bad_expert_id() const { record(kStatusBadExpertIds, 1); }
 };
+
+// The bounded wait that records its own timeout: until `arrived()` holds, poll again with `poll()`
+// (nothing, when `arrived` loads; the next load, when it tests a value loaded before). Gives up at
+// once when another wait of this launch already timed out (the call's result is void then, and one
+// dead peer must cost one timeout, not one per token), or at the deadline, recording `peer` and
+// `phase`. Returns whether it arrived.
+template <typename Arrived, typename Poll>
+__device__ __forceinline__ bool wait_until(const Arrived& arrived, const Poll& poll, uint64_t deadline_ns,
+                                           const Status& status, int peer, int phase) {
+    while (!arrived()) {
+        if (status.timed_out())
+            return false;
+        if (globaltimer_ns() > deadline_ns) {
+            status.record_timeout(peer, phase);
+            return false;
+        }
+        poll();
+    }
+    return true;
+}
+
+// Wait until *flag >= target (acquire, system scope), as wait_until.
+__device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t target, uint64_t deadline_ns,
+                                              const Status& status, int peer, int phase) {
+    return wait_until([&] { return ld_acquire_sys_global(flag) >= target; }, [] {}, deadline_ns, status, peer,
+                      phase);
+}
+
+// The scope of the fence a block passes before it counts itself done (last_block_done).
+enum class Scope { kGpu, kSystem };
+
+// Called by every thread of every block at the end of a launch (with the same arguments), whose
+// blocks count themselves in counters[index]: true only for thread 0 of the block that finishes
+// last, which then finishes the call and resets the count (zero between launches) for the next
+// launch. Each block's thread 0 fences before counting itself, so what the last block writes next
+// follows every block's writes: kGpu when that is read on this GPU only (the low-latency call
+// number), kSystem when it tells peers that this rank's writes into their memory are done
+// (intranode). The count's address is formed after the fence, as the families did before sharing it.
+template <Scope kFenceScope>
+__device__ __forceinline__ bool last_block_done(uint64_t* counters, int index) {
+    __syncthreads();
+    if (threadIdx.x != 0)
+        return false;
+    if constexpr (kFenceScope == Scope::kSystem)
+        __threadfence_system();
+    else
+        __threadfence();
+    return atomicAdd(reinterpret_cast<unsigned long long*>(counters + index), 1ull) == gridDim.x - 1;
+}
 
 }  // namespace cuep

@@ -1,6 +1,7 @@
 // Phase timestamps for performance work: `trace[block][point]` holds the global timer (ns) when a
 // block reached `point`. Built only with CUEP_TRACE=1 (`python -m cuep.bench --mode low_latency
-// --trace`); otherwise every mark compiles to nothing and `trace` is null.
+// --trace`); otherwise every mark compiles to nothing and `trace` is null. A family that includes it
+// passes CUEP_TRACE_POINTS, the row length of `trace` its host allocates, and names its points.
 #pragma once
 
 #include <cuep/common.cuh>
@@ -8,7 +9,7 @@
 
 namespace cuep {
 
-constexpr int kTracePoints = 16;  // mirrors TRACE_POINTS in cuep/kernels/low_latency.py
+constexpr int kTracePoints = CUEP_TRACE_POINTS;  // points per block: TRACE_POINTS of the family's launch module
 
 // The calling thread stamps its block's `point` (after a barrier, when the block or team got there).
 __device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {

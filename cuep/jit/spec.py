@@ -4,13 +4,17 @@ A spec names a kernel family (the stem of a ``cuda_src/*.cu`` file), the target 
 compile-time constants and the feature set. Token counts, capacities and timeouts are kernel
 arguments, never part of a spec, so a new batch size never recompiles.
 
-Features by arch:
-  * ``sm_90``: the full Hopper feature set (TMA bulk copies, cluster launch), hardware FP8.
+Features by arch (what each build really uses):
+  * ``sm_90``: the Hopper path: hardware FP8 conversion, ``aggressive_ptx`` available, and the
+    bulk-copy (TMA) wrappers of ``cuda_src/cuep/ptx.cuh`` compiled in; only the benchmark's NVLink
+    ceiling probe uses them, every communication kernel moves data with ordinary loads and stores.
+    No kernel uses cluster launch.
   * ``sm_80``/``sm_86``/``sm_87``: the fallback path, FP8 conversion in software.
   * ``sm_89`` and archs other than ``sm_90``: the fallback path with hardware FP8.
   * ``force_fallback`` builds the fallback path (with software FP8) for any arch, so the Ampere
     path can be tested on a Hopper GPU.
-  * ``aggressive_ptx`` applies to the full ``sm_90`` path only; elsewhere it is ignored.
+  * ``aggressive_ptx`` (read-once loads through ``ld.global.nc.L1::no_allocate``) applies to the
+    ``sm_90`` path only; elsewhere it is ignored.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class KernelSpec:
             once in Python: sorted ``(name, value)`` pairs, each ``-DCUEP_<NAME>=<value>``; they do not
             vary between builds of a family, so they stay out of :attr:`name` (the cache key still
             sees them, through the compile flags).
-        sm90_features: build the Hopper path.
+        sm90_features: build the Hopper path (bulk-copy wrappers compiled in; see above).
         aggressive_ptx: read-once loads through ``ld.global.nc.L1::no_allocate``.
         software_fp8: convert FP8 in software.
         uses_nvshmem: the family calls NVSHMEM device functions, so it is compiled relocatable,

@@ -1,11 +1,16 @@
-"""One launch module per ``cuda_src`` family: its spec, its launch geometry, its argument order."""
+"""One launch module per ``cuda_src`` family: its spec (with the constants it shares with its source),
+its launch shape, and the ctypes mirrors of its entries' arguments (``ARGUMENT_STRUCTS``: each entry
+takes one struct by value, or that struct's fields as scalars; either way it launches through
+:mod:`cuep.kernels.launcher` with the mirror's bytes as its parameters)."""
 
 from __future__ import annotations
 
 from ..jit import KernelSpec
-from . import barrier, intranode, layout, low_latency
+from . import barrier, intranode, layout, low_latency, probe
 
-FAMILIES = {"barrier": barrier, "intranode": intranode, "layout": layout, "low_latency": low_latency}
+FAMILIES = {"barrier": barrier, "intranode": intranode, "layout": layout, "low_latency": low_latency, "probe": probe}
+"""Every family by name; ``probe`` (the benchmark's NVLink ceiling probe) is compiled by tools and tests
+but never by a Buffer (see :func:`buffer_specs`)."""
 
 
 def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int) -> dict[str, KernelSpec]:
@@ -19,4 +24,4 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int) -> dict[str
     return {family: FAMILIES[family].spec(arch) for family, used in wanted.items() if used}
 
 
-__all__ = ["FAMILIES", "barrier", "buffer_specs", "intranode", "layout", "low_latency"]
+__all__ = ["FAMILIES", "barrier", "buffer_specs", "intranode", "layout", "low_latency", "probe"]

@@ -1,25 +1,44 @@
-"""Launch module of ``cuda_src/barrier.cu`` (the bounded device barrier over NVSHMEM).
+"""Launch module of ``cuda_src/barrier.cu``: the bounded device barrier over NVSHMEM.
 
-C++ entry::
+C++ entry, taking one argument struct by value (mirrored below)::
 
-    cuep_barrier(uint64_t* signals, int rank, int num_ranks, uint64_t* epoch_counter, uint64_t timeout_ns,
-                 int32_t* status_words, int32_t* status_host)
+    cuep_barrier(const BarrierArgs)    one block, a thread per peer
 """
 
 from __future__ import annotations
 
-import numpy as np
+import ctypes
 
-from .. import _deps
+from .._math import align_up
 from ..jit import KernelSpec, Library
+from . import launcher
+from .common import WARP_SIZE, family_constants
+from .launcher import KernelArgs
+from .status import Status
 
-WARP_SIZE = 32
 MAX_THREADS = 1024
 SIGNAL_BYTES = 8
+ENTRY = "cuep_barrier"
+
+
+class BarrierArgs(KernelArgs):
+    """Mirror of ``cuep::BarrierArgs``."""
+
+    cxx_name = "BarrierArgs"
+    entry = ENTRY
+    _fields_ = [("signals", ctypes.c_void_p),        # [num_ranks] uint64, symmetric
+                ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
+                ("epoch_counter", ctypes.c_void_p),  # uint64, device memory the kernel increments
+                ("timeout_ns", ctypes.c_uint64),
+                ("status", Status)]
+
+
+ARGUMENT_STRUCTS = (Status, BarrierArgs)
 
 
 def spec(arch: str, **features) -> KernelSpec:
-    return KernelSpec.create("barrier", arch, uses_nvshmem=True, **features)
+    """The family's spec (no compile-time parameters of its own)."""
+    return KernelSpec.create("barrier", arch, constants=family_constants(), uses_nvshmem=True, **features)
 
 
 def signal_bytes(num_ranks: int) -> int:
@@ -27,14 +46,22 @@ def signal_bytes(num_ranks: int) -> int:
     return num_ranks * SIGNAL_BYTES
 
 
+def block_threads(num_ranks: int) -> int:
+    """Threads of the barrier's one block: a thread per peer, in whole warps."""
+    return min(MAX_THREADS, align_up(num_ranks, WARP_SIZE))
+
+
 def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int, epoch_counter,
            timeout_s: float, status, status_host_ptr: int) -> None:
-    """Enqueue the next barrier on ``stream`` (``epoch_counter``: a device uint64 the kernel increments,
-    so graph replays keep counting); a timeout is recorded in ``status`` and in its pinned host mirror
-    (``status_host_ptr``, a device address)."""
-    core = _deps.cuda_core()
-    threads = min(MAX_THREADS, -(-num_ranks // WARP_SIZE) * WARP_SIZE)
-    config = core.LaunchConfig(grid=1, block=threads)
-    core.launch(stream, config, library.kernel("cuep_barrier"), np.uint64(signals_ptr), np.int32(rank),
-                np.int32(num_ranks), epoch_counter.data.ptr, np.uint64(int(timeout_s * 1e9)), status.data.ptr,
-                np.uint64(status_host_ptr))
+    """Enqueue the next barrier on ``stream`` (a CuPy stream).
+
+    Arguments:
+        signals_ptr: this rank's ``[num_ranks]`` uint64 signals (symmetric memory, :func:`signal_bytes`).
+        epoch_counter: a ``[1]`` uint64 device array the kernel increments, so graph replays keep counting.
+        timeout_s: how long a thread waits for its peer before recording a timeout.
+        status, status_host_ptr: the status words and the device address of their pinned host mirror,
+            where a timeout is recorded (the host raises from them).
+    """
+    args = BarrierArgs(signals=signals_ptr, rank=rank, num_ranks=num_ranks, epoch_counter=epoch_counter.data.ptr,
+                       timeout_ns=int(timeout_s * 1e9), status=Status(status.data.ptr, status_host_ptr))
+    launcher.launch(library, ENTRY, stream, 1, block_threads(num_ranks), args)

@@ -6,7 +6,19 @@ CUDA side reads them as ``CUEP_<NAME>`` macros (``cuda_src/cuep/common.cuh``) an
 
 from __future__ import annotations
 
-WARP_SIZE = 32
-SCALE_BLOCK = 128  # FP8 channels per float32 scale
+from . import status
 
-CONSTANTS = {"warp_size": WARP_SIZE, "scale_block": SCALE_BLOCK}
+WARP_SIZE = 32
+SCALE_BLOCK = 128            # FP8 channels per float32 scale
+UE8M0_SCALES_PER_WORD = 4    # power-of-two scales whose exponent bytes pack into one int32
+
+CONSTANTS = {"warp_size": WARP_SIZE, "scale_block": SCALE_BLOCK, **status.CONSTANTS}
+"""What every family's source sees: the warp size, the FP8 scale block, the status words and the
+phase codes of :mod:`cuep.kernels.status`."""
+
+
+def family_constants(own: dict[str, int] | None = None) -> dict[str, int]:
+    """:data:`CONSTANTS` with a family's own (``spec()`` of each launch module passes this)."""
+    clash = set(CONSTANTS) & set(own or {})
+    assert not clash, f"a family constant shadows a shared one: {sorted(clash)}"
+    return {**CONSTANTS, **(own or {})}

@@ -1,30 +1,42 @@
-"""The one launch convention of every kernel family: one argument struct, passed by value.
+"""The one launch convention of every kernel family: a ctypes struct that mirrors the entry's
+parameters, handed to the driver as one parameter buffer.
 
-Each ``__global__`` entry of ``cuda_src`` takes a single ``const <Name>Args`` parameter. Its Python
-mirror is a :class:`KernelArgs` subclass listing the same fields in the same order;
-:meth:`KernelArgs.layout_asserts` renders the C++ ``static_assert``\\ s that pin every field's offset
-and the struct's size, and ``tests/test_kernel_args.py`` compiles them against each family's source,
-so a mirror that drifts fails on a CPU machine, not as garbage on a GPU.
+A :class:`KernelArgs` subclass lists an entry's parameters in order, with their C types. Where the
+entry takes one ``const <Name>Args`` struct by value, the mirror lists that struct's fields and
+:meth:`KernelArgs.layout_asserts` renders ``static_assert``\\ s pinning each field's offset and the
+size; where it takes scalars (the intranode entries: there, a struct parameter made NVRTC schedule
+the hot loops differently), the mirror lists the scalars. Either way the bytes of the mirror are the
+entry's parameter space, and ``tests/test_kernel_args.py`` checks both against the source and the
+compiled kernels' own parameter tables, so a mirror that drifts fails on a CPU machine, not as
+garbage on a GPU.
 
-:class:`Launch` is a filled struct bound to a kernel and a grid. It goes through CuPy's driver binding
-of ``cuLaunchKernel`` with the struct's address as the one kernel parameter: the eager decode path is
-host-bound, and that binding costs the least host time per launch of the ones we measured.
+:class:`Launch` binds a filled mirror to a kernel and a grid. It goes through CuPy's driver binding
+of ``cuLaunchKernel``, which cost the least host time per launch of the ones we measured (the eager
+decode path is host-bound): a struct taken by value goes as the one kernel parameter, scalars as the
+parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import ClassVar
+import functools
+from typing import ClassVar, Protocol
 
 from .. import _deps
 from ..errors import CuepError
-from ..jit import Library
+
+
+# cuLaunchKernel's `extra` keys (CU_LAUNCH_PARAM_*, cuda.h)
+_PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 
 
 class KernelArgs(ctypes.Structure):
-    """Base of every argument struct: a subclass mirrors the C++ struct ``cxx_name`` field for field."""
+    """Base of every argument mirror: a subclass lists the parameters of an entry, or the fields of the
+    C++ struct ``cxx_name`` that the entry takes by value."""
 
     cxx_name: ClassVar[str]
+    #: The entry takes this struct's fields as scalar parameters rather than the struct by value.
+    scalar_parameters: ClassVar[bool] = False
 
     @classmethod
     def layout_asserts(cls) -> str:
@@ -39,31 +51,57 @@ class KernelArgs(ctypes.Structure):
         return "\n".join(lines) + "\n"
 
 
-class Launch:
-    """``entry`` of ``library`` with its filled argument struct and grid; call it with a CuPy stream.
+class Functions(Protocol):
+    """Where a launch finds its kernel: a :class:`cuep.jit.Library`, or a context that caches its handles."""
 
-    The struct is held by reference: a caller may change fields (e.g. the low-latency phases) and
+    def function(self, name: str) -> int: ...
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_bytes(mirror: type[KernelArgs]) -> int:
+    """Where a scalar mirror's last parameter ends: its size without the struct's tail padding."""
+    name, kind = mirror._fields_[-1][:2]
+    nested = isinstance(kind, type) and issubclass(kind, ctypes.Structure)
+    return getattr(mirror, name).offset + (_parameter_bytes(kind) if nested else ctypes.sizeof(kind))
+
+
+_OneParameter = ctypes.c_void_p * 1
+_Extra = ctypes.c_void_p * 5
+
+
+class Launch:
+    """``entry`` of ``functions`` with its filled argument mirror and grid; call it with a CuPy stream.
+
+    The mirror is held by reference: a caller may change fields (e.g. the low-latency phases) and
     launch again."""
 
-    __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "_params")
+    __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "_held", "_params", "_extra")
 
-    def __init__(self, library: Library, entry: str, grid: int, block: int, args: KernelArgs, shared_bytes: int = 0):
-        self.entry, self.function = entry, library.function(entry)
+    def __init__(self, functions: Functions, entry: str, grid: int, block: int, args: KernelArgs,
+                 shared_bytes: int = 0):
+        self.entry, self.function = entry, functions.function(entry)
         self.grid, self.block, self.shared_bytes, self.args = grid, block, shared_bytes, args
-        # cuLaunchKernel's kernelParams: an array of one pointer, to the struct.
-        self._params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        # The driver reads these arrays at each launch: they live as long as this object (`_held`).
+        if args.scalar_parameters:  # `extra`: the parameter buffer and its size, then the end marker
+            size = ctypes.c_size_t(_parameter_bytes(type(args)))
+            extra = _Extra(_PARAM_BUFFER_POINTER, ctypes.addressof(args), _PARAM_BUFFER_SIZE, ctypes.addressof(size),
+                           _PARAM_END)
+            self._held, self._params, self._extra = (size, extra), 0, ctypes.addressof(extra)
+        else:  # `kernelParams`: an array of one pointer, to the struct
+            params = _OneParameter(ctypes.addressof(args))
+            self._held, self._params, self._extra = params, ctypes.addressof(params), 0
 
     def __call__(self, stream) -> None:
         cupy = _deps.cupy()
         try:
             cupy.cuda.driver.launchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes,
-                                          stream.ptr, ctypes.addressof(self._params), 0)
+                                          stream.ptr, self._params, self._extra)
         except cupy.cuda.driver.CUDADriverError as exc:
             raise CuepError(f"cuep: launching {self.entry} (grid {self.grid}, block {self.block}, "
                             f"{self.shared_bytes} B shared) failed: {exc}") from None
 
 
-def launch(library: Library, entry: str, stream, grid: int, block: int, args: KernelArgs,
+def launch(functions: Functions, entry: str, stream, grid: int, block: int, args: KernelArgs,
            shared_bytes: int = 0) -> None:
     """Launch once: ``Launch(...)(stream)``."""
-    Launch(library, entry, grid, block, args, shared_bytes)(stream)
+    Launch(functions, entry, grid, block, args, shared_bytes)(stream)

@@ -1,45 +1,78 @@
-"""Launch module of ``cuda_src/layout.cu`` (the dispatch layout).
+"""Launch module of ``cuda_src/layout.cu``: the dispatch layout (per-expert, per-rank and per-node
+counts from the top-k ids), no communication.
 
-C++ entries, one per ``topk_idx`` dtype::
+C++ entries, one per ``topk_idx`` dtype, each taking the fields of ``LayoutArgs`` as scalar
+parameters (``args_topk_idx, args_num_tokens, ...``; as one struct parameter the counting loops
+compiled to other code). :class:`LayoutArgs` mirrors them; the launcher passes its bytes as the
+entry's parameters::
 
-    cuep_dispatch_layout_i32 / cuep_dispatch_layout_i64(
-        const TopkIdx* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-        int num_nodes, int* num_tokens_per_expert, int* num_tokens_per_rank,
-        int* num_tokens_per_node, bool* is_token_in_rank)
+    cuep_dispatch_layout_i32(LayoutArgs fields) / cuep_dispatch_layout_i64(LayoutArgs fields)
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
-from .. import _deps
+from .._math import ceil_div
 from ..jit import KernelSpec, Library
+from . import launcher
+from .common import family_constants
+from .launcher import KernelArgs
 
 NUM_THREADS = 256
 # Counters per block live in registers; 8 keeps the block count near the SM count for 256 experts.
 EXPERTS_PER_BLOCK = 8
 GROUPS_PER_BLOCK = 8
-_ENTRIES = {np.dtype(np.int32): "cuep_dispatch_layout_i32", np.dtype(np.int64): "cuep_dispatch_layout_i64"}
+CONSTANTS = {"num_threads": NUM_THREADS, "experts_per_block": EXPERTS_PER_BLOCK, "groups_per_block": GROUPS_PER_BLOCK}
+
+
+class LayoutArgs(KernelArgs):
+    """Mirror of ``cuep::LayoutArgs``, whose fields both entries take as their parameters."""
+
+    cxx_name = "LayoutArgs"
+    scalar_parameters = True
+    entries = ("cuep_dispatch_layout_i32", "cuep_dispatch_layout_i64")
+    _fields_ = [("topk_idx", ctypes.c_void_p),
+                ("num_tokens", ctypes.c_int), ("num_topk", ctypes.c_int), ("num_experts", ctypes.c_int),
+                ("num_ranks", ctypes.c_int), ("num_nodes", ctypes.c_int),
+                ("num_tokens_per_expert", ctypes.c_void_p), ("num_tokens_per_rank", ctypes.c_void_p),
+                ("num_tokens_per_node", ctypes.c_void_p), ("is_token_in_rank", ctypes.c_void_p)]
+
+
+ARGUMENT_STRUCTS = (LayoutArgs,)
+_ENTRIES = dict(zip((np.dtype(np.int32), np.dtype(np.int64)), LayoutArgs.entries))  # by topk_idx dtype
 
 
 def spec(arch: str, **features) -> KernelSpec:
-    return KernelSpec.create("layout", arch, {"num_threads": NUM_THREADS, "experts_per_block": EXPERTS_PER_BLOCK,
-                                              "groups_per_block": GROUPS_PER_BLOCK}, **features)
+    """The family's spec: its block shape is a constant (kept out of the spec's name)."""
+    return KernelSpec.create("layout", arch, constants=family_constants(CONSTANTS), **features)
 
 
 def num_blocks(num_experts: int, num_ranks: int, num_nodes: int) -> int:
-    blocks = -(-num_experts // EXPERTS_PER_BLOCK) + -(-num_ranks // GROUPS_PER_BLOCK)
-    return blocks + (-(-num_nodes // GROUPS_PER_BLOCK) if num_nodes > 1 else 0)
+    """Blocks of the layout kernel: experts, then ranks, then (with several nodes) nodes, a block per
+    EXPERTS_PER_BLOCK or GROUPS_PER_BLOCK of them."""
+    blocks = ceil_div(num_experts, EXPERTS_PER_BLOCK) + ceil_div(num_ranks, GROUPS_PER_BLOCK)
+    return blocks + (ceil_div(num_nodes, GROUPS_PER_BLOCK) if num_nodes > 1 else 0)
 
 
 def launch(library: Library, stream, topk_idx, num_experts: int, num_ranks: int, num_nodes: int,
            num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_node, is_token_in_rank) -> None:
-    """Enqueue the layout kernel on ``stream`` (a cuda.core Stream); every output is overwritten."""
-    core = _deps.cuda_core()
+    """Enqueue the layout kernel on ``stream`` (a CuPy stream); every output is overwritten.
+
+    Arguments:
+        topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert.
+        num_tokens_per_expert: `[num_experts]` `int32` out.
+        num_tokens_per_rank: `[num_ranks]` `int32` out.
+        num_tokens_per_node: `[num_nodes]` `int32` out, or ``None`` with one node.
+        is_token_in_rank: `[num_tokens, num_ranks]` `bool` out.
+    """
     num_tokens, num_topk = topk_idx.shape
-    config = core.LaunchConfig(grid=num_blocks(num_experts, num_ranks, num_nodes), block=NUM_THREADS)
-    per_node_ptr = num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0
-    core.launch(stream, config, library.kernel(_ENTRIES[topk_idx.dtype]),
-                topk_idx.data.ptr, np.int32(num_tokens), np.int32(num_topk), np.int32(num_experts),
-                np.int32(num_ranks), np.int32(num_nodes), num_tokens_per_expert.data.ptr,
-                num_tokens_per_rank.data.ptr, np.uint64(per_node_ptr), is_token_in_rank.data.ptr)
+    args = LayoutArgs(topk_idx=topk_idx.data.ptr, num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts,
+                      num_ranks=num_ranks, num_nodes=num_nodes, num_tokens_per_expert=num_tokens_per_expert.data.ptr,
+                      num_tokens_per_rank=num_tokens_per_rank.data.ptr,
+                      num_tokens_per_node=num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0,
+                      is_token_in_rank=is_token_in_rank.data.ptr)
+    launcher.launch(library, _ENTRIES[topk_idx.dtype], stream, num_blocks(num_experts, num_ranks, num_nodes),
+                    NUM_THREADS, args)

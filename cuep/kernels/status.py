@@ -1,20 +1,80 @@
-"""The status words a kernel fills when a bounded wait gives up (mirror of cuda_src/cuep/common.cuh)."""
+"""The status words a kernel fills when something goes wrong on the device, and how the host reads them.
+
+Every value here is defined once: :data:`CONSTANTS` reaches the kernels as ``CUEP_STATUS_*`` and
+``CUEP_PHASE_*`` macros (through ``cuep.kernels.common.CONSTANTS``), which ``cuda_src/cuep/common.cuh``
+turns into ``kStatus*`` and ``kPhase*``. A kernel writes the words on the device and into their pinned
+host mirror; the host reads the mirror after the stream completes and raises here.
+"""
 
 from __future__ import annotations
 
-from ..errors import PeerTimeoutError
+import ctypes
+import enum
 
+from ..errors import PeerTimeoutError
+from .launcher import KernelArgs
+
+# Index of each int32 status word.
+TIMED_OUT = 0       # 0 = fine, 1 = a bounded wait gave up
+PEER = 1            # the rank that never arrived
+PHASE = 2           # which wait (a Phase)
+OVERFLOW = 3        # rows a dispatch needed beyond the num_worst_tokens it was given
+BAD_EXPERT_IDS = 4  # top-k ids outside [-1, num_experts) that a kernel treated as -1
+LANDING_ROWS = 5    # rows a push dispatch or a combine had to land on one rank, beyond its buffer
 STATUS_WORDS = 6
-TIMED_OUT, PEER, PHASE, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS = 0, 1, 2, 3, 4, 5
-PHASE_NAMES = {1: "device barrier", 2: "low-latency dispatch (routing table)", 3: "low-latency dispatch (token data)",
-               4: "low-latency combine (top-k weights)", 5: "low-latency combine (partial sums)",
-               6: "intranode dispatch (staged tokens)", 7: "intranode dispatch (previous dispatch's pulls)",
-               8: "intranode dispatch or combine (a peer starting the same call)",
-               9: "intranode combine (row arrivals)", 11: "intranode dispatch (pushed rows)"}
+
+
+class Phase(enum.IntEnum):
+    """Which bounded wait gave up (status word :data:`PHASE`); the kernels name each ``kPhase<Name>``."""
+
+    BARRIER = 1
+    LOW_LATENCY_ROUTING = 2    # a source's routing table (low-latency dispatch)
+    LOW_LATENCY_TOKEN = 3      # a dispatched token
+    LOW_LATENCY_WEIGHTS = 4    # a source's top-k weights (low-latency combine)
+    LOW_LATENCY_PARTIAL = 5    # a combined partial sum
+    INTRANODE_STAGED = 6       # a sender's staged tokens (intranode dispatch)
+    INTRANODE_REUSE = 7        # receivers done with the previous dispatch (intranode)
+    INTRANODE_STARTED = 8      # a peer starting the same call (intranode dispatch or combine)
+    INTRANODE_ARRIVAL = 9      # a combined row's arrival (intranode combine)
+    INTRANODE_PUSHED = 10      # a pushed row's arrival (intranode cached dispatch)
+
+
+PHASE_NAMES = {Phase.BARRIER: "device barrier",
+               Phase.LOW_LATENCY_ROUTING: "low-latency dispatch (routing table)",
+               Phase.LOW_LATENCY_TOKEN: "low-latency dispatch (token data)",
+               Phase.LOW_LATENCY_WEIGHTS: "low-latency combine (top-k weights)",
+               Phase.LOW_LATENCY_PARTIAL: "low-latency combine (partial sums)",
+               Phase.INTRANODE_STAGED: "intranode dispatch (staged tokens)",
+               Phase.INTRANODE_REUSE: "intranode dispatch (previous dispatch's pulls)",
+               Phase.INTRANODE_STARTED: "intranode dispatch or combine (a peer starting the same call)",
+               Phase.INTRANODE_ARRIVAL: "intranode combine (row arrivals)",
+               Phase.INTRANODE_PUSHED: "intranode dispatch (pushed rows)"}
+"""What a timed-out wait of each phase was waiting for, as PeerTimeoutError words it."""
+
+CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,
+             "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
+             "status_words": STATUS_WORDS, **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
+"""The status layout and phase codes as the kernels see them (``CUEP_<NAME>``)."""
+
+
+class Status(KernelArgs):
+    """Mirror of ``cuep::Status`` (``cuda_src/cuep/sync.cuh``), a member of every argument struct whose
+    kernels wait on peers: where a launch records what went wrong."""
+
+    cxx_name = "Status"
+    _fields_ = [("device", ctypes.c_void_p),  # [STATUS_WORDS] int32 device array, updated atomically
+                ("host", ctypes.c_void_p)]    # device address of its pinned host mirror, read without a copy
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
-    """``status_host``: the status words as of the last completed copy from the device."""
+    """Raise what the status words recorded, if anything: ``ValueError`` for a caller's error the
+    kernel could only see on the device, :class:`~cuep.errors.PeerTimeoutError` for a wait that gave up.
+
+    Arguments:
+        status_host: the ``[STATUS_WORDS]`` words as of the last completed copy from the device.
+        rank: this process's rank, for the message.
+        timeout_s: the bound the waits ran with, for the message.
+    """
     if int(status_host[OVERFLOW]):
         raise ValueError(f"dispatch(): rank {rank} had {int(status_host[OVERFLOW])} tokens to receive, more than "
                          f"num_worst_tokens; its received arrays were cut short. Pass num_worst_tokens >= "
@@ -28,5 +88,6 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
         raise ValueError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: topk_idx held expert ids "
                          f"outside [-1, num_experts); the kernel treated them as -1, so that call's result is wrong")
     if int(status_host[TIMED_OUT]):
-        phase = PHASE_NAMES.get(int(status_host[PHASE]), f"phase {int(status_host[PHASE])}")
+        code = int(status_host[PHASE])
+        phase = PHASE_NAMES.get(code, f"phase {code}")  # Phase members hash as their codes
         raise PeerTimeoutError(rank, int(status_host[PEER]), phase, timeout_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .. import env
+from .. import _deps, env
 from ..errors import PeerTimeoutError
 
 _FIRST_POLL_S, _MAX_POLL_S = 1e-4, 0.05
@@ -37,6 +37,15 @@ class MpiGroup:
         self.comm, self.local_comm, self.timeout_s = comm, local_comm, timeout_s
         self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
         self.local_rank = local_comm.Get_rank()
+
+    @classmethod
+    def by_host(cls, comm, timeout_s: float) -> "MpiGroup":
+        """The group of ``comm`` with its ranks split by host; :meth:`close` frees the split."""
+        return cls(comm, comm.Split_type(_deps.mpi().COMM_TYPE_SHARED), timeout_s)
+
+    def close(self) -> None:
+        """Free the per-host communicator (collective over the host's ranks)."""
+        self.local_comm.Free()
 
     def allgather(self, value: Any, phase: str) -> list[Any]:
         wait_for_all(self.comm, phase, self.timeout_s)

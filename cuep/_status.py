@@ -1,0 +1,41 @@
+"""The status words a family's kernels fill when something fails on the device, and their host mirror.
+
+Kernels write each word twice: to a device array and to pinned host memory, so the host reads what
+failed without a copy or a wait. A call raises what an earlier kernel recorded, once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _deps, env
+from .errors import CuepError
+from .kernels import status as codes
+
+_CLEAR = bytes(codes.STATUS_WORDS * 4)  # the host mirror's bytes while nothing failed
+
+
+class StatusWords:
+    """``device``: ``[STATUS_WORDS]`` int32 on the GPU; ``host``: its pinned mirror; ``host_ptr``: the
+    mirror's device address, which kernels write through."""
+
+    def __init__(self):
+        cupy, driver = _deps.cupy(), _deps.cuda_driver()
+        self.device = cupy.zeros(codes.STATUS_WORDS, dtype=cupy.int32)
+        pinned = cupy.cuda.alloc_pinned_memory(codes.STATUS_WORDS * 4)
+        self.host = np.frombuffer(pinned, np.int32, codes.STATUS_WORDS)
+        self.host[:] = 0
+        err, address = driver.cuMemHostGetDevicePointer(self.host.ctypes.data, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise CuepError(f"cuep: pinned host memory is not visible to the GPU ({err})")
+        self.host_ptr = int(address)
+
+    def raise_recorded(self, rank: int, timeout_s: float | None = None) -> None:
+        """Clear both copies and raise what they recorded (``timeout_s``: the bound the waits ran with,
+        for the message; default ``CUEP_TIMEOUT_S``)."""
+        # Every call checks: comparing bytes costs ~0.2 us where ndarray.any() costs ~2.
+        if memoryview(self.host).cast("B") != _CLEAR:
+            recorded = self.host.copy()
+            self.device.fill(0)
+            self.host[:] = 0
+            codes.raise_if_failed(recorded, rank, env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s)

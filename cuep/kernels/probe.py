@@ -1,0 +1,89 @@
+"""Launch module of ``cuda_src/probe.cu``, the NVLink ceiling probe of ``python -m cuep.bench --mode ceiling``:
+its spec, the constants this side shares with the CUDA side, its argument struct and its launch.
+
+A benchmark-only family: no :class:`cuep.Buffer` compiles or launches it (it is not in
+:func:`cuep.kernels.buffer_specs`). Its entries take one :class:`ProbeArgs` by value::
+
+    cuep_probe_copy(ProbeArgs)         the warps' loads and stores
+    cuep_probe_bulk_copy(ProbeArgs)    the Hopper bulk-copy unit (TMA); Hopper builds only
+
+both with :data:`NUM_THREADS` threads a block, every block resident at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..jit import KernelSpec, Library
+from . import common, intranode, launcher
+from .launcher import KernelArgs
+from .status import Status
+
+NUM_THREADS = intranode.NUM_THREADS  # the probe copies as the intranode kernels' blocks do
+MAX_RANKS = intranode.MAX_RANKS
+HEADER_BYTES = 4096   # the probe's flags (ProbeFlags) at the start of its buffer; rows start on a page
+STATE_WORDS = 2       # uint64 device state: finished launches, blocks done of the running one
+COPY_ENTRY, BULK_ENTRY = "cuep_probe_copy", "cuep_probe_bulk_copy"
+
+CONSTANTS = common.family_constants({"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS,
+                                     "header_bytes": HEADER_BYTES, "state_words": STATE_WORDS})
+"""What ``probe.cu`` reads as ``CUEP_<NAME>`` macros, the shared ones included."""
+
+
+def spec(arch: str, **features) -> KernelSpec:
+    """The probe family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
+    return KernelSpec.create("probe", arch, constants=CONSTANTS, **features)
+
+
+def buffer_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
+    """Symmetric memory the probe needs on every rank: its header, then a source and a landing region of
+    ``num_ranks * max_rows`` rows of ``row_bytes`` each."""
+    return HEADER_BYTES + 2 * num_ranks * max_rows * row_bytes
+
+
+class ProbeArgs(KernelArgs):
+    """Mirror of ``cuep::ProbeArgs`` (fields described there)."""
+
+    cxx_name = "ProbeArgs"
+    entries = (COPY_ENTRY, BULK_ENTRY)
+    _fields_ = [("peer_bases", ctypes.c_void_p), ("rank_prefix", ctypes.c_void_p), ("rank", ctypes.c_int32),
+                ("num_ranks", ctypes.c_int32), ("row_bytes", ctypes.c_int64), ("max_rows", ctypes.c_int32),
+                ("pull", ctypes.c_int32), ("awaited", ctypes.c_int32), ("state", ctypes.c_void_p),
+                ("next_row", ctypes.c_void_p), ("status", Status), ("timeout_ns", ctypes.c_uint64)]
+
+
+#: The structs this module mirrors (``tests/test_kernel_args.py`` checks their layouts).
+ARGUMENT_STRUCTS = (ProbeArgs,)
+
+
+def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_per_rank: int,
+           bulk: bool = False) -> None:
+    """Enqueue one probe launch on ``stream`` (a CuPy stream).
+
+    Every rank must launch it, with the same ``grid`` (at most the GPU's SMs) and ``args`` but its own
+    rank, with nothing else using the probe buffers; it overwrites this rank's and its peers' rows.
+
+    Arguments:
+        library: the loaded probe family (:func:`spec`).
+        args: the launch's arguments; ``args.row_bytes`` a multiple of 16, ``args.awaited`` only with a
+            push (``pull == 0``) by the warps.
+        grid: blocks of the launch.
+        buffer_bytes_per_rank: the size of each rank's probe buffer (at least :func:`buffer_bytes`).
+        bulk: copy with the Hopper bulk-copy unit (TMA) instead of the warps' loads and stores.
+
+    Raises:
+        ValueError: ``bulk`` on a build without the Hopper path, ``awaited`` with a pull or ``bulk``, or
+            rows that do not fit the buffers; nothing is launched then.
+    """
+    if bulk and not library.spec.sm90_features:
+        raise ValueError(f"probe: bulk copies need the Hopper (sm_90) path, but the probe was built as "
+                         f"{library.spec.name}")
+    if args.awaited and (args.pull or bulk):
+        raise ValueError("probe: an awaited probe times the warps' pushes only (pull=0, bulk=False)")
+    if args.row_bytes % 16:
+        raise ValueError(f"probe: row_bytes must be a multiple of 16, got {args.row_bytes}")
+    needed = buffer_bytes(args.num_ranks, args.max_rows, args.row_bytes)
+    if needed > buffer_bytes_per_rank:
+        raise ValueError(f"probe: {args.max_rows} rows of {args.row_bytes} bytes a peer need a buffer of {needed} "
+                         f"bytes, this one has {buffer_bytes_per_rank}")
+    launcher.launch(library, BULK_ENTRY if bulk else COPY_ENTRY, stream, grid, NUM_THREADS, args)

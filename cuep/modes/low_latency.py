@@ -1,0 +1,438 @@
+"""Low-latency (decode) mode: the host side of ``cuda_src/low_latency.cu``'s protocol.
+
+It lays out the low-latency region of a Buffer, sizes it (:func:`size_hint`, :func:`check_fits`),
+and turns each call into one kernel launch: :func:`dispatch` and :func:`combine` fill the argument
+struct of :mod:`cuep.kernels.low_latency` and return a :class:`~cuep.kernels.launcher.Launch`, which
+the Buffer runs with the phases it wants (both, or the send now and the receive from a hook)::
+
+    launch = low_latency.dispatch(ctx, half, x, topk_idx, ...)[-1]
+    launch.args.phases = SEND_PHASE | RECV_PHASE
+    launch(stream)
+
+Buffer layout (byte offsets from the start of the low-latency region, the same on every rank)::
+
+    [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
+    [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
+    [half 0 data][half 1 data]      each: see HalfLayout
+
+Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
+ever holds call numbers (which only grow) and a table word only zeros or tagged words of earlier calls,
+never message bytes that could pass for a tag. Data regions move with ``(max_tokens, hidden)`` and are
+never polled.
+
+The eager decode path is host-bound, so what every call of one shape shares is worked out on its first
+call and kept (:class:`Plan`): a later call copies a filled struct and sets its own arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _deps
+from .._checks import bf16_dtype
+from .._status import StatusWords
+from .._math import align_up
+from ..jit import Library
+from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
+from ..kernels.launcher import KernelArgs, Launch
+from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MAX_TOPK, NUM_THREADS, RECV_PHASE,
+                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_WORDS, TRACE_POINTS, CombineArgs,
+                                   DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
+from ..kernels.status import Status
+
+MAX_TOKENS_PER_RANK = 1024      # flags per (half, source): the largest num_max_dispatch_tokens_per_rank
+ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
+WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
+_FLAG_BYTES = 8
+_TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
+_SLOT_ALIGN = 128               # a message never shares a cache line with the next
+_REGION_ALIGN = 4096
+
+
+def flags_bytes(num_ranks: int) -> int:
+    """Bytes of the flags of both halves, at the start of the region."""
+    per_half = (2 * num_ranks + 2 * num_ranks * MAX_TOKENS_PER_RANK) * _FLAG_BYTES
+    return align_up(2 * per_half, _REGION_ALIGN)
+
+
+def _tables_half_bytes(num_ranks: int) -> int:
+    return num_ranks * (ROUTING_WORDS + WEIGHT_WORDS) * _TABLE_WORD_BYTES
+
+
+def fixed_bytes(num_ranks: int) -> int:
+    """Bytes at the start of the region that never move: the flags, then both halves' tables."""
+    return flags_bytes(num_ranks) + align_up(2 * _tables_half_bytes(num_ranks), _REGION_ALIGN)
+
+
+@dataclass(frozen=True)
+class HalfLayout:
+    """Byte offsets inside one half's data region for calls of ``max_tokens`` tokens of ``hidden``."""
+
+    dispatch_slot_bytes: int
+    combine_slot_bytes: int
+    routing_staging_words: int      # per destination: the largest routing table of max_tokens tokens
+    weight_staging_words: int
+    dispatch_slots: int
+    combine_slots: int
+    routing_staging: int
+    dispatch_staging: int
+    weight_staging: int
+    combine_staging: int
+    end: int
+
+
+@functools.lru_cache(maxsize=64)  # every eager call asks; a decode loop asks for one shape
+def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
+    """Where each region of a half's data sits for calls of up to ``max_tokens`` tokens of ``hidden``."""
+    fp8_message = hidden + hidden // SCALE_BLOCK * 4  # e4m3 bytes, then a float32 scale per block
+    dispatch_slot = align_up(max(2 * hidden, fp8_message), _SLOT_ALIGN)  # BF16, or FP8 + scales
+    combine_slot = align_up(2 * hidden, _SLOT_ALIGN)
+    # Staged tables (put path) are never polled, so unlike the tables they are sized for this call's shape.
+    routing_staging_words = align_up(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 2)
+    weight_staging_words = max_tokens * MAX_TOPK
+    sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
+             ("combine_slots", num_ranks * max_tokens * combine_slot),
+             ("routing_staging", num_ranks * routing_staging_words * _TABLE_WORD_BYTES),
+             ("dispatch_staging", max_tokens * dispatch_slot),
+             ("weight_staging", num_ranks * weight_staging_words * _TABLE_WORD_BYTES),
+             ("combine_staging", num_ranks * max_tokens * combine_slot)]
+    offsets, cursor = {}, 0
+    for name, size in sizes:
+        offsets[name] = cursor
+        cursor += align_up(size, _SLOT_ALIGN)
+    return HalfLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
+
+
+def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
+    """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank need."""
+    return fixed_bytes(num_ranks) + 2 * align_up(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+
+
+def half_data_bytes(region_bytes: int, num_ranks: int) -> int:
+    """Capacity of each half's data region in a low-latency region of ``region_bytes``."""
+    return max(0, (region_bytes - fixed_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
+
+
+@dataclass
+class Context:
+    """What a Buffer's low-latency calls share: its region, its device state and the compiled family.
+
+    ``seq_state`` and ``status`` are the kernels' own (zeroed at creation and never reset): the call
+    numbers count on across calls, graph replays included.
+    """
+
+    library: Library
+    rank: int
+    num_ranks: int
+    region_ptr: int               # start of this rank's low-latency region (a symmetric address)
+    region_bytes: int
+    num_sms: int
+    force_put: bool
+    timeout_ns: int
+    seq_state: Any                # [SEQ_WORDS] uint64 device array
+    status: Any                   # [STATUS_WORDS] int32 device array
+    status_host_ptr: int          # device address of the pinned host mirror of ``status``
+    trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
+    status_words: StatusWords | None = None  # owner of ``status`` and its host mirror
+
+    functions: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)       # see Plan
+    half: int = 0                 # DeepEP's buffer index: the half the next call uses
+    combine_buffers: dict = field(default_factory=dict)  # (half, shape) -> array, for zero-copy callers
+
+    @classmethod
+    def create(cls, library: Library, region_ptr: int, region_bytes: int, rank: int, num_ranks: int, num_sms: int,
+               force_put: bool, timeout_s: float, trace: bool) -> "Context":
+        """The context of a Buffer's low-latency region (zeroed), with status words of its own."""
+        cupy = _deps.cupy()
+        status = StatusWords()
+        return cls(library=library, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
+                   num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
+                   seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
+                   status_host_ptr=status.host_ptr, status_words=status,
+                   trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None)
+
+    def next_half(self) -> int:
+        """The half this call uses; every call flips it."""
+        half = self.half
+        self.half ^= 1
+        return half
+
+    def combine_buffer(self, handle: "Handle"):
+        """A `[num_local_experts, num_ranks * max_tokens, hidden]` `bfloat16` array for the next combine of
+        ``handle``'s shape, one per half, reused."""
+        shape = (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        key = (self.half, shape)
+        if key not in self.combine_buffers:
+            self.combine_buffers = {k: v for k, v in self.combine_buffers.items() if k[1] == shape}
+            self.combine_buffers[key] = _deps.cupy().empty(shape, dtype=bf16_dtype())
+        return self.combine_buffers[key]
+
+    def function(self, entry: str) -> int:
+        """``library.function(entry)``, looked up once: a :class:`Launch` made with this Context as its
+        library asks on every call."""
+        if entry not in self.functions:
+            self.functions[entry] = self.library.function(entry)
+        return self.functions[entry]
+
+    def flags(self, half: int) -> tuple[int, int, int, int]:
+        """Addresses of (routing, weights, dispatch token, combine token) flags of ``half``."""
+        per_source = self.num_ranks * _FLAG_BYTES
+        per_tokens = self.num_ranks * MAX_TOKENS_PER_RANK * _FLAG_BYTES
+        base = self.region_ptr + half * (2 * per_source + 2 * per_tokens)
+        return base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens
+
+    # The region's layout depends only on the rank count and the region's size: worked out once, not
+    # on every call (the eager decode path counts microseconds).
+    @functools.cached_property
+    def _tables_start(self) -> int:
+        return self.region_ptr + flags_bytes(self.num_ranks)
+
+    @functools.cached_property
+    def _data_start(self) -> int:
+        return self.region_ptr + fixed_bytes(self.num_ranks)
+
+    @functools.cached_property
+    def half_capacity(self) -> int:
+        """Bytes of each half's data region (``half_data_bytes`` of this region)."""
+        return half_data_bytes(self.region_bytes, self.num_ranks)
+
+    def tables(self, half: int) -> tuple[int, int]:
+        """Addresses of the (routing, weights) tables of ``half``."""
+        base = self._tables_start + half * _tables_half_bytes(self.num_ranks)
+        return base, base + self.num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES
+
+    def data(self, half: int) -> int:
+        """Address of ``half``'s data region (laid out by :func:`half_layout`)."""
+        return self._data_start + half * self.half_capacity
+
+
+@dataclass(frozen=True)
+class View:
+    """One array carved out of a call's single allocation: ``strides`` ``None`` means C order."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    offset: int
+    strides: tuple[int, ...] | None = None
+
+    def of(self, cupy, storage):
+        """This region of ``storage`` (a ``cupy.cuda.MemoryPointer``) as an array."""
+        return cupy.ndarray(self.shape, dtype=self.dtype, memptr=storage + self.offset, strides=self.strides)
+
+
+@dataclass
+class Handle:
+    """What a low-latency dispatch leaves for its combine (opaque to users).
+
+    It holds the dispatch's allocation, whose regions (``regions``, from the call's plan) the kernels
+    read through their addresses: ``recv_src_info[e, i]``, source token of row ``i`` of local expert
+    ``e``; ``layout_range[e, s]``, ``(first row << 32) | rows`` that came from rank ``s``;
+    ``combine_rows[s, t, k]``, the flat row of the combine input holding choice ``k`` of token ``t`` of
+    rank ``s`` (-1 when the expert is elsewhere); ``source_tokens[s]``, tokens rank ``s`` sent.
+    """
+
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_tokens: int
+    num_topk: int
+    storage: Any                  # the dispatch's one allocation, a MemoryPointer (its outputs are views of it too)
+    regions: dict                 # name -> View
+
+    def address(self, name: str) -> int:
+        """Device address of region ``name`` of the dispatch's allocation."""
+        return self.storage.ptr + self.regions[name].offset
+
+
+def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> HalfLayout:
+    """The half layout of calls of this shape, or ValueError (naming ``call`` and the size to ask for)
+    when this Buffer's region is too small for it."""
+    layout = half_layout(max_tokens, hidden, ctx.num_ranks)
+    capacity = ctx.half_capacity
+    if layout.end > capacity:
+        need = size_hint(max_tokens, hidden, ctx.num_ranks)
+        raise ValueError(f"{call}: {max_tokens} tokens per rank of hidden {hidden} need a low-latency buffer of "
+                         f"{need} bytes, but this Buffer has num_rdma_bytes={ctx.region_bytes}; create it with "
+                         f"num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint({max_tokens}, {hidden}, "
+                         f"{ctx.num_ranks}, {num_experts})")
+    return layout
+
+
+def _carve(specs) -> tuple[dict[str, View], int]:
+    """Regions ``name -> View`` for ``(name, shape, dtype, strides)`` packed into one allocation, and its bytes."""
+    regions, total = {}, 0
+    for name, shape, dtype, strides in specs:
+        regions[name] = View(shape, dtype, total, strides)
+        total += align_up(math.prod(shape) * np.dtype(dtype).itemsize, _SLOT_ALIGN)
+    return regions, total
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every call of one kernel with one shape and one set of options shares, worked out on its
+    first call (the eager decode path counts microseconds): the argument struct with everything but
+    the call's own arrays filled in, and where the call's outputs sit in its one allocation."""
+
+    entry: str
+    grid: int
+    args: bytes
+    shared_bytes: int = 0
+    regions: dict = field(default_factory=dict)   # name -> View
+    storage_bytes: int = 0
+
+    def arguments(self, struct: type[KernelArgs]) -> KernelArgs:
+        """A fresh copy of the planned struct, for one call to complete."""
+        return struct.from_buffer_copy(self.args)
+
+
+_MAX_PLANS = 64  # per Context; a decode loop uses a handful of shapes
+
+
+def _plan(ctx: Context, key: tuple, build: Callable[[], Plan]) -> Plan:
+    plan = ctx.plans.get(key)
+    if plan is None:
+        if len(ctx.plans) >= _MAX_PLANS:
+            ctx.plans.clear()
+        plan = ctx.plans[key] = build()
+    return plan
+
+
+def _common(ctx: Context, args, half: int) -> None:
+    args.phases, args.half = SEND_PHASE | RECV_PHASE, half
+    args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
+    args.flag_stride = MAX_TOKENS_PER_RANK
+    args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
+    args.status = Status(ctx.status.data.ptr, ctx.status_host_ptr)
+    args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
+
+
+def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool,
+                     use_ue8m0: bool, x_dtype) -> tuple[dict[str, View], int]:
+    """Where a dispatch's outputs and its handle's arrays sit in the call's one allocation, and its bytes."""
+    num_local = num_experts // num_ranks
+    rows = num_ranks * max_tokens
+    columns = hidden // SCALE_BLOCK // (UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
+    scale_dtype = np.dtype(np.int32 if use_ue8m0 else np.float32)
+    # Scales are column-major in the last two dims: each scale column is contiguous over rows.
+    scale_strides = (columns * rows * scale_dtype.itemsize, scale_dtype.itemsize, rows * scale_dtype.itemsize)
+    return _carve([
+        ("recv_x", (num_local, rows, hidden), np.uint8 if use_fp8 else x_dtype, None),
+        ("recv_scales", (num_local, rows, columns) if use_fp8 else (0,), scale_dtype,
+         scale_strides if use_fp8 else None),
+        ("recv_count", (num_local,), np.int32, None),
+        ("recv_src_info", (num_local, rows), np.int32, None),
+        ("layout_range", (num_local, num_ranks), np.int64, None),
+        ("combine_rows", (num_ranks, max_tokens, num_topk), np.int32, None),
+        ("source_tokens", (num_ranks,), np.int32, None)])
+
+
+def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                   use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> Plan:
+    """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
+    layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
+    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
+    regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
+                                              use_ue8m0, x_dtype)
+    routing_flags, _, token_flags, _ = ctx.flags(half)
+    data = ctx.data(half)
+    a = DispatchArgs()
+    _common(ctx, a, half)
+    a.hidden, a.num_topk, a.num_experts, a.max_tokens = hidden, num_topk, num_experts, max_tokens
+    a.use_fp8, a.round_scale, a.use_ue8m0 = int(use_fp8), int(round_scale), int(use_ue8m0)
+    a.routing_flags, a.token_flags = routing_flags, token_flags
+    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
+    a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
+    a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
+    a.staging_words = layout.routing_staging_words
+    a.num_parts = dispatch_num_parts(ctx.num_sms, num_experts // ctx.num_ranks)
+    ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
+    return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes)
+
+
+def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats,
+             use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+    """Allocate a dispatch's outputs (on the current stream) and build its launch.
+
+    Arguments are the Buffer's, checked: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx``
+    `[num_tokens, num_topk]` `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or
+    ``None``; ``half``: the buffer half this call uses (calls alternate).
+
+    Returns:
+        ``(recv_x, recv_scales, recv_count, handle, launch)``: the outputs (views of one allocation that
+        ``handle`` holds; ``recv_scales`` ``None`` without FP8) and the :class:`Launch`, its phases set to
+        both (the caller sets ``launch.args.phases`` for a hook).
+    """
+    cupy = _deps.cupy()
+    num_tokens, hidden = x.shape
+    num_topk = topk_idx.shape[1]
+    key = ("dispatch", half, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
+                                                  round_scale, use_ue8m0, x.dtype))
+    # One allocation for every output of the call (each allocation costs host time on the decode path).
+    storage = cupy.cuda.alloc(plan.storage_bytes)  # a pool allocation, without an array object around it
+    regions = plan.regions
+    recv_x, recv_count = regions["recv_x"].of(cupy, storage), regions["recv_count"].of(cupy, storage)
+    recv_scales = regions["recv_scales"].of(cupy, storage) if use_fp8 else None
+    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
+    address = handle.address
+    a = plan.arguments(DispatchArgs)
+    a.x, a.num_tokens = x.data.ptr, num_tokens
+    a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
+    a.recv_x, a.recv_count = address("recv_x"), address("recv_count")
+    a.recv_scales = address("recv_scales") if use_fp8 else 0
+    a.recv_src_info, a.layout_range = address("recv_src_info"), address("layout_range")
+    a.combine_rows, a.source_tokens = address("combine_rows"), address("source_tokens")
+    a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
+    # ctx stands in for the Library: its function() is a dict lookup.
+    return recv_x, recv_scales, recv_count, handle, Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+
+
+def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int) -> Plan:
+    layout = check_fits("low_latency_combine()", ctx, max_tokens, hidden, num_experts)
+    _, weight_flags, _, token_flags = ctx.flags(half)
+    data = ctx.data(half)
+    a = CombineArgs()
+    _common(ctx, a, half)
+    a.hidden, a.num_experts, a.max_tokens = hidden, num_experts, max_tokens
+    a.weight_flags, a.token_flags = weight_flags, token_flags
+    a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
+    a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
+    a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
+    a.staging_words = layout.weight_staging_words
+    ctx.function(COMBINE_ENTRY)
+    return Plan(COMBINE_ENTRY, grid(ctx.num_sms), bytes(a))
+
+
+def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out) -> Launch:
+    """Build a combine's launch, writing into ``out``.
+
+    Arguments are the Buffer's, checked: ``x`` `[num_local_experts, num_ranks * max_tokens, hidden]`
+    `bfloat16`; ``topk_idx`` and ``topk_weights`` `[num_tokens, num_topk]`; ``handle`` from the
+    matching :func:`dispatch`; ``out`` `[num_tokens, hidden]` `bfloat16`.
+
+    Returns:
+        the :class:`Launch`, its phases set to both (the caller sets ``launch.args.phases`` for a hook).
+    """
+    max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+    plan = _plan(ctx, ("combine", half, max_tokens, hidden, num_experts),
+                 lambda: _combine_plan(ctx, half, max_tokens, hidden, num_experts))
+    a = plan.arguments(CombineArgs)
+    a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
+    a.topk_weights = topk_weights.data.ptr
+    a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
+    a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
+    a.combined_x = out.data.ptr
+    return Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+
+
+__all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
+           "TRACE_POINTS", "WEIGHT_WORDS", "Context", "Handle", "HalfLayout", "Plan", "View", "check_fits", "combine",
+           "dispatch", "dispatch_regions", "fixed_bytes", "flags_bytes", "half_data_bytes", "half_layout", "size_hint"]

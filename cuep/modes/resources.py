@@ -1,0 +1,94 @@
+"""What every mode of one Buffer shares, set up once: its ranks and GPU, its kernels, its symmetric
+memory, its status words, its device barrier and its streams."""
+
+from __future__ import annotations
+
+from .. import _deps, env
+from .._status import StatusWords
+from .._streams import CallStreams
+from ..errors import CuepError
+from ..kernels import barrier as barrier_kernel
+from ..runtime import discover_topology
+from ..runtime import world as nvshmem_world
+from ..runtime.regions import Regions, SymmetricMemory
+from . import intranode, low_latency, start_kernels
+
+
+class Resources:
+    """Collective over ``comm``: the ranks' hosts and GPUs, the NVSHMEM world (booted while the kernels
+    compile), the kernel families these sizes use, the symmetric memory, and each mode's context.
+
+    The intranode context exists with an NVL buffer; the low-latency one with ``low_latency_mode``
+    and an RDMA buffer."""
+
+    def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool):
+        self.comm = comm
+        self.topology = discover_topology(comm)
+        self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
+        self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
+        self.device_id = nvshmem_world.choose_device(comm, self.topology)
+        load_kernels = start_kernels(comm, self.device_id, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0)
+        nvshmem_world.init_world(comm, self.topology, self.regions.total_bytes, self.device_id)
+        cupy = _deps.cupy()
+        self.device = cupy.cuda.Device(self.device_id)
+        self.device.use()
+        # Loaded before anything is allocated: a failed load leaves no symmetric memory behind.
+        libraries = load_kernels()
+        self.layout_library, self._barrier_library = libraries["layout"], libraries["barrier"]
+        self.streams = CallStreams()
+        self.status = StatusWords()
+        self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
+        self.memory = SymmetricMemory(self.regions)
+        self.destroyed = False
+        timeout_s = env.get("CUEP_TIMEOUT_S")
+        num_sms = self.device.attributes["MultiProcessorCount"]
+        self.intranode = intranode.Context.create(
+            libraries["intranode"], self.memory, self.status, self.rank, self.num_ranks, num_sms, timeout_s,
+            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed) \
+            if "intranode" in libraries else None
+        self.low_latency = low_latency.Context.create(
+            libraries["low_latency"], self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
+            force_put, timeout_s, env.get("CUEP_TRACE")) if "low_latency" in libraries else None
+
+    def check_alive(self, call: str) -> None:
+        """Raise if the Buffer was destroyed, or what an earlier kernel recorded."""
+        if self.destroyed:
+            raise CuepError(f"{call}: this Buffer was destroyed")
+        self.raise_if_failed()
+
+    def raise_if_failed(self, timeout_s: float | None = None) -> None:
+        """Raise what a finished kernel recorded (peer timeout, num_worst_tokens overflow, bad expert
+        ids), once. ``timeout_s``: the bound the waits ran with, for the message."""
+        if self.low_latency is not None:
+            self.low_latency.status_words.raise_recorded(self.rank, self.low_latency.timeout_ns / 1e9)
+        self.status.raise_recorded(self.rank, timeout_s)
+
+    def enqueue_barrier(self, stream, timeout_s: float) -> None:
+        """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
+        barrier_kernel.launch(self._barrier_library, stream, self.memory.control, self.rank, self.num_ranks,
+                              self._barrier_epoch, timeout_s, self.status.device, self.status.host_ptr)
+
+    def intranode_ready(self, call: str) -> intranode.Context:
+        self.check_alive(call)
+        if self.intranode is None:
+            raise ValueError(f"{call}: this Buffer has no NVL buffer (num_nvl_bytes=0); create it with "
+                             f"num_nvl_bytes >= Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
+        if self.topology.num_nodes > 1 or self.num_ranks > intranode.MAX_RANKS:
+            raise ValueError(f"{call}: the internode mode is not built yet; dispatch and combine need all "
+                             f"{self.num_ranks} ranks on one node (at most {intranode.MAX_RANKS})")
+        return self.intranode
+
+    def low_latency_ready(self, call: str) -> low_latency.Context:
+        self.check_alive(call)
+        if self.low_latency is None:
+            raise ValueError(f"{call}: create the Buffer with low_latency_mode=True and num_rdma_bytes >= "
+                             f"Buffer.get_low_latency_rdma_size_hint(...)")
+        return self.low_latency
+
+    def free(self) -> None:
+        """Collective: release the symmetric memory (every rank, nothing in flight). Idempotent."""
+        if not self.destroyed:
+            self.device.synchronize()
+            self.streams.release()
+            self.memory.free()
+            self.destroyed = True
