@@ -73,6 +73,13 @@ class Buffer:
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()
 
+    def _run_low_latency(self, launch, async_finish: bool, return_recv_hook: bool, keep: tuple):
+        def run(stream, phases: int) -> None:
+            launch.args.phases = phases
+            launch(stream)
+        return self._streams.run_with_hook(run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish,
+                                           return_recv_hook, keep, self._check_alive)
+
     # ----------------------------------------------------------------------------------------------
     # Public API
     @staticmethod
