@@ -230,13 +230,15 @@ class DispatchArguments(NamedTuple):
 
 def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: int, x, handle, num_tokens_per_rank,
                        num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                       expert_alignment: Any, num_worst_tokens: Any) -> DispatchArguments:
-    """Every argument of :meth:`cuep.Buffer.dispatch` but the config and stream options."""
+                       expert_alignment: Any, num_worst_tokens: Any, previous_event, async_finish: bool,
+                       allocate_on_comm_stream: bool) -> DispatchArguments:
+    """Every argument of :meth:`cuep.Buffer.dispatch` but the config."""
     x, scales = tokens(call, x)
     expert_alignment = check_nonnegative_int(call, "expert_alignment", expert_alignment)
     num_worst_tokens = check_nonnegative_int(call, "num_worst_tokens", num_worst_tokens)
     if expert_alignment < 1:
         raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
+    check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
     if handle is not None:
         handle = cached_dispatch_handle(call, handle, x.shape[0], num_ranks, topk_idx, topk_weights)
         return DispatchArguments(x, scales, handle, None, None, 0, None, None, expert_alignment, num_worst_tokens)
@@ -386,5 +388,5 @@ def same_on_every_rank(call: str, comm: Any, **values: Any) -> None:
     wait_for_all(comm, call)  # the allgather below cannot time out itself
     seen = sorted(set(comm.allgather(tuple(values.values()))))
     if len(seen) > 1:
-        names = ", ".join(values)
-        raise ValueError(f"{call}: {names} must be the same on every rank, got ({names}) {seen}")
+        raise ValueError(f"{call}: {' and '.join(values)} must be the same on every rank, got "
+                         f"({', '.join(values)}) pairs {seen}")

@@ -252,8 +252,7 @@ def bench_ceiling(args) -> None:
     next_row = cupy.zeros(num_ranks + 1, dtype=cupy.int32)
     barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
-    cupy.cuda.Device(device_id).synchronize()
-    comm.Barrier()  # every rank's memory is zeroed before any peer writes into it
+    cupy.cuda.Device(device_id).synchronize()  # the arrays above are zeroed (SymmetricMemory zeroed its own)
     remote_rows = sum(received) - received[rank]
     results = {}
     stream = cupy.cuda.Stream(non_blocking=True)

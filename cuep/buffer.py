@@ -58,9 +58,10 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  explicitly_destroy: bool = False):
         call = "Buffer()"
-        self.comm = _checks.communicator(call, comm)
         self.num_nvl_bytes, self.num_rdma_bytes = _checks.buffer_sizes(call, num_nvl_bytes, num_rdma_bytes,
                                                                        num_qps_per_rank, intranode.META_BYTES)
+        _deps.cupy()  # a missing CuPy is named before any collective
+        self.comm = _checks.communicator(call, comm)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
@@ -107,8 +108,9 @@ class Buffer:
         """
         call = "get_local_buffer_tensor()"
         self._check_alive(call)
-        return self._resources.memory.view(call, "rdma" if use_rdma_buffer else "nvl", _checks.numpy_dtype(call, dtype), size,
-                                 _checks.check_nonnegative_int(call, "offset", offset), self)
+        return self._resources.memory.view(call, "rdma" if use_rdma_buffer else "nvl", _checks.numpy_dtype(call, dtype),
+                                           size, _checks.check_nonnegative_int(call, "offset", offset), self,
+                                           self.device_id)
 
     def get_comm_stream(self):
         """The CuPy stream on which this Buffer's communication kernels run when a call passes
@@ -268,8 +270,7 @@ class Buffer:
         a = _checks.dispatch_arguments(call, self.group_size, self.topology.num_nodes, intranode.MAX_EXPERTS, x,
                                        handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                       num_worst_tokens)
-        _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
+                                       num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream)
         num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
 
         def enqueue(stream):

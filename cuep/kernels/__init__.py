@@ -17,7 +17,8 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int) -> dict[str
     """The families a Buffer of these sizes launches, by name, with their specs for ``arch``.
 
     The layout and barrier kernels serve every Buffer; the intranode family needs an NVLink buffer
-    (``num_nvl_bytes > 0``) and the low-latency family an RDMA buffer (``num_rdma_bytes > 0``).
+    (``num_nvl_bytes > 0``) and the low-latency family a low-latency region (``num_rdma_bytes > 0``,
+    passed only for a ``low_latency_mode`` Buffer).
     Compiling only these keeps a cold start to what the Buffer can use.
     """
     wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0, "low_latency": num_rdma_bytes > 0}

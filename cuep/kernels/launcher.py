@@ -1,14 +1,14 @@
 """The one launch convention of every kernel family: a ctypes struct that mirrors the entry's
-parameters, handed to the driver as one parameter buffer.
+parameters, launched through one driver call.
 
 A :class:`KernelArgs` subclass lists an entry's parameters in order, with their C types. Where the
 entry takes one ``const <Name>Args`` struct by value, the mirror lists that struct's fields and
 :meth:`KernelArgs.layout_asserts` renders ``static_assert``\\ s pinning each field's offset and the
-size; where it takes scalars (the intranode entries: there, a struct parameter made NVRTC schedule
-the hot loops differently), the mirror lists the scalars. Either way the bytes of the mirror are the
-entry's parameter space, and ``tests/test_kernel_args.py`` checks both against the source and the
-compiled kernels' own parameter tables, so a mirror that drifts fails on a CPU machine, not as
-garbage on a GPU.
+size; where it takes that struct's fields as scalars (``scalar_parameters``: the intranode and layout
+entries, where a struct parameter made NVRTC schedule the hot loops differently), the mirror's bytes
+are the entry's parameter space. ``tests/test_kernel_args.py`` checks the mirrors against the source
+and ``tests/test_kernel_params.py`` against the compiled kernels' own parameter tables, so a mirror
+that drifts fails on a CPU machine, not as garbage on a GPU.
 
 :class:`Launch` binds a filled mirror to a kernel and a grid. It goes through CuPy's driver binding
 of ``cuLaunchKernel``, which cost the least host time per launch of the ones we measured (the eager

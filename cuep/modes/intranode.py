@@ -209,7 +209,7 @@ class Context:
                    dispatch_state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64), device_sms=device_sms,
                    timeout_ns=int(timeout_s * 1e9), barrier=barrier, raise_if_failed=raise_if_failed)
 
-    def status_words(self) -> Status:
+    def status_mirror(self) -> Status:
         """The kernels' ``Status`` member."""
         return Status(self.status.data.ptr, self.status_host_ptr)
 
@@ -284,7 +284,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_region_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     tokens = _sender_tokens(ctx, x, scales, topk_idx, topk_weights, layout)
-    status = ctx.status_words()
+    status = ctx.status_mirror()
 
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
@@ -360,7 +360,7 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
         peer_bases=ctx.peer_bases.data.ptr, recv_info=handle.recv_info.data.ptr, rank=ctx.rank,
         num_ranks=ctx.num_ranks, region_bytes=region_bytes(ctx.buffer_bytes), num_rows=handle.num_rows,
         recv_x=recv_x.data.ptr, recv_scales=_ptr(recv_scales), state=ctx.dispatch_state.data.ptr,
-        status=ctx.status_words(), next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
+        status=ctx.status_mirror(), next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
     launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push)
     return recv_x, recv_scales
 
@@ -395,7 +395,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         num_tokens=handle.num_tokens, x=x.data.ptr, hidden_bytes=hidden * x.itemsize, topk_weights=_ptr(topk_weights),
         num_topk=num_topk, landing_row_bytes=row_bytes, region_bytes=region_bytes(ctx.buffer_bytes),
         bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
-        combined_topk_weights=_ptr(combined_weights), state=ctx.dispatch_state.data.ptr, status=ctx.status_words(),
+        combined_topk_weights=_ptr(combined_weights), state=ctx.dispatch_state.data.ptr, status=ctx.status_mirror(),
         next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
     launch(ctx.library, args.entry, stream, num_sms, kernels.NUM_THREADS, args)
     return combined_x, combined_weights

@@ -45,6 +45,7 @@ from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MAX_TOPK, NUM_
                                    ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_WORDS, TRACE_POINTS, CombineArgs,
                                    DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
 from ..kernels.status import Status
+from ..runtime.regions import REGION_ALIGN
 
 MAX_TOKENS_PER_RANK = 1024      # flags per (half, source): the largest num_max_dispatch_tokens_per_rank
 ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
@@ -52,7 +53,7 @@ WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 _FLAG_BYTES = 8
 _TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
-_REGION_ALIGN = 4096
+_REGION_ALIGN = REGION_ALIGN  # flags, tables and halves start on pages, like the regions
 
 
 def flags_bytes(num_ranks: int) -> int:
@@ -392,7 +393,8 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.combine_rows, a.source_tokens = address("combine_rows"), address("source_tokens")
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
     # ctx stands in for the Library: its function() is a dict lookup.
-    return recv_x, recv_scales, recv_count, handle, Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+    launch = Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+    return recv_x, recv_scales, recv_count, handle, launch
 
 
 def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int) -> Plan:

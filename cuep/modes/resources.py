@@ -3,15 +3,19 @@ memory, its status words, its device barrier and its streams."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import _deps, env
 from .._status import StatusWords
 from .._streams import CallStreams
 from ..errors import CuepError
+from ..jit import Library, start_libraries
 from ..kernels import barrier as barrier_kernel
-from ..runtime import discover_topology
+from ..kernels import buffer_specs
+from ..runtime import MpiGroup, discover_topology
 from ..runtime import world as nvshmem_world
 from ..runtime.regions import Regions, SymmetricMemory
-from . import intranode, low_latency, start_kernels
+from . import intranode, low_latency
 
 
 class Resources:
@@ -22,7 +26,6 @@ class Resources:
     and an RDMA buffer."""
 
     def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool):
-        self.comm = comm
         self.topology = discover_topology(comm)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
@@ -32,7 +35,7 @@ class Resources:
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
-        # Loaded before anything is allocated: a failed load leaves no symmetric memory behind.
+        # Loaded before anything is allocated: a failed compile or load leaves no symmetric memory behind.
         libraries = load_kernels()
         self.layout_library, self._barrier_library = libraries["layout"], libraries["barrier"]
         self.streams = CallStreams()
@@ -92,3 +95,25 @@ class Resources:
             self.streams.release()
             self.memory.free()
             self.destroyed = True
+
+
+def start_kernels(comm, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int
+                  ) -> Callable[[], dict[str, Library]]:
+    """Collective over ``comm``: start compiling (one rank per host, every family at once, in the
+    background) or loading the kernel families a Buffer of these sizes uses; the returned call, once
+    NVSHMEM is up, waits for them and loads them, by family name."""
+    arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
+    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes)
+    group = MpiGroup.by_host(comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
+    try:
+        finish = start_libraries(list(specs.values()), group)
+    except BaseException:
+        group.close()
+        raise
+
+    def load() -> dict[str, Library]:
+        try:
+            return dict(zip(specs, finish()))
+        finally:
+            group.close()
+    return load

@@ -80,11 +80,11 @@ class SymmetricMemory:
         return [offset + (self.base if pe == rank else int(nvshmem.get_peer_buffer(self._memory, pe).handle))
                 for pe in range(num_ranks)]
 
-    def view(self, call: str, region: str, dtype, size, offset: int, owner):
+    def view(self, call: str, region: str, dtype, size, offset: int, owner, device_id: int):
         """A CuPy array over ``region`` (``"nvl"`` or ``"rdma"``) from byte ``offset``: ``size`` (an int or
         a shape; ``None``: every whole element to the region's end) elements of ``dtype`` (a NumPy
         dtype). Raises ``ValueError`` naming ``call`` when it does not fit. ``owner`` keeps the memory
-        alive while the view is."""
+        alive while the view is; ``device_id``: this rank's GPU."""
         cupy = _deps.cupy()
         start, total = (self.rdma, self.regions.rdma_bytes) if region == "rdma" else (self.nvl, self.regions.nvl_bytes)
         available = (total - offset) // dtype.itemsize if offset <= total else 0
@@ -96,7 +96,7 @@ class SymmetricMemory:
                              f"{region.upper()} buffer has {total}")
         if count == 0:
             return cupy.empty(shape, dtype=dtype)
-        memory = cupy.cuda.UnownedMemory(start + offset, count * dtype.itemsize, owner)
+        memory = cupy.cuda.UnownedMemory(start + offset, count * dtype.itemsize, owner, device_id)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
     def free(self) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _deps, env
 from ..errors import CuepError, PeerTimeoutError
+from .._math import align_up
 from .group import wait_for_all
 from .topology import Topology
 
@@ -46,7 +47,7 @@ def parse_heap_size(text: str) -> int | None:
 def heap_size_for(data_bytes: int) -> int:
     """Symmetric heap for ``data_bytes`` of Buffer data plus the reserve, rounded up to 2 MiB."""
     needed = data_bytes + HEAP_RESERVE_BYTES
-    return -(-needed // _HEAP_ALIGN_BYTES) * _HEAP_ALIGN_BYTES
+    return align_up(needed, _HEAP_ALIGN_BYTES)
 
 
 def visible_gpu_count() -> int:
