@@ -60,6 +60,19 @@ def get_dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int,
     return DispatchLayout(per_rank, per_node, per_expert, is_token_in_rank)
 
 
+def cross_node_copies(topk_idx: np.ndarray, num_experts: int, num_ranks: int, num_ranks_per_node: int,
+                      rank: int) -> int:
+    """How many token copies ``rank`` sends across node boundaries in a hierarchical dispatch (and
+    receives back in its combine): for each token, the nodes other than its own that hold one of its
+    experts, each counted once whatever the ranks it reaches there. Times the row bytes, it is what the
+    internode mode may put on the network for this rank's tokens; the tests hold the mode to it."""
+    layout = get_dispatch_layout(topk_idx, num_experts, num_ranks, num_ranks_per_node)
+    num_nodes = num_ranks // num_ranks_per_node
+    in_node = layout.is_token_in_rank.reshape(-1, num_nodes, num_ranks_per_node).any(axis=2)
+    in_node[:, rank // num_ranks_per_node] = False
+    return int(in_node.sum())
+
+
 class DispatchResult(NamedTuple):
     """What one receiving rank gets from ``Buffer.dispatch``."""
 

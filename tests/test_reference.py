@@ -33,6 +33,19 @@ def test_two_nodes_of_two_ranks():
     assert not layout.is_token_in_rank[3].any()
 
 
+def test_cross_node_copies_count_each_other_node_once_per_token():
+    # 12 experts, 6 ranks (2 experts each), 3 nodes of 2 ranks: node n holds experts [4n, 4n + 4).
+    topk = np.array([[0, 2, -1],    # node 0 only: nothing crosses
+                     [5, 6, 4],     # node 1 three times (ranks 2 and 3): one copy
+                     [9, 4, 11],    # nodes 2 and 1: two copies
+                     [-1, -1, -1]])
+    assert reference.cross_node_copies(topk, 12, 6, 2, rank=0) == 3
+    assert reference.cross_node_copies(topk, 12, 6, 2, rank=1) == 3  # rank 1 shares rank 0's node
+    # Seen from a rank of node 1, node 1 is home: token 0 crosses once, token 1 nowhere, token 2 once.
+    assert reference.cross_node_copies(topk, 12, 6, 2, rank=3) == 2
+    assert reference.cross_node_copies(topk, 12, 6, 6, rank=0) == 0  # one node: nothing crosses
+
+
 def test_repeated_expert_counts_per_entry_but_rank_once():
     layout = reference.get_dispatch_layout(np.array([[3, 3]]), num_experts=4, num_ranks=2)
     np.testing.assert_array_equal(layout.num_tokens_per_expert, [0, 0, 0, 2])
