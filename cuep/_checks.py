@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _deps, _interop, env
+from .kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
@@ -126,9 +127,9 @@ def check_matrix(call: str, name: str, array, dtypes, rows: int | None = None, c
 
 
 def check_hidden(call: str, hidden: int, fp8: bool) -> None:
-    multiple = 128 if fp8 else 8
+    multiple = SCALE_BLOCK if fp8 else 8
     if hidden <= 0 or hidden % multiple:
-        kind = "FP8 (one scale per 128 channels)" if fp8 else "BF16 (16-byte vectors)"
+        kind = f"FP8 (one scale per {SCALE_BLOCK} channels)" if fp8 else "BF16 (16-byte vectors)"
         raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple} for {kind}, got {hidden}")
 
 
@@ -138,7 +139,7 @@ def check_low_latency_dispatch(call: str, x, topk_idx, max_tokens: Any, num_expe
     """Shapes, dtypes and options of a low-latency dispatch (no GPU work)."""
     check_matrix(call, "x", x, [bf16_dtype()])
     num_tokens, hidden = x.shape
-    multiple = 512 if use_ue8m0 else 128
+    multiple = SCALE_BLOCK * UE8M0_SCALES_PER_WORD if use_ue8m0 else SCALE_BLOCK
     if hidden <= 0 or hidden % multiple:
         raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple}"
                          f"{' with use_ue8m0' if use_ue8m0 else ''}, got {hidden}")
@@ -262,7 +263,7 @@ def tokens(call: str, x) -> tuple[Any, Any]:
     num_tokens, hidden = x.shape
     check_hidden(call, hidden, fp8)
     if fp8:
-        check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // 128, contiguous=False)
+        check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // SCALE_BLOCK, contiguous=False)
     return x, scales
 
 

@@ -36,16 +36,15 @@ META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4  # SenderMeta before its per-expert co
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4  # int32 per-expert counts that fit the header
 STATE_WORDS = 3                  # uint64 device state: finished dispatch epoch, blocks done, finished combine epoch
 
-CONSTANTS = common.family_constants({"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
-                                      "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS,
-                                      "state_words": STATE_WORDS})
-"""What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros, the shared ones included (its ``static_assert``\\ s
+CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
+             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS}
+"""What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones (its ``static_assert``\\ s
 check that they fit together)."""
 
 
 def spec(arch: str, **features) -> KernelSpec:
     """The intranode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("intranode", arch, constants=CONSTANTS, **features)
+    return KernelSpec.create("intranode", arch, constants=common.family_constants(CONSTANTS), **features)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,14 +25,14 @@ HEADER_BYTES = 4096   # the probe's flags (ProbeFlags) at the start of its buffe
 STATE_WORDS = 2       # uint64 device state: finished launches, blocks done of the running one
 COPY_ENTRY, BULK_ENTRY = "cuep_probe_copy", "cuep_probe_bulk_copy"
 
-CONSTANTS = common.family_constants({"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS,
-                                     "header_bytes": HEADER_BYTES, "state_words": STATE_WORDS})
-"""What ``probe.cu`` reads as ``CUEP_<NAME>`` macros, the shared ones included."""
+CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "header_bytes": HEADER_BYTES,
+             "state_words": STATE_WORDS}
+"""What ``probe.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones."""
 
 
 def spec(arch: str, **features) -> KernelSpec:
     """The probe family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("probe", arch, constants=CONSTANTS, **features)
+    return KernelSpec.create("probe", arch, constants=common.family_constants(CONSTANTS), **features)
 
 
 def buffer_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
