@@ -187,6 +187,20 @@ def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) ->
                          f"receive on your stream)")
 
 
+def normal_handle(call: str, handle: Any, num_ranks: int, handle_type: type | None = None):
+    """A normal-mode dispatch handle of the Buffer's mode (``handle_type``, default intranode)."""
+    from .modes import intranode
+    if handle_type is None or handle_type is intranode.Handle:
+        return intranode_handle(call, handle, num_ranks)
+    if not isinstance(handle, handle_type):
+        raise TypeError(f"{call}: handle must be the handle an internode dispatch() on this Buffer returned, got "
+                        f"{type(handle).__name__}")
+    if handle.num_ranks != num_ranks:
+        raise ValueError(f"{call}: handle comes from a dispatch over {handle.num_ranks} ranks, this Buffer has "
+                         f"{num_ranks}")
+    return handle
+
+
 def intranode_handle(call: str, handle: Any, num_ranks: int):
     """A normal-mode dispatch handle, or the flat tuple it iterates as (its arrays as CuPy, torch, JAX or,
     for its host ``scalars``, NumPy or CPU torch), as a :class:`~cuep.modes.intranode.Handle`."""
@@ -232,8 +246,9 @@ class DispatchArguments(NamedTuple):
 def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: int, x, handle, num_tokens_per_rank,
                        num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                        expert_alignment: Any, num_worst_tokens: Any, previous_event, async_finish: bool,
-                       allocate_on_comm_stream: bool) -> DispatchArguments:
-    """Every argument of :meth:`cuep.Buffer.dispatch` but the config."""
+                       allocate_on_comm_stream: bool, handle_type: type | None = None) -> DispatchArguments:
+    """Every argument of :meth:`cuep.Buffer.dispatch` but the config; ``handle_type``: the mode's Handle
+    (default the intranode one)."""
     x, scales = tokens(call, x)
     expert_alignment = check_nonnegative_int(call, "expert_alignment", expert_alignment)
     num_worst_tokens = check_nonnegative_int(call, "num_worst_tokens", num_worst_tokens)
@@ -241,7 +256,7 @@ def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: i
         raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
     check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
     if handle is not None:
-        handle = cached_dispatch_handle(call, handle, x.shape[0], num_ranks, topk_idx, topk_weights)
+        handle = cached_dispatch_handle(call, handle, x.shape[0], num_ranks, topk_idx, topk_weights, handle_type)
         return DispatchArguments(x, scales, handle, None, None, 0, None, None, expert_alignment, num_worst_tokens)
     routing = dispatch_routing(call, x.shape[0], num_ranks, num_nodes, max_experts, num_tokens_per_rank,
                                num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -302,21 +317,23 @@ def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int,
     return is_token_in_rank, num_tokens_per_expert, num_experts, topk_idx, topk_weights
 
 
-def cached_dispatch_handle(call: str, handle: Any, num_tokens: int, num_ranks: int, topk_idx, topk_weights):
+def cached_dispatch_handle(call: str, handle: Any, num_tokens: int, num_ranks: int, topk_idx, topk_weights,
+                           handle_type: type | None = None):
     """The handle of a cached dispatch, which takes no routing and must match ``x``'s token count."""
     if topk_idx is not None or topk_weights is not None:
         raise ValueError(f"{call}: a cached dispatch (handle given) takes no topk_idx or topk_weights")
-    handle = intranode_handle(call, handle, num_ranks)
+    handle = normal_handle(call, handle, num_ranks, handle_type)
     if handle.num_tokens != num_tokens:
         raise ValueError(f"{call}: handle must come from a dispatch of {num_tokens} tokens, got one of "
                          f"{handle.num_tokens}")
     return handle
 
 
-def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int) -> tuple[Any, Any, Any, Any, Any]:
+def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int, handle_type: type | None = None
+                   ) -> tuple[Any, Any, Any, Any, Any]:
     """A normal-mode combine's arguments; returns ``(x, handle, topk_weights or None, bias0, bias1)``."""
     bf16 = bf16_dtype()
-    handle = intranode_handle(call, handle, num_ranks)
+    handle = normal_handle(call, handle, num_ranks, handle_type)
     x = as_device_array(call, "x", x)
     check_matrix(call, "x", x, [bf16], handle.num_rows)
     check_hidden(call, x.shape[1], fp8=False)

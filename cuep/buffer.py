@@ -15,7 +15,7 @@ from . import _checks, _deps, env
 from .config import Config, get_combine_config, get_dispatch_config
 from .event import EventOverlap, record_event
 from .kernels import layout as layout_kernel
-from .modes import intranode, low_latency
+from .modes import internode, intranode, low_latency
 from .modes.resources import Resources
 from .runtime import wait_for_all
 
@@ -149,6 +149,26 @@ class Buffer:
         stream.synchronize()
         self._resources.raise_if_failed(timeout_s)
 
+    def get_internode_traffic(self) -> dict[str, int]:
+        """What this rank has put on the network (to ranks of other nodes) since the Buffer was made.
+
+        Waits for the work already on this GPU. Each internode dispatch puts every
+        token once per destination node other than its own (a row of hidden bytes, FP8 scales, top-k
+        ids and weights, source token, and a position per rank of that node), and each combine one
+        partial per (token, node) back; rows within a node move over NVLink and are not counted.
+
+        Returns:
+            ``{"dispatch_rows", "dispatch_bytes", "combine_rows", "combine_bytes"}``: running totals
+            (all 0 when every rank is on one node).
+
+        Differs from DeepEP: DeepEP has no such counter.
+        """
+        self._check_alive("Buffer.get_internode_traffic()")
+        ctx = self._resources.internode
+        if ctx is None:
+            return dict.fromkeys(("dispatch_rows", "dispatch_bytes", "combine_rows", "combine_bytes"), 0)
+        return ctx.traffic_counts()
+
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Count, from the top-k routing, what each rank, node and expert will receive.
@@ -266,17 +286,27 @@ class Buffer:
         accepted; FP8 data is `uint8` (CuPy has no FP8 dtype).
         """
         call = "dispatch()"
-        ctx = self._resources.intranode_ready(call)
-        a = _checks.dispatch_arguments(call, self.group_size, self.topology.num_nodes, intranode.MAX_EXPERTS, x,
+        ctx = self._resources.normal_ready(call)
+        across_nodes = isinstance(ctx, internode.Context)
+        max_experts = internode.MAX_LOCAL_EXPERTS * self.group_size if across_nodes else intranode.MAX_EXPERTS
+        a = _checks.dispatch_arguments(call, self.group_size, self.topology.num_nodes, max_experts, x,
                                        handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                       num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream)
-        num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
+                                       num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream,
+                                       internode.Handle if across_nodes else intranode.Handle)
+        config = config or self.get_dispatch_config(self.group_size)
 
         def enqueue(stream):
-            recv_x, recv_scales, *received = intranode.dispatch(
-                ctx, stream, a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank, a.num_tokens_per_expert,
-                a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens, num_sms)
+            if across_nodes:
+                recv_x, recv_scales, *received = internode.dispatch(
+                    ctx, stream, a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
+                    a.num_tokens_per_expert, a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens,
+                    config.num_sms, config.num_max_rdma_chunked_send_tokens)
+            else:
+                recv_x, recv_scales, *received = intranode.dispatch(
+                    ctx, stream, a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
+                    a.num_tokens_per_expert, a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens,
+                    config.num_sms)
             recv_x = (recv_x, recv_scales) if a.scales is not None else recv_x
             return (recv_x, *received), (a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
                                          a.num_tokens_per_expert)
@@ -304,14 +334,19 @@ class Buffer:
             event: an :class:`EventOverlap` for the communication.
         """
         call = "combine()"
-        ctx = self._resources.intranode_ready(call)
-        x, handle, topk_weights, bias0, bias1 = _checks.combine_inputs(call, x, handle, topk_weights, bias,
-                                                                       self.group_size)
+        ctx = self._resources.normal_ready(call)
+        across_nodes = isinstance(ctx, internode.Context)
+        x, handle, topk_weights, bias0, bias1 = _checks.combine_inputs(
+            call, x, handle, topk_weights, bias, self.group_size, internode.Handle if across_nodes else intranode.Handle)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        num_sms = (config or self.get_combine_config(self.group_size)).num_sms
+        config = config or self.get_combine_config(self.group_size)
 
         def enqueue(stream):
-            outputs = intranode.combine(ctx, stream, x, handle, topk_weights, bias0, bias1, num_sms)
+            if across_nodes:
+                outputs = internode.combine(ctx, stream, x, handle, topk_weights, bias0, bias1, config.num_sms,
+                                            config.num_max_rdma_chunked_send_tokens)
+            else:
+                outputs = intranode.combine(ctx, stream, x, handle, topk_weights, bias0, bias1, config.num_sms)
             return outputs, (x, topk_weights, bias0, bias1, handle.send_pos)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import env
 from ._math import ceil_div
 from .kernels.common import SCALE_BLOCK
-from .modes import intranode
+from .modes import internode, intranode
 
-# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, top-8.
+# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, top-8, and (unless
+# CUEP_RANKS_PER_NODE says otherwise) nodes of up to this many ranks, as DeepEP's.
 HINT_TOKENS_PER_RANK = 4096
 MAX_TOPK_HINT = 8
+HINT_RANKS_PER_NODE = 8
+
+
+def hint_ranks_per_node(num_ranks: int, num_ranks_per_node: int | None) -> int:
+    """Ranks per node a size hint assumes: the argument, else ``CUEP_RANKS_PER_NODE``, else up to 8."""
+    if num_ranks_per_node is None:
+        num_ranks_per_node = env.get("CUEP_RANKS_PER_NODE") or min(HINT_RANKS_PER_NODE, num_ranks)
+    if num_ranks_per_node <= 0 or num_ranks % num_ranks_per_node:
+        raise ValueError(f"num_ranks_per_node={num_ranks_per_node} must divide num_ranks={num_ranks}")
+    return num_ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -25,9 +37,11 @@ class Config:
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's ring-buffer
             chunk sizes, kept for API compatibility.
 
-    Differs from DeepEP: the intranode kernels move each token straight between the senders' and
-    receivers' buffers (no per-channel ring), so the chunk sizes do not affect them; the NVL buffer
-    must instead hold one call's staged tokens (see :meth:`get_nvl_buffer_size_hint`).
+    Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
+    buffers (no per-channel ring), so the NVL chunk sizes and ``num_max_rdma_chunked_recv_tokens`` are
+    unused, and the buffers must instead hold one call's tokens (see the size hints). Across nodes,
+    ``num_max_rdma_chunked_send_tokens`` is the rows each put-with-signal carries (raised where a
+    partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals).
     """
 
     num_sms: int = 20
@@ -44,8 +58,14 @@ class Config:
                 raise ValueError(f"Config(): {name} must be a positive int, got {value!r}")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
-                                 num_tokens: int = HINT_TOKENS_PER_RANK, num_topk: int = MAX_TOPK_HINT) -> int:
+                                 num_tokens: int = HINT_TOKENS_PER_RANK, num_topk: int = MAX_TOPK_HINT,
+                                 num_ranks_per_node: int | None = None) -> int:
         """Bytes of NVL buffer for dispatch and combine of ``num_tokens`` tokens per rank.
+
+        Across nodes (``num_ranks`` more than ``num_ranks_per_node``, which defaults to
+        ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows on a
+        forwarder: at most ``num_nodes * num_tokens * min(num_ranks_per_node, num_topk)`` BF16 rows with
+        their weights. On one node:
 
         A dispatch with a layout stages every token once (hidden, FP8 scales, top-k ids and weights,
         send lists); a cached dispatch lands every row a rank receives, at most ``num_ranks *
@@ -57,6 +77,11 @@ class Config:
         cycle through.
         """
         hidden = hidden_bytes // 2
+        ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
+        num_nodes = num_ranks // ranks_per_node
+        if num_nodes > 1:
+            landing_rows = num_nodes * num_tokens * min(ranks_per_node, num_topk)
+            return internode.nvl_bytes_for(landing_rows, internode.combine_row_bytes(hidden, num_topk))
         num_scales = ceil_div(hidden, SCALE_BLOCK)
         dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
         cached = num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
@@ -64,9 +89,24 @@ class Config:
         combine = copies * intranode.landing_row_bytes(hidden, num_topk)
         return intranode.nvl_bytes_for(max(dispatch, cached, combine))
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Internode buffer bytes; 0 until the internode mode exists."""
-        return 0
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: int = HINT_TOKENS_PER_RANK,
+                                  num_topk: int = MAX_TOPK_HINT, num_ranks_per_node: int | None = None) -> int:
+        """Bytes of RDMA buffer for internode dispatch and combine of ``num_tokens`` tokens per rank; 0 when
+        every rank is on one node.
+
+        ``num_ranks_per_node`` defaults to ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes). The
+        buffer holds a send and a receive partition per node, each holding one rank's tokens as rows
+        (a BF16 dispatch row with its routing, or a combine row), after the signals and count messages.
+        Differs from DeepEP: the size grows with the tokens per call (``num_tokens``), because the
+        kernels have no ring buffer to cycle through.
+        """
+        ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
+        num_nodes = num_ranks // ranks_per_node
+        if num_nodes <= 1:
+            return 0
+        row = max(internode.dispatch_row_bytes(hidden_bytes, 0, num_topk, ranks_per_node),
+                  internode.combine_row_bytes(hidden_bytes // 2, num_topk))
+        return internode.rdma_bytes_for(num_tokens * row, num_ranks, num_nodes)
 
 
 # Tuned with `python -m cuep.bench --tune` on 2, 4 and 8 H200s (docs/performance.md, v0.5.0 and

@@ -10,6 +10,8 @@ ELF_MAGIC = b"\x7fELF"
 ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"],
            "intranode": [b"cuep_intranode_%s" % name
                          for name in (b"stage", b"notify", b"dispatch", b"dispatch_push", b"combine")],
+           "internode": [b"cuep_internode_%s" % name for name in (b"scan", b"send", b"notify", b"dispatch",
+                                                                   b"combine_push", b"combine_forward", b"combine")],
            "probe": [b"cuep_probe_copy"],  # and cuep_probe_bulk_copy on the Hopper path only (below)
            "low_latency": [b"cuep_ll_dispatch", b"cuep_ll_combine"]}
 VARIANTS = {

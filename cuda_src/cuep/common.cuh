@@ -77,5 +77,9 @@ constexpr int kPhaseIntranodeReuse = CUEP_PHASE_INTRANODE_REUSE;         // rece
 constexpr int kPhaseIntranodeStarted = CUEP_PHASE_INTRANODE_STARTED;     // a peer starting the same call
 constexpr int kPhaseIntranodeArrival = CUEP_PHASE_INTRANODE_ARRIVAL;     // a combined row's arrival
 constexpr int kPhaseIntranodePushed = CUEP_PHASE_INTRANODE_PUSHED;       // a pushed row's arrival
+constexpr int kPhaseInternodeCounts = CUEP_PHASE_INTERNODE_COUNTS;       // a source's count message
+constexpr int kPhaseInternodeRows = CUEP_PHASE_INTERNODE_ROWS;           // a chunk of rows at a forwarder
+constexpr int kPhaseInternodePushed = CUEP_PHASE_INTERNODE_PUSHED;       // a local rank's combine pushes
+constexpr int kPhaseInternodePartials = CUEP_PHASE_INTERNODE_PARTIALS;   // a node's partial sums
 
 }  // namespace cuep

@@ -6,23 +6,26 @@ takes one struct by value, or that struct's fields as scalars; either way it lau
 from __future__ import annotations
 
 from ..jit import KernelSpec
-from . import barrier, intranode, layout, low_latency, probe
+from . import barrier, internode, intranode, layout, low_latency, probe
 
-FAMILIES = {"barrier": barrier, "intranode": intranode, "layout": layout, "low_latency": low_latency, "probe": probe}
+FAMILIES = {"barrier": barrier, "internode": internode, "intranode": intranode, "layout": layout, "low_latency": low_latency, "probe": probe}
 """Every family by name; ``probe`` (the benchmark's NVLink ceiling probe) is compiled by tools and tests
 but never by a Buffer (see :func:`buffer_specs`)."""
 
 
-def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int) -> dict[str, KernelSpec]:
+def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: bool = False
+                 ) -> dict[str, KernelSpec]:
     """The families a Buffer of these sizes launches, by name, with their specs for ``arch``.
 
-    The layout and barrier kernels serve every Buffer; the intranode family needs an NVLink buffer
-    (``num_nvl_bytes > 0``) and the low-latency family a low-latency region (``num_rdma_bytes > 0``,
-    passed only for a ``low_latency_mode`` Buffer).
+    The layout and barrier kernels serve every Buffer; the normal-mode family needs an NVLink buffer
+    (``num_nvl_bytes > 0``): the internode family when the ranks span several nodes (``internode``),
+    the intranode family otherwise; the low-latency family needs a low-latency region
+    (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer).
     Compiling only these keeps a cold start to what the Buffer can use.
     """
-    wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0, "low_latency": num_rdma_bytes > 0}
+    wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0 and not internode,
+              "internode": num_nvl_bytes > 0 and internode, "low_latency": num_rdma_bytes > 0}
     return {family: FAMILIES[family].spec(arch) for family, used in wanted.items() if used}
 
 
-__all__ = ["FAMILIES", "barrier", "buffer_specs", "intranode", "layout", "low_latency", "probe"]
+__all__ = ["FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency", "probe"]

@@ -37,6 +37,10 @@ class Phase(enum.IntEnum):
     INTRANODE_STARTED = 8      # a peer starting the same call (intranode dispatch or combine)
     INTRANODE_ARRIVAL = 9      # a combined row's arrival (intranode combine)
     INTRANODE_PUSHED = 10      # a pushed row's arrival (intranode cached dispatch)
+    INTERNODE_COUNTS = 11      # a source's count message (internode dispatch)
+    INTERNODE_ROWS = 12        # a chunk of dispatched rows at a forwarder of this node
+    INTERNODE_PUSHED = 13      # a local rank's pushed rows (internode combine, at the forwarder)
+    INTERNODE_PARTIALS = 14    # a node's partial sums (internode combine, at the source)
 
 
 PHASE_NAMES = {Phase.BARRIER: "device barrier",
@@ -48,7 +52,11 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
                Phase.INTRANODE_REUSE: "intranode dispatch (previous dispatch's pulls)",
                Phase.INTRANODE_STARTED: "intranode dispatch or combine (a peer starting the same call)",
                Phase.INTRANODE_ARRIVAL: "intranode combine (row arrivals)",
-               Phase.INTRANODE_PUSHED: "intranode dispatch (pushed rows)"}
+               Phase.INTRANODE_PUSHED: "intranode dispatch (pushed rows)",
+               Phase.INTERNODE_COUNTS: "internode dispatch (count messages)",
+               Phase.INTERNODE_ROWS: "internode dispatch (rows at this node's forwarder)",
+               Phase.INTERNODE_PUSHED: "internode combine (a local rank's pushed rows)",
+               Phase.INTERNODE_PARTIALS: "internode combine (a node's partial sums)"}
 """What a timed-out wait of each phase was waiting for, as PeerTimeoutError words it."""
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,

@@ -15,22 +15,28 @@ from ..kernels import buffer_specs
 from ..runtime import MpiGroup, discover_topology
 from ..runtime import world as nvshmem_world
 from ..runtime.regions import Regions, SymmetricMemory
-from . import intranode, low_latency
+from . import internode, intranode, low_latency
 
 
 class Resources:
     """Collective over ``comm``: the ranks' hosts and GPUs, the NVSHMEM world (booted while the kernels
     compile), the kernel families these sizes use, the symmetric memory, and each mode's context.
 
-    The intranode context exists with an NVL buffer; the low-latency one with ``low_latency_mode``
-    and an RDMA buffer."""
+    With an NVL buffer, the normal mode's context: the intranode one when every rank is on one node,
+    the internode one (which needs the RDMA buffer too) when they span several; the low-latency
+    context exists with ``low_latency_mode`` and an RDMA buffer."""
 
     def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool):
         self.topology = discover_topology(comm)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
+        self.low_latency_mode = low_latency_mode
+        across_nodes = self.topology.num_nodes > 1 and num_nvl_bytes > 0 and not low_latency_mode
+        if across_nodes:
+            check_internode_sizes(self.topology, num_nvl_bytes, num_rdma_bytes)
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
         self.device_id = nvshmem_world.choose_device(comm, self.topology)
-        load_kernels = start_kernels(comm, self.device_id, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0)
+        load_kernels = start_kernels(comm, self.device_id, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0,
+                                     across_nodes)
         nvshmem_world.init_world(comm, self.topology, self.regions.total_bytes, self.device_id)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
@@ -49,6 +55,10 @@ class Resources:
             libraries["intranode"], self.memory, self.status, self.rank, self.num_ranks, num_sms, timeout_s,
             lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed) \
             if "intranode" in libraries else None
+        self.internode = internode.Context.create(
+            libraries["internode"], self.memory, self.status, self.topology, num_sms, timeout_s,
+            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed) \
+            if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
             libraries["low_latency"], self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
             force_put, timeout_s, env.get("CUEP_TRACE")) if "low_latency" in libraries else None
@@ -71,14 +81,20 @@ class Resources:
         barrier_kernel.launch(self._barrier_library, stream, self.memory.control, self.rank, self.num_ranks,
                               self._barrier_epoch, timeout_s, self.status.device, self.status.host_ptr)
 
-    def intranode_ready(self, call: str) -> intranode.Context:
+    def normal_ready(self, call: str) -> intranode.Context | internode.Context:
+        """The normal mode's context: intranode on one node, internode across nodes."""
         self.check_alive(call)
+        if self.internode is not None:
+            return self.internode
+        if self.topology.num_nodes > 1 and self.low_latency_mode:
+            raise ValueError(f"{call}: the normal (internode) mode needs a Buffer made with low_latency_mode=False; "
+                             f"this one gives its RDMA buffer to the low-latency mode")
         if self.intranode is None:
             raise ValueError(f"{call}: this Buffer has no NVL buffer (num_nvl_bytes=0); create it with "
                              f"num_nvl_bytes >= Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
-        if self.topology.num_nodes > 1 or self.num_ranks > intranode.MAX_RANKS:
-            raise ValueError(f"{call}: the internode mode is not built yet; dispatch and combine need all "
-                             f"{self.num_ranks} ranks on one node (at most {intranode.MAX_RANKS})")
+        if self.num_ranks > intranode.MAX_RANKS:
+            raise ValueError(f"{call}: the intranode mode serves at most {intranode.MAX_RANKS} ranks on one node, "
+                             f"this Buffer has {self.num_ranks}")
         return self.intranode
 
     def low_latency_ready(self, call: str) -> low_latency.Context:
@@ -97,13 +113,33 @@ class Resources:
             self.destroyed = True
 
 
-def start_kernels(comm, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int
+def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    """Raises ``ValueError`` when a Buffer of these sizes cannot serve the internode mode on ``topology``."""
+    t = topology
+    shape = f"{t.num_nodes} nodes of {t.ranks_per_node} ranks"
+    if t.ranks_per_node > internode.MAX_RANKS_PER_NODE or t.num_ranks > internode.MAX_RANKS:
+        raise ValueError(f"Buffer(): the internode mode serves at most {internode.MAX_RANKS_PER_NODE} ranks per node "
+                         f"and {internode.MAX_RANKS} in all, this job has {shape}")
+    least = internode.rdma_bytes_for(internode.ROW_ALIGN, t.num_ranks, t.num_nodes)
+    if num_rdma_bytes < least:
+        raise ValueError(f"Buffer(): the ranks span {shape}, so dispatch and combine run in the internode mode, "
+                         f"which needs num_rdma_bytes (got {num_rdma_bytes}, less than the {least} its signals "
+                         f"alone take); create the Buffer with num_rdma_bytes >= "
+                         f"Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks)")
+    if num_nvl_bytes <= internode.NVL_CONTROL_BYTES:
+        raise ValueError(f"Buffer(): the internode mode's combine lands rows in the NVL buffer, which must be larger "
+                         f"than {internode.NVL_CONTROL_BYTES} bytes, got num_nvl_bytes={num_nvl_bytes}; use "
+                         f"Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
+
+
+def start_kernels(comm, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int, internode_mode: bool = False
                   ) -> Callable[[], dict[str, Library]]:
     """Collective over ``comm``: start compiling (one rank per host, every family at once, in the
-    background) or loading the kernel families a Buffer of these sizes uses; the returned call, once
-    NVSHMEM is up, waits for them and loads them, by family name."""
+    background) or loading the kernel families a Buffer of these sizes uses (``internode_mode``: its
+    ranks span several nodes); the returned call, once NVSHMEM is up, waits for them and loads them,
+    by family name."""
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
-    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes)
+    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode)
     group = MpiGroup.by_host(comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
     try:
         finish = start_libraries(list(specs.values()), group)

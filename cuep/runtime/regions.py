@@ -73,12 +73,13 @@ class SymmetricMemory:
     def rdma(self) -> int:
         return self.base + self.regions.rdma_offset
 
-    def peer_addresses(self, offset: int, num_ranks: int, rank: int) -> list[int]:
-        """Byte ``offset`` of each rank's allocation as this GPU addresses it directly (over NVLink, or
-        on the same GPU); only for ranks NVSHMEM reaches by load and store."""
+    def peer_addresses(self, offset: int, num_ranks: int, rank: int, pes: range | None = None) -> list[int]:
+        """Byte ``offset`` of the allocation of each rank in ``pes`` (default: all ``num_ranks``) as this GPU
+        addresses it directly (over NVLink, or on the same GPU); only for ranks NVSHMEM reaches by load
+        and store."""
         nvshmem = _deps.nvshmem()
         return [offset + (self.base if pe == rank else int(nvshmem.get_peer_buffer(self._memory, pe).handle))
-                for pe in range(num_ranks)]
+                for pe in (range(num_ranks) if pes is None else pes)]
 
     def view(self, call: str, region: str, dtype, size, offset: int, owner, device_id: int):
         """A CuPy array over ``region`` (``"nvl"`` or ``"rdma"``) from byte ``offset``: ``size`` (an int or

@@ -1,4 +1,5 @@
-"""GPU worker for intranode dispatch/combine against cuep.reference (run under mpirun).
+"""GPU worker for normal-mode dispatch/combine against cuep.reference (run under mpirun): the intranode
+mode, or the internode mode when ``CUEP_RANKS_PER_NODE`` splits the ranks into several (virtual) nodes.
 
 Every rank rebuilds every rank's inputs from one seed, so it can compute what it must receive and
 what its tokens must combine to. Moved data is compared bit for bit; combined sums within FP32-
@@ -9,6 +10,7 @@ order (the order fixes each case's inputs, see ``common.SeededInputs``).
 from __future__ import annotations
 
 import functools
+import os
 
 import cupy
 import numpy as np
@@ -28,12 +30,23 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
+from cuep.modes import internode
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
 SEED = 7
 EXPERTS = 16 * num_ranks
 all_inputs = SeededInputs(SEED, num_ranks)
+RANKS_PER_NODE = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks)
+ACROSS_NODES = RANKS_PER_NODE < num_ranks
+# Across nodes the RDMA buffer's partitions must hold the largest case's tokens (2048 of hidden 4096).
+RDMA_BYTES = cuep.Config().get_rdma_buffer_size_hint(2 * 4096, num_ranks, num_tokens=2048)
+
+
+def make_buffer(num_nvl_bytes: int, **sizes) -> cuep.Buffer:
+    """A Buffer with this NVL buffer and, across nodes, the RDMA buffer the cases need."""
+    sizes.setdefault("num_rdma_bytes", RDMA_BYTES if ACROSS_NODES else 0)
+    return cuep.Buffer(comm, num_nvl_bytes=num_nvl_bytes, **sizes)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -93,12 +106,27 @@ def combine_and_check(buffer, inputs: AllInputs, num_experts, recv_x, recv_weigh
     want_x, want_w = reference.combine(scaled, [r.recv_src for r in all_recv], inputs.num_tokens,
                                        [r.recv_topk_weights for r in all_recv],
                                        [[b[s] for b in biases] for s in range(num_ranks)] if biases else None)
+    magnitude, _ = reference.combine([np.abs(s.astype(np.float32)) for s in scaled], [r.recv_src for r in all_recv],
+                                     inputs.num_tokens, None,
+                                     [[np.abs(b[s].astype(np.float32)) for b in biases] for s in range(num_ranks)]
+                                     if biases else None)
     got = combined.get().astype(np.float32)
-    np.testing.assert_allclose(got, want_x[rank].astype(BF16).astype(np.float32), rtol=1e-2, atol=1e-2)
+    assert_sum_close(got, want_x[rank].astype(BF16).astype(np.float32), magnitude[rank])
     error = np.linalg.norm(got - want_x[rank]) / max(np.linalg.norm(want_x[rank]), 1e-6)
     assert error < 5e-3, error
     if recv_weights is not None:
         np.testing.assert_allclose(combined_weights.get(), want_w[rank], rtol=1e-6, atol=1e-6)
+
+
+def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray) -> None:
+    """A combined sum within 1e-2 (absolute and relative) of the reference's. Across nodes each node's
+    partial is rounded to BF16 before its source adds the partials (as DeepEP's), so an element may
+    also be off by that rounding: 2^-8 of the sum of the magnitudes (``magnitude``: the same combine
+    of the absolute values)."""
+    tolerance = 1e-2 + 1e-2 * np.abs(want) + (2.0 ** -8 * magnitude if ACROSS_NODES else 0.0)
+    bad = np.abs(got - want) > tolerance
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} elements off, e.g. at {np.argwhere(bad)[0]}: "
+                           f"{got[bad][:4]} against {want[bad][:4]} (tolerance {tolerance[bad][:4]})")
 
 
 def check_moved_and_combined(recv_x, combined, new_inputs: AllInputs, tokens: int, padded: bool = False):
@@ -113,7 +141,9 @@ def check_moved_and_combined(recv_x, combined, new_inputs: AllInputs, tokens: in
     np.testing.assert_array_equal(bits(got), bits(expected[rank].recv_x))
     want_x, want_w = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
                                        [tokens] * num_ranks, [r.recv_topk_weights for r in expected])
-    np.testing.assert_allclose(combined.get().astype(np.float32), want_x[rank], rtol=1e-2, atol=1e-2)
+    magnitude, _ = reference.combine([np.abs(r.recv_x.astype(np.float32)) for r in expected],
+                                     [r.recv_src for r in expected], [tokens] * num_ranks)
+    assert_sum_close(combined.get().astype(np.float32), want_x[rank], magnitude[rank])
     return want_w
 
 
@@ -249,6 +279,7 @@ def cuda_graph_capture_then_replay_with_new_inputs(buffer):
     tokens, hidden, num_topk = 256, 1024, 8
     worst = tokens * num_ranks
     x, _, topk, weights = all_inputs(tokens, hidden, EXPERTS, num_topk)[rank].on_gpu()
+    cupy.cuda.get_current_stream().synchronize()  # the copies in are on this stream, the calls on `stream`
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def moe_step():
@@ -339,7 +370,7 @@ def thousand_calls_hold_no_memory(buffer):
 def short_timeout_buffer():
     """A Buffer whose kernels give up on a missing peer after 3 s."""
     with environment(CUEP_TIMEOUT_S="3"):
-        return cuep.Buffer(comm, num_nvl_bytes=64 << 20)
+        return make_buffer(64 << 20)
 
 
 def peer_that_skips_dispatch_times_out():
@@ -396,6 +427,54 @@ def cached_dispatch_too_big_for_the_buffer_raises():
     small.destroy()
 
 
+def dispatch_too_big_for_the_rdma_buffer_raises():
+    hidden, tokens = 1024, 300
+    row = internode.dispatch_row_bytes(2 * hidden, 0, 4, RANKS_PER_NODE)
+    num_nodes = num_ranks // RANKS_PER_NODE
+    small = make_buffer(64 << 20, num_rdma_bytes=internode.rdma_bytes_for(100 * row, num_ranks, num_nodes))
+    inputs = all_inputs(tokens, hidden, EXPERTS, 4)
+    expect_error(ValueError, lambda: dispatch_and_check(small, inputs, EXPERTS),
+                 "a dispatch of more tokens than the RDMA partitions hold ran", match="num_rdma_bytes")
+    small.barrier()
+    small.destroy()
+
+
+def buffer_without_rdma_bytes_across_nodes_raises():
+    # Every rank finds it at construction, before anything is allocated.
+    expect_error(ValueError, lambda: make_buffer(64 << 20, num_rdma_bytes=0),
+                 "a Buffer spanning nodes without num_rdma_bytes was created", match="num_rdma_bytes")
+
+
+def bytes_across_nodes_are_one_row_per_token_and_node(buffer):
+    """Each dispatch puts every token once per destination node but its own, and each combine one
+    partial per (token, node) back: the counts of rows and bytes on the network say so exactly."""
+    for tokens, hidden, num_topk, fp8 in ((1200, 2048, 8, False), (513, 7168, 8, True), (300, 1024, 4, False)):
+        inputs = all_inputs(tokens, hidden, EXPERTS, num_topk, fp8=fp8)
+        before = buffer.get_internode_traffic()
+        recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+        after_dispatch = buffer.get_internode_traffic()
+        copies = reference.cross_node_copies(inputs[rank].topk_idx, EXPERTS, num_ranks, RANKS_PER_NODE, rank)
+        row = internode.dispatch_row_bytes(hidden * (1 if fp8 else 2), hidden // 128 if fp8 else 0, num_topk,
+                                           RANKS_PER_NODE)
+        assert after_dispatch["dispatch_rows"] - before["dispatch_rows"] == copies, (after_dispatch, before, copies)
+        assert after_dispatch["dispatch_bytes"] - before["dispatch_bytes"] == copies * row
+        if not fp8:
+            # A combine's partials go out from the forwarders: this rank sends one per token it forwarded
+            # from another node (a source on its rail whose token went to this rank's node).
+            node, local = divmod(rank, RANKS_PER_NODE)
+            here = slice(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
+            forwarded = sum(int(reference.get_dispatch_layout(inputs[s].topk_idx, EXPERTS, num_ranks, RANKS_PER_NODE)
+                                .is_token_in_rank[:, here].any(axis=1).sum())
+                            for s in range(local, num_ranks, RANKS_PER_NODE) if s // RANKS_PER_NODE != node)
+            combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
+            after = buffer.get_internode_traffic()
+            assert after["combine_rows"] - after_dispatch["combine_rows"] == forwarded, (after, after_dispatch,
+                                                                                         forwarded)
+            assert after["combine_bytes"] - after_dispatch["combine_bytes"] == \
+                forwarded * internode.combine_row_bytes(hidden, num_topk)
+            assert comm.allreduce(forwarded) == comm.allreduce(copies)  # every copy that went out comes back
+
+
 def buffer_sizes_that_differ_between_ranks_raise():
     # On every rank, before any memory is allocated.
     expect_error(ValueError, lambda: cuep.Buffer(comm, num_nvl_bytes=(1 << 20) * (1 + rank)),
@@ -403,7 +482,7 @@ def buffer_sizes_that_differ_between_ranks_raise():
 
 
 def main() -> None:
-    buffer = cuep.Buffer(comm, num_nvl_bytes=512 << 20)
+    buffer = make_buffer(512 << 20)
     on_the_buffer = [
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
@@ -427,14 +506,29 @@ def main() -> None:
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
         ("a peer that skips a cached dispatch makes the others time out", peer_that_skips_cached_dispatch_times_out),
         ("a peer that skips a combine makes the others time out", peer_that_skips_combine_times_out),
-        ("a cached dispatch too big for the buffer raises on every rank",
-         cached_dispatch_too_big_for_the_buffer_raises),
         ("buffer sizes that differ between ranks raise on every rank", buffer_sizes_that_differ_between_ranks_raise),
     ]
-    run_cases(comm, [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers)
+    if ACROSS_NODES:
+        on_the_buffer.append(("rows and bytes across nodes: one per (token, other node)",
+                              bytes_across_nodes_are_one_row_per_token_and_node))
+        with_own_buffers += [
+            ("a dispatch too big for the RDMA buffer raises on every rank", dispatch_too_big_for_the_rdma_buffer_raises),
+            ("a Buffer across nodes without num_rdma_bytes raises at construction",
+             buffer_without_rdma_bytes_across_nodes_raises)]
+    else:
+        with_own_buffers.append(("a cached dispatch too big for the buffer raises on every rank",
+                                 cached_dispatch_too_big_for_the_buffer_raises))
+    selected = os.environ.get("CUEP_TEST_CASES")  # a comma-separated subset of the case functions, by name
+    cases = [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers
+    if selected:
+        wanted = set(selected.split(","))
+        cases = [(name, case) for name, case in cases
+                 if getattr(case, "func", case).__name__ in wanted]
+    run_cases(comm, cases)
     buffer.destroy()
     if rank == 0:
-        print(f"[rank 0] intranode worker passed on {num_ranks} ranks", flush=True)
+        layout = f"{num_ranks // RANKS_PER_NODE} nodes x {RANKS_PER_NODE}" if ACROSS_NODES else "one node"
+        print(f"[rank 0] intranode worker passed on {num_ranks} ranks ({layout})", flush=True)
 
 
 if __name__ == "__main__":

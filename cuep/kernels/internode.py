@@ -1,0 +1,183 @@
+"""Launch module of ``cuda_src/internode.cu``, the hierarchical (multi-node) dispatch and combine: its
+spec, the values it shares with the kernels, and its argument structs.
+
+C++ entries, each taking one argument struct by value (mirrored below, field for field)::
+
+    cuep_internode_scan(const ScanArgs)              grid num_ranks + num_nodes (a block per column)
+    cuep_internode_send(const SendArgs)              grid num_sms
+    cuep_internode_notify(const NotifyArgs)          grid 1
+    cuep_internode_dispatch(const PullArgs)          grid num_sms
+    cuep_internode_combine_push(const PushArgs)      grid num_sms
+    cuep_internode_combine_forward(const ForwardArgs)  grid num_sms
+    cuep_internode_combine(const ReduceArgs)         grid num_sms
+
+all with :data:`NUM_THREADS` threads a block. The call sequences, the buffers' layouts and the Handle
+are :mod:`cuep.modes.internode`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..jit import KernelSpec
+from .common import family_constants
+from .launcher import KernelArgs
+from .status import Status
+
+NUM_THREADS = 512
+MAX_RANKS = 256                  # ranks of all nodes; the notify block gives each source a thread
+MAX_RANKS_PER_NODE = 8           # one NVLink domain; a dispatched row carries a position per local rank
+MAX_LOCAL_EXPERTS = 512          # experts per rank that a count message holds
+MAX_CHUNKS = 1024                # put-with-signal chunks per partition: the signal table's rows
+COUNT_HEADER_WORDS = 2 + MAX_RANKS_PER_NODE  # a count message: to the rank, to its node, to each rank of its node
+COUNT_WORDS = COUNT_HEADER_WORDS + MAX_LOCAL_EXPERTS + 2  # then per-expert counts; 16-byte multiple
+STATE_WORDS = 2                  # uint64 device state: finished internode calls, blocks done of the running kernel
+TRAFFIC_WORDS = 4                # uint64 counters: rows and bytes put across nodes by dispatches, then combines
+
+CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_node": MAX_RANKS_PER_NODE,
+             "max_local_experts": MAX_LOCAL_EXPERTS, "max_chunks": MAX_CHUNKS,
+             "count_header_words": COUNT_HEADER_WORDS, "count_words": COUNT_WORDS, "state_words": STATE_WORDS,
+             "traffic_words": TRAFFIC_WORDS}
+"""What ``internode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones."""
+
+
+def spec(arch: str, **features) -> KernelSpec:
+    """The internode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
+    return KernelSpec.create("internode", arch, constants=family_constants(CONSTANTS), uses_nvshmem=True, **features)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument structs: ctypes mirrors of internode.cu's, field for field (_ptr: a device address, 0 for
+# an absent optional array).
+
+_ptr, _u64, _i64, _i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
+
+
+class Topology(KernelArgs):
+    """Where this rank sits: rank ``node * ranks_per_node + local``."""
+
+    cxx_name = "Topology"
+    _fields_ = [("rank", _i32), ("num_ranks", _i32), ("node", _i32), ("num_nodes", _i32), ("local", _i32),
+                ("ranks_per_node", _i32)]
+
+
+class RdmaLayout(KernelArgs):
+    """Byte offsets in every rank's RDMA buffer (:class:`cuep.modes.internode.RdmaLayout`)."""
+
+    cxx_name = "RdmaLayout"
+    _fields_ = [("count_signals", _i64), ("chunk_signals", _i64), ("counts", _i64), ("count_staging", _i64),
+                ("send", _i64), ("recv", _i64), ("partition_bytes", _i64)]
+
+
+class NvlLayout(KernelArgs):
+    """Byte offsets in every rank's NVL buffer: the combine's push flags and landing rows."""
+
+    cxx_name = "NvlLayout"
+    _fields_ = [("push_done", _i64), ("landing", _i64), ("landing_bytes", _i64)]
+
+
+class PlanLayout(KernelArgs):
+    """Where each part of a dispatch's plan (one int32 array) starts, in words
+    (:class:`cuep.modes.internode.PlanLayout`)."""
+
+    cxx_name = "PlanLayout"
+    _fields_ = [("recv_prefix", _i32), ("per_expert", _i32), ("forward_prefix", _i32), ("part_rows", _i32),
+                ("push_offsets", _i32), ("forward_offsets", _i32), ("landing_rows", _i32), ("words", _i32)]
+
+
+class TokenRows(KernelArgs):
+    """A sender's tokens: ``x`` rows, FP8 ``scales`` (strides in floats), top-k ids and weights."""
+
+    cxx_name = "TokenRows"
+    _fields_ = [("x", _ptr), ("hidden_bytes", _i64), ("scales", _ptr), ("scale_token_stride", _i64),
+                ("scale_channel_stride", _i64), ("num_scales", _i32), ("num_topk", _i32), ("topk_idx", _ptr),
+                ("topk_weights", _ptr), ("num_tokens", _i32)]
+
+
+class ScanArgs(KernelArgs):
+    """``cuep_internode_scan``: each token's position among those sent to each rank and each node."""
+
+    cxx_name = "ScanArgs"
+    entry = "cuep_internode_scan"
+    _fields_ = [("is_token_in_rank", _ptr), ("num_tokens", _i32), ("topo", Topology), ("send_pos", _ptr),
+                ("node_pos", _ptr), ("node_list", _ptr), ("counts", _ptr)]
+
+
+class SendArgs(KernelArgs):
+    """``cuep_internode_send``: the count messages (non-cached) and every token once per destination node."""
+
+    cxx_name = "SendArgs"
+    entry = "cuep_internode_send"
+    _fields_ = [("tokens", TokenRows), ("send_pos", _ptr), ("node_list", _ptr), ("counts", _ptr),
+                ("num_tokens_per_expert", _ptr), ("num_experts", _i32), ("topo", Topology), ("rdma", _ptr),
+                ("layout", RdmaLayout), ("row_bytes", _i64), ("chunk_rows", _i32), ("state", _ptr),
+                ("traffic", _ptr), ("status", Status)]
+
+
+class NotifyArgs(KernelArgs):
+    """``cuep_internode_notify``: every source's counts in, this rank's plan out."""
+
+    cxx_name = "NotifyArgs"
+    entry = "cuep_internode_notify"
+    _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("num_experts", _i32),
+                ("expert_alignment", _i32), ("plan", _ptr), ("plan_layout", PlanLayout), ("state", _ptr),
+                ("status", Status), ("timeout_ns", _u64)]
+
+
+class RecvArrays(KernelArgs):
+    """Where a dispatch writes what this rank receives (``[num_rows, ...]``; 0 for arrays not asked for)."""
+
+    cxx_name = "RecvArrays"
+    _fields_ = [("x", _ptr), ("scales", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr), ("src_idx", _ptr),
+                ("num_rows", _i32)]
+
+
+class PullArgs(KernelArgs):
+    """``cuep_internode_dispatch``: each rank pulls its rows from its node's forwarders over NVLink."""
+
+    cxx_name = "PullArgs"
+    entry = "cuep_internode_dispatch"
+    _fields_ = [("node_rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("row_bytes", _i64),
+                ("chunk_rows", _i32), ("hidden_bytes", _i64), ("num_scales", _i32), ("num_topk", _i32),
+                ("num_experts", _i32), ("plan", _ptr), ("plan_layout", PlanLayout), ("recv", RecvArrays),
+                ("forward_pos", _ptr), ("forward_capacity", _i32), ("state", _ptr), ("status", Status),
+                ("timeout_ns", _u64)]
+
+
+class PushArgs(KernelArgs):
+    """``cuep_internode_combine_push``: each rank pushes its rows to the forwarder they came through."""
+
+    cxx_name = "PushArgs"
+    entry = "cuep_internode_combine_push"
+    _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
+                ("plan_layout", PlanLayout), ("x", _ptr), ("hidden_bytes", _i64), ("topk_weights", _ptr),
+                ("num_topk", _i32), ("landing_row_bytes", _i64), ("state", _ptr), ("status", Status)]
+
+
+class ForwardArgs(KernelArgs):
+    """``cuep_internode_combine_forward``: each forwarder sums its node's copies and puts one partial
+    per (token, node) back to the token's source."""
+
+    cxx_name = "ForwardArgs"
+    entry = "cuep_internode_combine_forward"
+    _fields_ = [("nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
+                ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
+                ("hidden_bytes", _i64), ("num_topk", _i32), ("landing_row_bytes", _i64), ("row_bytes", _i64),
+                ("chunk_rows", _i32), ("state", _ptr), ("traffic", _ptr), ("status", Status),
+                ("timeout_ns", _u64)]
+
+
+class ReduceArgs(KernelArgs):
+    """``cuep_internode_combine``: each source sums the partials of its tokens' nodes, and the biases."""
+
+    cxx_name = "ReduceArgs"
+    entry = "cuep_internode_combine"
+    _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("node_pos", _ptr),
+                ("num_tokens", _i32), ("hidden_bytes", _i64), ("num_topk", _i32), ("row_bytes", _i64),
+                ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
+                ("combined_topk_weights", _ptr), ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
+
+
+#: Every struct this module mirrors, nested ones included (``tests/test_kernel_args.py`` checks them).
+ARGUMENT_STRUCTS = (Topology, RdmaLayout, NvlLayout, PlanLayout, TokenRows, ScanArgs, SendArgs, NotifyArgs,
+                    RecvArrays, PullArgs, PushArgs, ForwardArgs, ReduceArgs)

@@ -1,0 +1,465 @@
+"""The internode mode: normal-mode dispatch and combine across nodes, hierarchical.
+
+A token crosses between nodes at most once per destination node, along its source's rail (to the rank
+with the same local index there, its forwarder), and reaches the ranks of that node that need it over
+NVLink; the combine sums each token's copies inside each node first and sends one partial per
+(token, node) back. ``cuda_src/internode.cu`` describes the protocol; this module lays out the
+buffers, keeps what a dispatch leaves for combine and cached dispatch (:class:`Handle`), sizes the
+buffers, and launches each call's kernels through :mod:`cuep.kernels.internode`:
+
+* non-cached :func:`dispatch`: barrier, scan, send, notify, the CPU wait for the received count
+  (unless ``num_worst_tokens``), pull;
+* cached dispatch (a handle given): barrier, send, pull;
+* :func:`combine`: barrier, push, forward, reduce.
+
+The RDMA buffer holds the signals and count messages, then a send and a receive region of one
+partition per node (:class:`RdmaLayout`): a call's rows for or from node ``n`` use partition ``n``,
+so a partition must hold one rank's tokens. The NVL buffer holds the combine's landing rows
+(:class:`NvlLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _deps
+from .._math import align_up, ceil_div
+from .._status import StatusWords
+from ..jit import Library
+from ..kernels import internode as kernels
+from ..kernels.internode import (COUNT_WORDS, MAX_CHUNKS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_RANKS_PER_NODE,
+                                 NUM_THREADS, STATE_WORDS, TRAFFIC_WORDS)
+from ..kernels.launcher import launch
+from ..kernels.status import Status
+from ..runtime.regions import REGION_ALIGN, SymmetricMemory
+from ..runtime.topology import Topology
+
+__all__ = ["MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle", "NvlLayout",
+           "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch", "dispatch_row_bytes",
+           "nvl_bytes_for", "rdma_bytes_for"]
+
+ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
+SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
+NVL_CONTROL_BYTES = 4096  # the combine's push flags (one per local rank), then the landing rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows and buffer layouts
+
+def dispatch_row_bytes(hidden_bytes: int, num_scales: int, num_topk: int, ranks_per_node: int) -> int:
+    """One dispatched row on the wire: the hidden bytes, the FP8 scales (float32), the top-k ids (int32)
+    and weights (float32), the source token (int32), and its position at each rank of the destination
+    node (int32); see ``RowShape`` in ``internode.cu``."""
+    return align_up(hidden_bytes + 4 * num_scales + 8 * num_topk + 4 + 4 * ranks_per_node, ROW_ALIGN)
+
+
+def combine_row_bytes(hidden: int, num_topk: int) -> int:
+    """One combine row (a pushed copy, or a node's partial on the wire): BF16 hidden, then the top-k
+    weights (float32)."""
+    return align_up(2 * hidden + 4 * num_topk, ROW_ALIGN)
+
+
+def _control_bytes(num_ranks: int, num_nodes: int) -> int:
+    signals = SIGNAL_BYTES * (num_ranks + num_nodes * MAX_CHUNKS)
+    return align_up(signals + 2 * num_ranks * COUNT_WORDS * 4, REGION_ALIGN)
+
+
+@dataclass(frozen=True)
+class RdmaLayout:
+    """Byte offsets in every rank's RDMA buffer (the same on every rank), as ``RdmaLayout`` in
+    ``internode.cu``: count signals ``[R]``, chunk signals ``[N][MAX_CHUNKS]``, count messages in and out
+    ``[R][COUNT_WORDS]`` each, then ``N`` send partitions and ``N`` receive partitions."""
+
+    count_signals: int
+    chunk_signals: int
+    counts: int
+    count_staging: int
+    send: int
+    recv: int
+    partition_bytes: int
+
+    @classmethod
+    def carve(cls, rdma_bytes: int, num_ranks: int, num_nodes: int) -> "RdmaLayout":
+        chunk_signals = SIGNAL_BYTES * num_ranks
+        counts = chunk_signals + SIGNAL_BYTES * num_nodes * MAX_CHUNKS
+        count_staging = counts + num_ranks * COUNT_WORDS * 4
+        send = _control_bytes(num_ranks, num_nodes)
+        partition = max(0, (rdma_bytes - send) // (2 * num_nodes)) // REGION_ALIGN * REGION_ALIGN
+        return cls(0, chunk_signals, counts, count_staging, send, send + num_nodes * partition, partition)
+
+    def mirror(self) -> kernels.RdmaLayout:
+        return kernels.RdmaLayout(**self.__dict__)
+
+
+def rdma_bytes_for(partition_bytes: int, num_ranks: int, num_nodes: int) -> int:
+    """The smallest ``num_rdma_bytes`` whose partitions hold ``partition_bytes`` each."""
+    return _control_bytes(num_ranks, num_nodes) + 2 * num_nodes * align_up(partition_bytes, REGION_ALIGN)
+
+
+@dataclass(frozen=True)
+class NvlLayout:
+    """Byte offsets in every rank's NVL buffer: push flags ``[L]``, then the combine's landing rows."""
+
+    push_done: int
+    landing: int
+    landing_bytes: int
+
+    @classmethod
+    def carve(cls, nvl_bytes: int) -> "NvlLayout":
+        return cls(0, NVL_CONTROL_BYTES, max(0, nvl_bytes - NVL_CONTROL_BYTES))
+
+    def mirror(self) -> kernels.NvlLayout:
+        return kernels.NvlLayout(**self.__dict__)
+
+
+def nvl_bytes_for(landing_rows: int, row_bytes: int) -> int:
+    """The smallest ``num_nvl_bytes`` whose landing region holds ``landing_rows`` combine rows."""
+    return NVL_CONTROL_BYTES + landing_rows * row_bytes
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Where each part of a dispatch's plan (one int32 array the notify kernel writes) starts: the
+    received and forwarded row counts (words 0 and 1), then ``recv_prefix[R + 1]``,
+    ``per_expert[E / R]``, ``forward_prefix[N + 1]``, ``part_rows[L * N]``, ``push_offsets[L * N]``,
+    ``forward_offsets[L * N]``, ``landing_rows[L]`` (their meaning: ``PlanLayout`` in ``internode.cu``)."""
+
+    recv_prefix: int
+    per_expert: int
+    forward_prefix: int
+    part_rows: int
+    push_offsets: int
+    forward_offsets: int
+    landing_rows: int
+    words: int
+
+    @classmethod
+    def create(cls, num_ranks: int, num_nodes: int, ranks_per_node: int, num_local_experts: int) -> "PlanLayout":
+        sizes = {"recv_prefix": num_ranks + 1, "per_expert": num_local_experts, "forward_prefix": num_nodes + 1,
+                 "part_rows": ranks_per_node * num_nodes, "push_offsets": ranks_per_node * num_nodes,
+                 "forward_offsets": ranks_per_node * num_nodes, "landing_rows": ranks_per_node}
+        offsets, word = {}, 2
+        for name, size in sizes.items():
+            offsets[name] = word
+            word += size
+        return cls(**offsets, words=word)
+
+    def mirror(self) -> kernels.PlanLayout:
+        return kernels.PlanLayout(**self.__dict__)
+
+
+def chunk_rows(chunk_tokens: int, partition_rows: int) -> int:
+    """Rows per put-with-signal: ``chunk_tokens`` (the Config's RDMA send chunk), raised so that a
+    partition of ``partition_rows`` rows needs at most ``MAX_CHUNKS`` signals."""
+    return max(chunk_tokens, ceil_div(partition_rows, MAX_CHUNKS), 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Handle
+
+@dataclass
+class Handle:
+    """What an internode dispatch leaves for combine and for cached dispatch.
+
+    ``plan``: the notify kernel's plan (:class:`PlanLayout`) on the GPU; ``plan_host`` its host copy
+    when the dispatch waited on the CPU (``None`` with ``num_worst_tokens``). ``send_pos[t, r]``: row of
+    token ``t`` among those sent to rank ``r`` (-1 if not sent); ``node_pos[t, n]`` the same per node, with
+    ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node.
+    ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows local rank
+    ``j`` received from its source (-1: none). ``recv_src_idx[i]``: source token of received row ``i``.
+    """
+
+    num_tokens: int
+    num_rows: int
+    num_recv_tokens: int | None
+    num_local_experts: int
+    plan: Any
+    plan_host: np.ndarray | None
+    send_pos: Any
+    node_pos: Any
+    node_list: Any
+    counts: Any
+    forward_pos: Any
+    recv_src_idx: Any
+    is_token_in_rank: Any
+
+    @property
+    def num_ranks(self) -> int:
+        return self.send_pos.shape[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Context
+
+@dataclass
+class Context:
+    """What the internode calls need from a Buffer: one per Buffer whose ranks span several nodes.
+
+    Attributes:
+        library: the loaded internode family.
+        topology: where this rank sits (``ranks_per_node`` <= :data:`MAX_RANKS_PER_NODE`).
+        rdma, nvl: this rank's RDMA and NVL buffers (symmetric addresses), zeroed before first use.
+        rdma_layout, nvl_layout: how they are carved.
+        node_rdma, node_nvl: `[L]` `uint64` device arrays: each rank of this node's buffers as this GPU
+            addresses them (NVLink).
+        state: `[STATE_WORDS]` `uint64` device array, zeroed: finished calls, blocks done.
+        traffic: `[TRAFFIC_WORDS]` `uint64` device array: rows and bytes put to other nodes by
+            dispatches, then by combines (see :meth:`traffic_counts`).
+        status, status_host_ptr: the status words and the device address of their pinned host mirror.
+        device_sms: the GPU's SMs (each copy kernel's grid is capped at them).
+        timeout_ns: the bound on every wait.
+        barrier: ``barrier(stream)`` enqueues a device barrier of every rank.
+        raise_if_failed: raises what the status words' host mirror recorded.
+    """
+
+    library: Library
+    topology: Topology
+    rdma: int
+    nvl: int
+    rdma_layout: RdmaLayout
+    nvl_layout: NvlLayout
+    node_rdma: Any
+    node_nvl: Any
+    state: Any
+    traffic: Any
+    status: Any
+    status_host_ptr: int
+    device_sms: int
+    timeout_ns: int
+    barrier: Callable[[Any], None]
+    raise_if_failed: Callable[[], None]
+
+    @classmethod
+    def create(cls, library: Library, memory: SymmetricMemory, status: StatusWords, topology: Topology,
+               device_sms: int, timeout_s: float, barrier: Callable[[Any], None],
+               raise_if_failed: Callable[[], None]) -> "Context":
+        """The context of a Buffer whose symmetric ``memory`` holds both buffers (zeroed)."""
+        cupy = _deps.cupy()
+        regions = memory.regions
+        first = topology.node * topology.ranks_per_node
+        node_ranks = range(first, first + topology.ranks_per_node)
+        rdma_peers = memory.peer_addresses(regions.rdma_offset, topology.num_ranks, topology.rank, node_ranks)
+        nvl_peers = memory.peer_addresses(regions.nvl_offset, topology.num_ranks, topology.rank, node_ranks)
+        return cls(library=library, topology=topology, rdma=memory.rdma, nvl=memory.nvl,
+                   rdma_layout=RdmaLayout.carve(regions.rdma_bytes, topology.num_ranks, topology.num_nodes),
+                   nvl_layout=NvlLayout.carve(regions.nvl_bytes),
+                   node_rdma=cupy.asarray(np.array(rdma_peers, dtype=np.uint64)),
+                   node_nvl=cupy.asarray(np.array(nvl_peers, dtype=np.uint64)),
+                   state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64),
+                   traffic=cupy.zeros(TRAFFIC_WORDS, dtype=cupy.uint64), status=status.device,
+                   status_host_ptr=status.host_ptr, device_sms=device_sms, timeout_ns=int(timeout_s * 1e9),
+                   barrier=barrier, raise_if_failed=raise_if_failed)
+
+    def status_mirror(self) -> Status:
+        return Status(self.status.data.ptr, self.status_host_ptr)
+
+    def topology_mirror(self) -> kernels.Topology:
+        t = self.topology
+        return kernels.Topology(rank=t.rank, num_ranks=t.num_ranks, node=t.node, num_nodes=t.num_nodes,
+                                local=t.rank % t.ranks_per_node, ranks_per_node=t.ranks_per_node)
+
+    def traffic_counts(self) -> dict[str, int]:
+        """Rows and bytes this rank has put to other nodes since the Buffer was made, once the GPU's
+        work is done: ``dispatch_rows``, ``dispatch_bytes``, ``combine_rows``, ``combine_bytes``."""
+        _deps.cupy().cuda.Device().synchronize()
+        words = self.traffic.get()
+        return dict(zip(("dispatch_rows", "dispatch_bytes", "combine_rows", "combine_bytes"), map(int, words)))
+
+    def partition_rows(self, row_bytes: int) -> int:
+        return self.rdma_layout.partition_bytes // row_bytes
+
+
+def check_partition(call: str, ctx: Context, num_tokens: int, row_bytes: int, what: str) -> None:
+    """Raises ``ValueError`` naming ``call`` unless a partition of the RDMA buffer holds ``num_tokens``
+    rows of ``row_bytes`` (this rank's tokens, to or from one node)."""
+    if num_tokens > ctx.partition_rows(row_bytes):
+        t = ctx.topology
+        needed = rdma_bytes_for(num_tokens * row_bytes, t.num_ranks, t.num_nodes)
+        raise ValueError(f"{call}: {what} of {num_tokens} tokens ({row_bytes}-byte rows) needs an RDMA buffer of "
+                         f"{needed} bytes ({t.num_nodes} send and {t.num_nodes} receive partitions of "
+                         f"{num_tokens * row_bytes} bytes), but this Buffer has "
+                         f"num_rdma_bytes={ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes}; "
+                         f"create it with num_rdma_bytes >= {needed} (Config.get_rdma_buffer_size_hint gives a size "
+                         f"for a batch)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Calls
+
+def _ptr(array) -> int:
+    return 0 if array is None else array.data.ptr
+
+
+def _token_rows(x, scales, topk_idx, topk_weights) -> kernels.TokenRows:
+    rows = kernels.TokenRows(x=x.data.ptr, hidden_bytes=x.shape[1] * x.itemsize, num_tokens=x.shape[0],
+                             topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+                             num_topk=topk_idx.shape[1] if topk_idx is not None else 0)
+    if scales is not None:
+        rows.scales, rows.num_scales = scales.data.ptr, scales.shape[1]
+        rows.scale_token_stride, rows.scale_channel_stride = scales.strides[0] // 4, scales.strides[1] // 4
+    return rows
+
+
+def _grid(ctx: Context, num_sms: int) -> int:
+    return max(1, min(num_sms, ctx.device_sms))
+
+
+def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+             num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int,
+             chunk_tokens: int):
+    """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
+
+    Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: rows per put-with-signal
+    (the Config's ``num_max_rdma_chunked_send_tokens``).
+
+    Returns:
+        ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``;
+        a cached dispatch returns ``None`` for the top-k arrays and ``[]`` for the list.
+    """
+    cupy = _deps.cupy()
+    t = ctx.topology
+    L, N, R = t.ranks_per_node, t.num_nodes, t.num_ranks
+    cached = handle is not None
+    num_tokens = x.shape[0]
+    hidden_bytes = x.shape[1] * x.itemsize
+    num_scales = scales.shape[1] if scales is not None else 0
+    num_topk = topk_idx.shape[1] if topk_idx is not None else 0
+    row_bytes = dispatch_row_bytes(hidden_bytes, num_scales, num_topk, L)
+    check_partition("dispatch()", ctx, num_tokens, row_bytes, "dispatching")
+    chunk = chunk_rows(chunk_tokens, ctx.partition_rows(row_bytes))
+    grid = _grid(ctx, num_sms)
+    topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
+    state = ctx.state.data.ptr
+
+    ctx.barrier(stream)
+    if cached:
+        num_local_experts = handle.num_local_experts
+        send_pos, node_pos, node_list, counts = handle.send_pos, handle.node_pos, handle.node_list, handle.counts
+        plan = handle.plan
+    else:
+        num_local_experts = num_experts // R
+        send_pos = cupy.empty((num_tokens, R), dtype=cupy.int32)
+        node_pos = cupy.empty((num_tokens, N), dtype=cupy.int32)
+        node_list = cupy.empty((N, max(num_tokens, 1)), dtype=cupy.int32)
+        counts = cupy.empty(R + N, dtype=cupy.int32)
+        scan = kernels.ScanArgs(is_token_in_rank=is_token_in_rank.data.ptr, num_tokens=num_tokens, topo=topo,
+                                send_pos=send_pos.data.ptr, node_pos=node_pos.data.ptr, node_list=node_list.data.ptr,
+                                counts=counts.data.ptr)
+        launch(ctx.library, scan.entry, stream, R + N, NUM_THREADS, scan)
+    plan_layout = PlanLayout.create(R, N, L, num_local_experts)
+    send = kernels.SendArgs(
+        tokens=_token_rows(x, scales, topk_idx, topk_weights), send_pos=send_pos.data.ptr,
+        node_list=node_list.data.ptr, counts=counts.data.ptr,
+        num_tokens_per_expert=0 if cached else num_tokens_per_expert.data.ptr, num_experts=num_experts or 0,
+        topo=topo, rdma=ctx.rdma, layout=layout, row_bytes=row_bytes, chunk_rows=chunk, state=state,
+        traffic=ctx.traffic.data.ptr, status=status)
+    launch(ctx.library, send.entry, stream, grid, NUM_THREADS, send)
+
+    per_expert: list[int] = []
+    num_recv = None
+    plan_host = None
+    if cached:
+        num_rows, forward_pos, forward_capacity = handle.num_rows, None, 0
+        plan_host = handle.plan_host
+    else:
+        plan = cupy.empty(plan_layout.words, dtype=cupy.int32)
+        notify = kernels.NotifyArgs(rdma=ctx.rdma, layout=layout, topo=topo, num_experts=num_experts,
+                                    expert_alignment=expert_alignment, plan=plan.data.ptr,
+                                    plan_layout=plan_layout.mirror(), state=state, status=status,
+                                    timeout_ns=ctx.timeout_ns)
+        launch(ctx.library, notify.entry, stream, 1, NUM_THREADS, notify)
+        if num_worst_tokens > 0:
+            num_rows = num_worst_tokens
+            forward_capacity = N * num_tokens_bound(ctx, row_bytes)
+        else:
+            plan_host = plan.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+            ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
+            num_recv = num_rows = int(plan_host[0])
+            forward_capacity = int(plan_host[1])
+            per_expert = [int(c) for c in plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts]]
+        forward_pos = cupy.empty((forward_capacity, L), dtype=cupy.int32)
+
+    recv_x = cupy.empty((num_rows, x.shape[1]), dtype=x.dtype)
+    recv_scales = cupy.empty((num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
+    recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
+    recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
+    recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
+    pull = kernels.PullArgs(
+        node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes, chunk_rows=chunk,
+        hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
+        num_experts=num_local_experts * R, plan=plan.data.ptr, plan_layout=plan_layout.mirror(),
+        recv=kernels.RecvArrays(x=recv_x.data.ptr, scales=_ptr(recv_scales), topk_idx=_ptr(recv_topk_idx),
+                                topk_weights=_ptr(recv_topk_weights), src_idx=recv_src_idx.data.ptr,
+                                num_rows=num_rows),
+        forward_pos=_ptr(forward_pos), forward_capacity=forward_capacity, state=state, status=status,
+        timeout_ns=ctx.timeout_ns)
+    launch(ctx.library, pull.entry, stream, grid, NUM_THREADS, pull)
+    if cached:
+        return recv_x, recv_scales, None, None, [], handle
+    handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
+                    num_local_experts=num_local_experts, plan=plan, plan_host=plan_host, send_pos=send_pos,
+                    node_pos=node_pos, node_list=node_list, counts=counts, forward_pos=forward_pos,
+                    recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
+    return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
+
+
+def num_tokens_bound(ctx: Context, row_bytes: int) -> int:
+    """The most tokens any rank can send to one node in a call: what one partition holds."""
+    return ctx.partition_rows(row_bytes)
+
+
+def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int, chunk_tokens: int):
+    """Enqueue an internode combine on ``stream`` (outputs are allocated on the current stream).
+
+    Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (see :func:`dispatch`).
+
+    Returns:
+        ``(combined_x, combined_topk_weights)``.
+    """
+    cupy = _deps.cupy()
+    t = ctx.topology
+    L, N, R = t.ranks_per_node, t.num_nodes, t.num_ranks
+    hidden = x.shape[1]
+    num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+    row_bytes = combine_row_bytes(hidden, num_topk)
+    check_partition("combine()", ctx, handle.num_tokens, row_bytes, "combining")
+    plan_layout = PlanLayout.create(R, N, L, handle.num_local_experts)
+    if handle.plan_host is not None:
+        landing = handle.plan_host[plan_layout.landing_rows:plan_layout.landing_rows + L]
+        needed_rows = int(landing.max())
+        if needed_rows * row_bytes > ctx.nvl_layout.landing_bytes:
+            needed = nvl_bytes_for(needed_rows, row_bytes)
+            raise ValueError(f"combine(): the rows this node's ranks received need {needed_rows} landing rows of "
+                             f"{row_bytes} bytes on one forwarder, an NVL buffer of {needed} bytes, but this Buffer "
+                             f"has num_nvl_bytes={ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes}; create it "
+                             f"with num_nvl_bytes >= {needed} (Config.get_nvl_buffer_size_hint gives a size for a batch)")
+    chunk = chunk_rows(chunk_tokens, ctx.partition_rows(row_bytes))
+    grid = _grid(ctx, num_sms)
+    topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
+    state = ctx.state.data.ptr
+    combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
+    combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
+
+    ctx.barrier(stream)
+    push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
+                            plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), x=x.data.ptr,
+                            hidden_bytes=hidden * x.itemsize, topk_weights=_ptr(topk_weights), num_topk=num_topk,
+                            landing_row_bytes=row_bytes, state=state, status=status)
+    launch(ctx.library, push.entry, stream, grid, NUM_THREADS, push)
+    forward = kernels.ForwardArgs(
+        nvl=ctx.nvl, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout, topo=topo,
+        plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
+        hidden_bytes=hidden * x.itemsize, num_topk=num_topk, landing_row_bytes=row_bytes, row_bytes=row_bytes,
+        chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
+    launch(ctx.library, forward.entry, stream, grid, NUM_THREADS, forward)
+    reduce = kernels.ReduceArgs(
+        rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr, num_tokens=handle.num_tokens,
+        hidden_bytes=hidden * x.itemsize, num_topk=num_topk, row_bytes=row_bytes, chunk_rows=chunk,
+        bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
+        combined_topk_weights=_ptr(combined_weights), state=state, status=status, timeout_ns=ctx.timeout_ns)
+    launch(ctx.library, reduce.entry, stream, grid, NUM_THREADS, reduce)
+    return combined_x, combined_weights
+
