@@ -151,12 +151,14 @@ def times_out_without_rank_0(comm, what: str, call) -> BaseException | None:
     return expect_peer_timeout(comm.Get_rank(), call, what)
 
 
-def rejoin(comm, buffer) -> None:
-    """After rank 0 skipped a device barrier that the others entered and gave up on: rank 0 catches up
-    (the others announced that barrier epoch before giving up), then every rank is at the same epoch."""
+def rejoin(comm, buffer, behind: int = 1) -> None:
+    """After rank 0 skipped ``behind`` device barriers that the others entered and gave up on: rank 0
+    catches up (the others announced those barrier epochs before giving up), then every rank is at the
+    same epoch."""
     comm.Barrier()
     if comm.Get_rank() == 0:
-        buffer.barrier()
+        for _ in range(behind):
+            buffer.barrier()
     comm.Barrier()
     buffer.barrier()
 
