@@ -45,7 +45,9 @@ def main() -> None:
 
     comm = MPI.COMM_WORLD
     nvl_bytes = cuep.Config().get_nvl_buffer_size_hint(args.hidden * 2, comm.Get_size(), args.tokens, args.topk)
-    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes)
+    # Across nodes (0 on one node): the network leg's buffer.
+    rdma_bytes = cuep.Config().get_rdma_buffer_size_hint(args.hidden * 2, comm.Get_size(), args.tokens, args.topk)
+    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
     x = cupy.random.default_rng(buffer.rank).standard_normal((args.tokens, args.hidden), dtype=cupy.float32)
     x = x.astype(BF16)
     topk_idx, topk_weights = gate(x, args.experts, args.topk, seed=buffer.rank)

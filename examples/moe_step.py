@@ -148,7 +148,8 @@ def main() -> None:
     hidden_bytes = args.hidden * BF16.itemsize
     configs = (cuep.Buffer.get_dispatch_config(num_ranks), cuep.Buffer.get_combine_config(num_ranks))
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk) for c in configs)
-    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes)
+    rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk) for c in configs)
+    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)  # rdma: 0 on one node
     rank, per_rank = buffer.rank, args.experts // num_ranks
 
     # The step.

@@ -59,14 +59,17 @@ def get_buffer(comm: MPI.Comm, hidden_bytes: int, num_tokens: int, num_topk: int
     """
     global _buffer
     num_ranks = comm.Get_size()
-    num_nvl_bytes = 0
+    num_nvl_bytes = num_rdma_bytes = 0
     for config in (cuep.Buffer.get_dispatch_config(num_ranks), cuep.Buffer.get_combine_config(num_ranks)):
         num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_tokens, num_topk),
                             num_nvl_bytes)
-    if _buffer is None or _buffer.comm != comm or _buffer.num_nvl_bytes < num_nvl_bytes:
+        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, num_tokens, num_topk),
+                             num_rdma_bytes)  # 0 on one node
+    if (_buffer is None or _buffer.comm != comm or _buffer.num_nvl_bytes < num_nvl_bytes
+            or _buffer.num_rdma_bytes < num_rdma_bytes):
         if _buffer is not None:
             _buffer.destroy()
-        _buffer = cuep.Buffer(comm, num_nvl_bytes=num_nvl_bytes)
+        _buffer = cuep.Buffer(comm, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
     return _buffer
 
 
