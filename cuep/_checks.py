@@ -189,12 +189,19 @@ def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) ->
 
 def normal_handle(call: str, handle: Any, num_ranks: int, handle_type: type | None = None):
     """A normal-mode dispatch handle of the Buffer's mode (``handle_type``, default intranode)."""
-    from .modes import intranode
+    from .modes import internode, intranode
     if handle_type is None or handle_type is intranode.Handle:
         return intranode_handle(call, handle, num_ranks)
     if not isinstance(handle, handle_type):
-        raise TypeError(f"{call}: handle must be the handle an internode dispatch() on this Buffer returned, got "
-                        f"{type(handle).__name__}")
+        if not isinstance(handle, (tuple, list)) or len(handle) != len(internode.HANDLE_ARRAYS):
+            raise TypeError(f"{call}: handle must be an internode dispatch()'s handle or the "
+                            f"{len(internode.HANDLE_ARRAYS)}-item tuple it iterates as, got {type(handle).__name__}")
+        arrays = {name: _host_array(item) if name == "scalars" else as_device_array(call, f"handle item {name}", item)
+                  for name, item in zip(internode.HANDLE_ARRAYS, handle)}
+        try:
+            handle = internode.Handle.from_arrays(arrays)
+        except ValueError as exc:
+            raise ValueError(f"{call}: {exc}") from None
     if handle.num_ranks != num_ranks:
         raise ValueError(f"{call}: handle comes from a dispatch over {handle.num_ranks} ranks, this Buffer has "
                          f"{num_ranks}")

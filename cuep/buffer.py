@@ -309,7 +309,7 @@ class Buffer:
                     config.num_sms)
             recv_x = (recv_x, recv_scales) if a.scales is not None else recv_x
             return (recv_x, *received), (a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
-                                         a.num_tokens_per_expert)
+                                         a.num_tokens_per_expert, a.handle)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)
         self._resources.raise_if_failed()
@@ -347,7 +347,7 @@ class Buffer:
                                             config.num_max_rdma_chunked_send_tokens)
             else:
                 outputs = intranode.combine(ctx, stream, x, handle, topk_weights, bias0, bias1, config.num_sms)
-            return outputs, (x, topk_weights, bias0, bias1, handle.send_pos)
+            return outputs, (x, topk_weights, bias0, bias1, handle)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)
         return (*outputs, event)

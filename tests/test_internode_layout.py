@@ -90,3 +90,21 @@ def test_every_shape_of_cluster_fits_the_kernels_bounds():
     assert kernels.NUM_THREADS >= kernels.MAX_RANKS
     assert kernels.MAX_RANKS_PER_NODE <= 32
     assert kernels.COUNT_WORDS >= kernels.COUNT_HEADER_WORDS + kernels.MAX_LOCAL_EXPERTS
+
+
+def test_handle_round_trips_through_its_flat_tuple():
+    import numpy as np
+    handle = internode.Handle(
+        num_tokens=5, num_rows=7, num_recv_tokens=6, num_local_experts=4, plan=np.zeros(40, np.int32),
+        plan_host=np.zeros(40, np.int32), send_pos=np.zeros((5, 4), np.int32), node_pos=np.zeros((5, 2), np.int32),
+        node_list=np.zeros((2, 5), np.int32), counts=np.zeros(6, np.int32), forward_pos=np.zeros((3, 2), np.int32),
+        recv_src_idx=np.zeros(7, np.int32), is_token_in_rank=np.zeros((5, 4), np.bool_))
+    items = list(handle)
+    assert len(items) == len(handle) == len(internode.HANDLE_ARRAYS)
+    restored = internode.Handle.from_arrays(dict(zip(internode.HANDLE_ARRAYS, items)))
+    assert (restored.num_tokens, restored.num_rows, restored.num_recv_tokens, restored.num_local_experts,
+            restored.num_ranks) == (5, 7, 6, 4, 4)
+    assert restored.plan_host is None  # a restored handle's combine checks its landing rows on the device
+    items[1] = np.zeros((5, 4), np.int64)
+    with pytest.raises(ValueError, match="send_pos must be int32"):
+        internode.Handle.from_arrays(dict(zip(internode.HANDLE_ARRAYS, items)))

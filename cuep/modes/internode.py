@@ -37,7 +37,7 @@ from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
 from ..runtime.topology import Topology
 
-__all__ = ["MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle", "NvlLayout",
+__all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle", "NvlLayout",
            "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch", "dispatch_row_bytes",
            "nvl_bytes_for", "rdma_bytes_for"]
 
@@ -170,6 +170,10 @@ class Handle:
     ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node.
     ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows local rank
     ``j`` received from its source (-1: none). ``recv_src_idx[i]``: source token of received row ``i``.
+
+    Like DeepEP's handle it iterates as a flat tuple of arrays (:data:`HANDLE_ARRAYS` in order: the GPU
+    arrays, then ``scalars``, a host ``int64`` array ``[num_recv_tokens or -1, num_local_experts]``), so
+    frameworks can save it with their tensors; :meth:`from_arrays` takes that tuple back.
     """
 
     num_tokens: int
@@ -189,6 +193,40 @@ class Handle:
     @property
     def num_ranks(self) -> int:
         return self.send_pos.shape[1]
+
+    def __iter__(self):
+        scalars = np.array([-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts],
+                           dtype=np.int64)
+        return iter((*(getattr(self, name) for name in _HANDLE_ARRAY_DTYPES), scalars))
+
+    def __len__(self) -> int:
+        return len(HANDLE_ARRAYS)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any]) -> "Handle":
+        """The handle whose flat tuple held ``arrays`` (CuPy arrays, ``scalars`` on the host), by name.
+
+        Raises ``ValueError`` when their shapes do not fit together."""
+        for name, dtype in _HANDLE_ARRAY_DTYPES.items():
+            if arrays[name].dtype != dtype:
+                raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
+        send_pos, node_pos, scalars = arrays["send_pos"], arrays["node_pos"], arrays["scalars"]
+        if (send_pos.ndim != 2 or node_pos.ndim != 2 or node_pos.shape[0] != send_pos.shape[0]
+                or arrays["is_token_in_rank"].shape != send_pos.shape or arrays["recv_src_idx"].ndim != 1
+                or scalars.shape != (2,)):
+            raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
+        num_recv = int(scalars[0]) if scalars[0] >= 0 else None
+        return cls(num_tokens=send_pos.shape[0], num_rows=arrays["recv_src_idx"].shape[0], num_recv_tokens=num_recv,
+                   num_local_experts=int(scalars[1]), plan_host=None,
+                   **{name: arrays[name] for name in _HANDLE_ARRAY_DTYPES})
+
+
+# The handle's GPU arrays and their dtypes, in the order of its flat tuple.
+_HANDLE_ARRAY_DTYPES = {"plan": np.int32, "send_pos": np.int32, "node_pos": np.int32, "node_list": np.int32,
+                        "counts": np.int32, "forward_pos": np.int32, "recv_src_idx": np.int32,
+                        "is_token_in_rank": np.bool_}
+#: The handle's flat tuple, in order: its GPU arrays, then the host ``scalars``.
+HANDLE_ARRAYS = (*_HANDLE_ARRAY_DTYPES, "scalars")
 
 
 # ------------------------------------------------------------------------------------------------
