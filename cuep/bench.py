@@ -131,7 +131,8 @@ def bench_normal(args) -> None:
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     hidden_bytes = args.hidden * 2
     nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk)
-    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes)
+    rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk)  # 0 on one node
+    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
     x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
     x_fp8 = cupy.random.default_rng(7).integers(0, 256, x.shape, dtype=cupy.uint8)
     scales = cupy.ones((args.tokens, args.hidden // 128), dtype=cupy.float32)

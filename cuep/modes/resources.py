@@ -35,8 +35,10 @@ class Resources:
             check_internode_sizes(self.topology, num_nvl_bytes, num_rdma_bytes)
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
         self.device_id = nvshmem_world.choose_device(comm, self.topology)
-        load_kernels = start_kernels(comm, self.device_id, num_nvl_bytes, num_rdma_bytes if low_latency_mode else 0,
-                                     across_nodes)
+        # Across nodes a low-latency Buffer has no normal mode (its RDMA buffer is the low-latency one).
+        normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and low_latency_mode else num_nvl_bytes
+        load_kernels = start_kernels(comm, self.device_id, normal_nvl_bytes,
+                                     num_rdma_bytes if low_latency_mode else 0, across_nodes)
         nvshmem_world.init_world(comm, self.topology, self.regions.total_bytes, self.device_id)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
