@@ -337,7 +337,8 @@ class Buffer:
         ctx = self._resources.normal_ready(call)
         across_nodes = isinstance(ctx, internode.Context)
         x, handle, topk_weights, bias0, bias1 = _checks.combine_inputs(
-            call, x, handle, topk_weights, bias, self.group_size, internode.Handle if across_nodes else intranode.Handle)
+            call, x, handle, topk_weights, bias, self.group_size,
+            internode.Handle if across_nodes else intranode.Handle)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_combine_config(self.group_size)
 

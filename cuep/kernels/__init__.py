@@ -8,7 +8,8 @@ from __future__ import annotations
 from ..jit import KernelSpec
 from . import barrier, internode, intranode, layout, low_latency, probe
 
-FAMILIES = {"barrier": barrier, "internode": internode, "intranode": intranode, "layout": layout, "low_latency": low_latency, "probe": probe}
+FAMILIES = {"barrier": barrier, "internode": internode, "intranode": intranode, "layout": layout,
+            "low_latency": low_latency, "probe": probe}
 """Every family by name; ``probe`` (the benchmark's NVLink ceiling probe) is compiled by tools and tests
 but never by a Buffer (see :func:`buffer_specs`)."""
 

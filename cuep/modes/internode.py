@@ -37,7 +37,8 @@ from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
 from ..runtime.topology import Topology
 
-__all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle", "NvlLayout",
+__all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle",
+           "NvlLayout",
            "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch", "dispatch_row_bytes",
            "nvl_bytes_for", "rdma_bytes_for"]
 
@@ -473,7 +474,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
             raise ValueError(f"combine(): the rows this node's ranks received need {needed_rows} landing rows of "
                              f"{row_bytes} bytes on one forwarder, an NVL buffer of {needed} bytes, but this Buffer "
                              f"has num_nvl_bytes={ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes}; create it "
-                             f"with num_nvl_bytes >= {needed} (Config.get_nvl_buffer_size_hint gives a size for a batch)")
+                             f"with num_nvl_bytes >= {needed} (Config.get_nvl_buffer_size_hint gives a size for a "
+                             f"batch)")
     chunk = chunk_rows(chunk_tokens, ctx.partition_rows(row_bytes))
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
