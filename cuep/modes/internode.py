@@ -38,9 +38,8 @@ from ..runtime.regions import REGION_ALIGN, SymmetricMemory
 from ..runtime.topology import Topology
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle",
-           "NvlLayout",
-           "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch", "dispatch_row_bytes",
-           "nvl_bytes_for", "rdma_bytes_for"]
+           "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch",
+           "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
