@@ -188,45 +188,26 @@ def check_hook_options(call: str, async_finish: bool, return_recv_hook: bool) ->
 
 
 def normal_handle(call: str, handle: Any, num_ranks: int, handle_type: type | None = None):
-    """A normal-mode dispatch handle of the Buffer's mode (``handle_type``, default intranode)."""
-    from .modes import internode, intranode
-    if handle_type is None or handle_type is intranode.Handle:
-        return intranode_handle(call, handle, num_ranks)
+    """A normal-mode dispatch handle of the Buffer's mode (``handle_type``, default the intranode one), or the
+    flat tuple it iterates as (its arrays as CuPy, torch, JAX or, for its host ``scalars``, NumPy or CPU
+    torch), as that mode's Handle."""
+    if handle_type is None:
+        from .modes.intranode import Handle as handle_type
     if not isinstance(handle, handle_type):
-        if not isinstance(handle, (tuple, list)) or len(handle) != len(internode.HANDLE_ARRAYS):
-            raise TypeError(f"{call}: handle must be an internode dispatch()'s handle or the "
-                            f"{len(internode.HANDLE_ARRAYS)}-item tuple it iterates as, got {type(handle).__name__}")
+        names = handle_type.item_names()
+        if not isinstance(handle, (tuple, list)) or len(handle) != len(names):
+            raise TypeError(f"{call}: handle must be a dispatch()'s handle or the {len(names)}-item tuple it "
+                            f"iterates as, got {type(handle).__name__}")
         arrays = {name: _host_array(item) if name == "scalars" else as_device_array(call, f"handle item {name}", item)
-                  for name, item in zip(internode.HANDLE_ARRAYS, handle)}
+                  for name, item in zip(names, handle)}
         try:
-            handle = internode.Handle.from_arrays(arrays)
+            handle = handle_type.from_arrays(arrays)
         except ValueError as exc:
             raise ValueError(f"{call}: {exc}") from None
-    if handle.num_ranks != num_ranks:
-        raise ValueError(f"{call}: handle comes from a dispatch over {handle.num_ranks} ranks, this Buffer has "
-                         f"{num_ranks}")
-    return handle
-
-
-def intranode_handle(call: str, handle: Any, num_ranks: int):
-    """A normal-mode dispatch handle, or the flat tuple it iterates as (its arrays as CuPy, torch, JAX or,
-    for its host ``scalars``, NumPy or CPU torch), as a :class:`~cuep.modes.intranode.Handle`."""
-    from .modes.intranode import HANDLE_ARRAYS, Handle
-    if isinstance(handle, Handle):
-        return handle
-    if not isinstance(handle, (tuple, list)) or len(handle) != len(HANDLE_ARRAYS):
-        raise TypeError(f"{call}: handle must be a dispatch()'s handle or the {len(HANDLE_ARRAYS)}-item tuple it "
-                        f"iterates as, got {type(handle).__name__}")
-    arrays = {name: _host_array(item) if name == "scalars" else as_device_array(call, f"handle item {name}", item)
-              for name, item in zip(HANDLE_ARRAYS, handle)}
-    try:
-        restored = Handle.from_arrays(arrays)
-    except ValueError as exc:
-        raise ValueError(f"{call}: {exc}") from None
-    if restored.send_pos.shape[1] != num_ranks:
-        raise ValueError(f"{call}: handle comes from a dispatch over {restored.send_pos.shape[1]} ranks, this "
+    if handle.send_pos.shape[1] != num_ranks:
+        raise ValueError(f"{call}: handle comes from a dispatch over {handle.send_pos.shape[1]} ranks, this "
                          f"Buffer has {num_ranks}")
-    return restored
+    return handle
 
 
 def _host_array(value: Any) -> np.ndarray:

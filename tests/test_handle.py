@@ -40,7 +40,7 @@ def test_handle_arrays_that_do_not_fit_are_refused():
 
 def test_handle_must_be_a_handle_or_its_tuple():
     with pytest.raises(TypeError, match="handle must be a dispatch\\(\\)'s handle or the 8-item tuple"):
-        _checks.intranode_handle("combine()", (1, 2), 2)
+        _checks.normal_handle("combine()", (1, 2), 2)
 
 
 @pytest.mark.parametrize("given, expected", [("float32", np.float32), (np.int64, np.int64), ("bfloat16", "bfloat16"),

@@ -21,7 +21,7 @@ so a partition must hold one rank's tokens. The NVL buffer holds the combine's l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from ..kernels.launcher import launch
 from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
 from ..runtime.topology import Topology
+from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle",
            "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch",
@@ -161,7 +162,7 @@ def chunk_rows(chunk_tokens: int, partition_rows: int) -> int:
 # Handle
 
 @dataclass
-class Handle:
+class Handle(FlatHandle):
     """What an internode dispatch leaves for combine and for cached dispatch.
 
     ``plan``: the notify kernel's plan (:class:`PlanLayout`) on the GPU; ``plan_host`` its host copy
@@ -194,22 +195,19 @@ class Handle:
     def num_ranks(self) -> int:
         return self.send_pos.shape[1]
 
-    def __iter__(self):
-        scalars = np.array([-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts],
-                           dtype=np.int64)
-        return iter((*(getattr(self, name) for name in _HANDLE_ARRAY_DTYPES), scalars))
+    ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
+        "plan": np.int32, "send_pos": np.int32, "node_pos": np.int32, "node_list": np.int32, "counts": np.int32,
+        "forward_pos": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
 
-    def __len__(self) -> int:
-        return len(HANDLE_ARRAYS)
+    def scalars(self) -> list[int]:
+        return [-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts]
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> "Handle":
         """The handle whose flat tuple held ``arrays`` (CuPy arrays, ``scalars`` on the host), by name.
 
         Raises ``ValueError`` when their shapes do not fit together."""
-        for name, dtype in _HANDLE_ARRAY_DTYPES.items():
-            if arrays[name].dtype != dtype:
-                raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
+        cls.check_dtypes(arrays)
         send_pos, node_pos, scalars = arrays["send_pos"], arrays["node_pos"], arrays["scalars"]
         if (send_pos.ndim != 2 or node_pos.ndim != 2 or node_pos.shape[0] != send_pos.shape[0]
                 or arrays["is_token_in_rank"].shape != send_pos.shape or arrays["recv_src_idx"].ndim != 1
@@ -218,15 +216,11 @@ class Handle:
         num_recv = int(scalars[0]) if scalars[0] >= 0 else None
         return cls(num_tokens=send_pos.shape[0], num_rows=arrays["recv_src_idx"].shape[0], num_recv_tokens=num_recv,
                    num_local_experts=int(scalars[1]), plan_host=None,
-                   **{name: arrays[name] for name in _HANDLE_ARRAY_DTYPES})
+                   **{name: arrays[name] for name in cls.ARRAY_DTYPES})
 
 
-# The handle's GPU arrays and their dtypes, in the order of its flat tuple.
-_HANDLE_ARRAY_DTYPES = {"plan": np.int32, "send_pos": np.int32, "node_pos": np.int32, "node_list": np.int32,
-                        "counts": np.int32, "forward_pos": np.int32, "recv_src_idx": np.int32,
-                        "is_token_in_rank": np.bool_}
 #: The handle's flat tuple, in order: its GPU arrays, then the host ``scalars``.
-HANDLE_ARRAYS = (*_HANDLE_ARRAY_DTYPES, "scalars")
+HANDLE_ARRAYS = Handle.item_names()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,7 +405,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         launch(ctx.library, notify.entry, stream, 1, NUM_THREADS, notify)
         if num_worst_tokens > 0:
             num_rows = num_worst_tokens
-            forward_capacity = N * num_tokens_bound(ctx, row_bytes)
+            # Each source on this rank's rail sends it at most what one partition holds.
+            forward_capacity = N * ctx.partition_rows(row_bytes)
         else:
             plan_host = plan.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
@@ -442,11 +437,6 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
                     node_pos=node_pos, node_list=node_list, counts=counts, forward_pos=forward_pos,
                     recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
-
-
-def num_tokens_bound(ctx: Context, row_bytes: int) -> int:
-    """The most tokens any rank can send to one node in a call: what one partition holds."""
-    return ctx.partition_rows(row_bytes)
 
 
 def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int, chunk_tokens: int):

@@ -18,7 +18,7 @@ The NVL buffer holds a meta region of :data:`META_BYTES`, then two regions of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ..kernels.intranode import MAX_EXPERTS, MAX_RANKS, META_BYTES, STATE_WORDS,
 from ..kernels.launcher import launch
 from ..kernels.status import Status
 from ..runtime.regions import SymmetricMemory
+from .handles import FlatHandle
 
 __all__ = ["ALIGN", "HANDLE_ARRAYS", "LANDING_ROW_ALIGN", "MAX_EXPERTS", "MAX_RANKS", "META_BYTES", "STATE_WORDS",
            "Context", "Handle", "StagingLayout", "cached_dispatch", "combine", "dispatch", "landing_row_bytes",
@@ -95,7 +96,7 @@ def landing_row_bytes(hidden: int, num_weights: int) -> int:
 # Handle
 
 @dataclass
-class Handle:
+class Handle(FlatHandle):
     """What a dispatch leaves for combine and for cached dispatch.
 
     ``recv_info``: ``[num_recv, num_send_copies, rank_prefix[R + 1], per-expert counts]`` on the GPU.
@@ -121,13 +122,12 @@ class Handle:
     recv_src_idx: Any
     is_token_in_rank: Any
 
-    def __iter__(self):
-        counts = (self.num_recv_tokens, self.num_send_copies)
-        scalars = np.array([-1 if c is None else c for c in counts], dtype=np.int64)
-        return iter((*(getattr(self, name) for name in _HANDLE_ARRAY_DTYPES), scalars))
+    ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
+        "recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32, "push_offsets": np.int32,
+        "send_pos": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
 
-    def __len__(self) -> int:
-        return len(HANDLE_ARRAYS)
+    def scalars(self) -> list[int]:
+        return [-1 if c is None else c for c in (self.num_recv_tokens, self.num_send_copies)]
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> "Handle":
@@ -136,23 +136,17 @@ class Handle:
         Raises ``ValueError`` when their shapes do not fit together."""
         send_pos, recv_src_idx, scalars = arrays["send_pos"], arrays["recv_src_idx"], arrays["scalars"]
         num_ranks = send_pos.shape[1] if send_pos.ndim == 2 else -1
-        for name, dtype in _HANDLE_ARRAY_DTYPES.items():
-            if arrays[name].dtype != dtype:
-                raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
+        cls.check_dtypes(arrays)
         if (num_ranks < 1 or arrays["push_offsets"].shape != (2 * num_ranks,) or recv_src_idx.ndim != 1
                 or arrays["is_token_in_rank"].shape != send_pos.shape or scalars.shape != (2,)):
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
         num_recv, num_copies = (int(c) if c >= 0 else None for c in scalars)
         return cls(num_tokens=send_pos.shape[0], num_rows=recv_src_idx.shape[0], num_recv_tokens=num_recv,
-                   num_send_copies=num_copies, **{name: arrays[name] for name in _HANDLE_ARRAY_DTYPES})
+                   num_send_copies=num_copies, **{name: arrays[name] for name in cls.ARRAY_DTYPES})
 
 
-# The handle's GPU arrays and their dtypes, in the order of its flat tuple.
-_HANDLE_ARRAY_DTYPES = {"recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32,
-                        "push_offsets": np.int32, "send_pos": np.int32, "recv_src_idx": np.int32,
-                        "is_token_in_rank": np.bool_}
 #: The handle's flat tuple, in order: its GPU arrays, then the host ``scalars``.
-HANDLE_ARRAYS = (*_HANDLE_ARRAY_DTYPES, "scalars")
+HANDLE_ARRAYS = Handle.item_names()
 
 
 # ------------------------------------------------------------------------------------------------
