@@ -28,7 +28,13 @@
 //
 // Every wait is bounded (cuep/sync.cuh): a timed-out wait records the peer and phase in `status`
 // (mirrored to pinned host memory, so no copy is enqueued per call) and every later wait of the
-// launch gives up at once; the host raises PeerTimeoutError.
+// launch gives up at once; the host raises PeerTimeoutError. In shrink mode (Buffer(enable_shrink=
+// True)) it masks the peer instead: this rank sends it nothing and waits for it no more, the call
+// completes without it, and the launch's last thread tells the other ranks (tell_masks), so that
+// every live rank skips it from its next call on.
+//
+// Options: a combine's partials may travel as LogFMT (cuep/logfmt.cuh) instead of BF16; a call given
+// wait statistics adds, per peer, the nanoseconds its receive waited for that peer's messages.
 //
 // Values the host shares with these kernels (block size, top-k bound, phases, trace points, the
 // sequence state's size) are defined once in cuep/kernels/low_latency.py and arrive as CUEP_* macros;
@@ -45,6 +51,7 @@
 #include <cuep/common.cuh>
 #include <cuep/copy.cuh>
 #include <cuep/fp8.cuh>
+#include <cuep/logfmt.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
 #include <cuep/trace.cuh>
@@ -113,9 +120,10 @@ constexpr int kReceiverBarrier = 2;
 
 // Words of the per-Buffer sequence state (device memory, not symmetric; the host allocates
 // kSeqWords of them, zeroed).
-constexpr int kSeqLatest = 0;            // number of the newest call sent
-constexpr int kSeqOfHalf = 1;            // [2]: number of the newest call sent on each half
-constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running send launch that finished
+constexpr int kSeqLatest = CUEP_SEQ_LATEST;    // number of the newest call sent
+constexpr int kSeqOfHalf = CUEP_SEQ_OF_HALF;   // [2]: number of the newest call sent on each half
+static_assert(kSeqLatest == 0 && kSeqOfHalf == 1, "the words below follow these two");
+constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running launch on each half that finished
 constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
 constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all went out
 constexpr int kSeqWords = CUEP_SEQ_WORDS;
@@ -132,16 +140,62 @@ __device__ __forceinline__ uint64_t call_number(uint64_t* seq_state, int phases,
                                  : ld_volatile_global(seq_state + kSeqOfHalf + half);
 }
 
-// The last block of a send launch publishes its call number (every block has read the old one).
-// Only this GPU reads it, so a GPU-scope fence orders it after every block's reads.
-__device__ __forceinline__ void finish_send_launch(uint64_t* seq_state, int phases, int half, uint64_t seq) {
-    if (!(phases & kSendPhase))
+// Shrink mode, by the last thread of a launch: tell the other ranks of each peer this rank masked
+// itself (kMaskedToTell), so that every live rank skips it from its next call on. The masked peer is
+// told too where this GPU stores to it, so that it learns it is out; one reached only by network puts
+// is not written (its process may be gone, and a put to it could break the connection for everyone).
+// A rank that its peers masked tells nothing: it may be the one that cannot hear them.
+template <typename Args>
+__device__ void tell_masks(const Args& a) {
+    const MaskedStatus& status = a.status;
+    if (status.masked == nullptr || status.is_masked(a.rank))
         return;
-    if (last_block_done<Scope::kGpu>(seq_state + kSeqBlocksDone, half)) {
-        seq_state[kSeqBlocksDone + half] = 0;
-        seq_state[kSeqLatest] = seq;
-        seq_state[kSeqOfHalf + half] = seq;
+    for (int peer = 0; peer < a.num_ranks; ++peer) {
+        if (ld_volatile_global(status.masked + peer) != kMaskedToTell)
+            continue;
+        for (int pe = 0; pe < a.num_ranks; ++pe) {
+            if (pe == a.rank || (pe != peer && status.is_masked(pe)))
+                continue;
+            if (auto* direct = static_cast<int32_t*>(nvshmem_ptr(status.masked + peer, pe)))
+                st_relaxed_sys_global(direct, kMaskedTold);
+            else if (pe != peer)
+                nvshmem_int_p(status.masked + peer, kMaskedTold, pe);
+        }
+        status.masked[peer] = kMaskedTold;
     }
+}
+
+// The last block of a launch publishes a send's call number (every block has read the old one; only
+// this GPU reads it, so a GPU-scope fence orders it after every block's reads) and, in shrink mode,
+// tells the peers of the ranks the launch masked.
+template <typename Args>
+__device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq) {
+    if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.half))
+        return;
+    a.seq_state[kSeqBlocksDone + a.half] = 0;
+    if (a.phases & kSendPhase) {
+        a.seq_state[kSeqLatest] = seq;
+        a.seq_state[kSeqOfHalf + a.half] = seq;
+    }
+    tell_masks(a);
+}
+
+// Shrink mode: whether the peers masked this rank, which then sits the call out and reports it, until
+// every rank cleans the masks. Block-uniform: a mask may land while the block's threads read it.
+template <typename Args>
+__device__ __forceinline__ bool sits_out(const Args& a) {
+    if (a.status.masked == nullptr || !__syncthreads_or(a.status.is_masked(a.rank)))
+        return false;
+    if (threadIdx.x == 0)
+        a.status.record(kStatusSelfMasked, 1);
+    return true;
+}
+
+// Adds the nanoseconds since `started` to peer's entry of a call's wait statistics (if it has them).
+__device__ __forceinline__ void add_wait(int64_t* wait_stats, int peer, uint64_t started) {
+    if (wait_stats != nullptr)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + peer),
+                  static_cast<unsigned long long>(globaltimer_ns() - started));
 }
 
 // When some peer takes puts, a dispatch's token data waits until the whole tables have gone out. Every
@@ -184,7 +238,7 @@ __device__ __forceinline__ bool has_tag(uint64_t word, uint64_t seq) {
 // Table word `word` (already loaded once into `value`) once it carries seq's tag; false if the wait
 // gave up (wait_until, as every wait of this family).
 __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq, uint64_t deadline_ns,
-                                              const Status& status, int peer, int phase, uint64_t& value) {
+                                              const MaskedStatus& status, int peer, int phase, uint64_t& value) {
     return wait_until([&] { return has_tag(value, seq); }, [&] { value = ld_volatile_global(word); }, deadline_ns,
                       status, peer, phase);
 }
@@ -195,7 +249,7 @@ __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq
 // words at once (`words` 16-byte aligned, and the word after an odd `count` readable).
 template <int Batch, bool Pairs = false, typename Use>
 __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uint64_t seq, uint64_t deadline_ns,
-                                           const Status& status, int peer, int phase, const Use& use) {
+                                           const MaskedStatus& status, int peer, int phase, const Use& use) {
     static_assert(!Pairs || Batch % 2 == 0, "pairs of words fill the batch");
     for (int base = 0; base < count; base += Batch) {
         uint64_t values[Batch];
@@ -232,7 +286,7 @@ __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uin
 
 // An expert id from the caller's top-k array; ids outside [-1, num_experts) count as -1 and are reported.
 __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i, int num_experts,
-                                              const Status& status) {
+                                              const MaskedStatus& status) {
     const int64_t id =
         ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
     if (id < -1 || id >= num_experts) {
@@ -262,6 +316,22 @@ struct Team {
 };
 
 __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(blockDim.x), 0}; }
+
+// Shrink mode, team-wide: whether `pe` is masked, as the team's leader reads it, so that the whole team
+// takes the same branch (threads reading the mask themselves could disagree while a mask lands, and
+// the branches hold team barriers). Without shrink mode, false at no cost.
+__device__ __forceinline__ bool team_sees_masked(const Team& team, const MaskedStatus& status, int pe) {
+    if (status.masked == nullptr)
+        return false;
+    __shared__ int seen[kNumThreads / kWarpSize];  // one word per team, at its first warp
+    int* word = seen + team.first / kWarpSize;
+    if (team.leader())
+        *word = status.is_masked(pe);
+    team.sync();
+    const bool masked = *word != 0;
+    team.sync();  // every thread read it before the leader writes the next
+    return masked;
+}
 
 // Team-wide: write `count` tagged words, word i = value(i), into `table` (this rank's slot, a
 // symmetric address) on `pe`. A put peer gets them from `staging` (this rank's symmetric scratch) with
@@ -293,7 +363,7 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
 // Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
 // peer's words show themselves (read_table). False if the signal never came.
 __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
-                                                const Status& status, int pe, int rank, bool force_put, int phase) {
+                                                const MaskedStatus& status, int pe, int rank, bool force_put, int phase) {
     if (direct_address(flag, pe, rank, force_put) != nullptr)
         return true;
     return wait_at_least(flag, seq, deadline_ns, status, pe, phase);
@@ -376,10 +446,11 @@ struct DispatchArgs {
     int32_t* combine_rows;         // [num_ranks][max_tokens][num_topk]: flat row in x of combine, or -1
     int32_t* source_tokens;        // [num_ranks]: tokens each source sent
     int32_t* cumulative_stats;     // [L] or nullptr
+    int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each source, added
     int num_parts;                 // blocks that share one local expert's rows
     uint64_t* seq_state;
     uint64_t timeout_ns;
-    Status status;
+    MaskedStatus status;
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
@@ -393,12 +464,12 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
 }
 
 // A warp: the ranks holding token t's experts, each once, in choice order, written to `ranks`
-// (kMaxTopk entries of shared memory); returns how many. With `weights` (the caller's top-k weights),
+// (kMaxTopk entries of shared memory); returns how many. Masked ranks (shrink mode) hold none. With `weights` (the caller's top-k weights),
 // also writes the factor each rank's combined partial takes at the source to `partial_weights`: the
 // choice's weight where the rank holds one of the token's experts (it sent that row unweighted), 1
 // where it holds several (it summed them weighted). The caller syncs before others read.
 static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
-                                   int num_ranks, const Status& status, int* ranks, const float* weights = nullptr,
+                                   int num_ranks, const MaskedStatus& status, int* ranks, const float* weights = nullptr,
                                    float* partial_weights = nullptr) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
@@ -406,6 +477,8 @@ static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int
         const int id = read_expert_id(topk_idx, ids_are_int64, static_cast<int64_t>(t) * num_topk + lane, num_experts,
                                       status);
         r = id >= 0 ? id / (num_experts / num_ranks) : -1;
+        if (r >= 0 && status.is_masked(r))  // shrink mode: a masked rank's experts take no tokens
+            r = -1;
     }
     const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
     const bool first = r >= 0 && __ffs(same_rank) - 1 == lane;
@@ -597,7 +670,7 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
         const int pe = i / per_peer, w = i % per_peer;
         uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
                                          a.force_put);
-        if (table == nullptr)
+        if (table == nullptr || a.status.is_masked(pe))
             continue;
         const int r = w - header_words;
         const int index = r < 0 ? w : kRoutingHeaderWords + (block + r / stride * grid) * stride + r % stride;
@@ -605,7 +678,8 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
     }
     if (block == 0)
         for (int pe = team.thread(); pe < a.num_ranks; pe += team.size)
-            if (uint64_t* flag = direct_address(a.routing_flags + a.rank, pe, a.rank, a.force_put))
+            if (uint64_t* flag = direct_address(a.routing_flags + a.rank, pe, a.rank, a.force_put);
+                flag != nullptr && !a.status.is_masked(pe))
                 st_relaxed_sys_global(flag, seq);
     team.sync();
 }
@@ -626,7 +700,7 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
     const int table_words = kRoutingHeaderWords + a.num_tokens * ids_stride(a);
     const bool gated = has_put_peer(a);
     for (int pe = gridDim.x - 1 - blockIdx.x; gated && pe < a.num_ranks; pe += gridDim.x) {
-        if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr)
+        if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr && !team_sees_masked(team, a.status, pe))
             publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
                           a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words,
                           [&](int i) { return routing_word(a, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
@@ -665,8 +739,12 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
     const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
     const int64_t flat_row = e * rows_per_expert + row;
     const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
-    if (!wait_at_least(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns, a.status, s,
-                       kPhaseLowLatencyToken))
+    const uint64_t started = globaltimer_ns();
+    const bool arrived = wait_at_least(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns,
+                                       a.status, s, kPhaseLowLatencyToken);
+    if (lane == 0)
+        add_wait(a.wait_stats, s, started);
+    if (!arrived)  // the call is void, or (shrink mode) s was masked during it: the row keeps no data
         return;
     if (lane == 0)
         trace_latest(a.trace, kTraceLastRowFlag);
@@ -725,15 +803,19 @@ static __device__ ReceiveState receive_state(const DispatchArgs& a) {
     return r;
 }
 
-// Wait for every source's routing table and keep its token count. Ends with a team barrier.
+// Wait for every source's routing table and keep its token count (0 from a masked source, shrink
+// mode). Ends with a team barrier.
 static __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                    uint64_t deadline_ns) {
     for (int s = team.thread(); s < a.num_ranks; s += team.size) {
         int sent = 0;
+        const uint64_t started = globaltimer_ns();
         if (table_signalled(a.routing_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
                             kPhaseLowLatencyRouting))
             read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words, 1, seq, deadline_ns, a.status, s,
                           kPhaseLowLatencyRouting, [&](int, uint32_t tokens) { sent = static_cast<int>(tokens); });
+        if (blockIdx.x == 0)  // every block waits for every table; one counts it
+            add_wait(a.wait_stats, s, started);
         r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = r.source_tokens[s];
@@ -894,14 +976,16 @@ struct CombineArgs {
     uint64_t* weights;             // [num_ranks][weight_words] tagged floats
     int weight_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]: partials from each rank
-    int64_t slot_bytes;
+    int64_t slot_bytes;            // a LogFMT message's (LogFmtLayout), which a BF16 partial fits in
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
     int4* combined_x;              // [num_tokens, hidden] bf16
+    int use_logfmt;                // partials travel as LogFMT (cuep/logfmt.cuh), else BF16
+    int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each rank, added
     uint64_t* seq_state;
     uint64_t timeout_ns;
-    Status status;
+    MaskedStatus status;
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
@@ -915,6 +999,7 @@ struct PairRows {
     float weights[kMaxTopk];
     int count;
     bool ready;  // false: nothing to send, or the source's weights never came
+    bool fell_back;  // some LogFMT block of the partial went as BF16: the whole message travels
 };
 
 // Warp 0 of a group: this rank's rows for pair (s, t), in choice order.
@@ -971,13 +1056,15 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
 }
 
 // Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
-// for it, as BF16 into slot (this rank, t) of s, then raise the slot's flag. The first row's loads
-// are in flight while the weights are awaited.
+// for it, as BF16 or LogFMT into slot (this rank, t) of s, then raise the slot's flag. The first row's
+// loads are in flight while the weights are awaited.
 static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
                              PairRows& pair) {
-    const int thread = group.thread();
+    const int thread = group.thread(), lane = thread % kWarpSize;
     if (thread < kWarpSize)
         gather_pair_rows(a, s, t, pair);
+    if (thread == 0)
+        pair.fell_back = false;
     group.sync();
     int4 raw[kPartialBatch];
     if (pair.count > 0)
@@ -996,7 +1083,10 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
     uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
     int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct : staged);
     const int num_vectors = a.hidden / kBf16PerVector;
-    for (int first = thread; first < num_vectors; first += kPartialBatch * kGroupThreads) {
+    const LogFmtLayout logfmt(a.hidden);
+    // Whole warps run each round (LogFMT codes a block per half-warp, with shuffles); the BF16 loads and
+    // stores of lanes past the end are predicated off.
+    for (int first = thread; first - lane < num_vectors; first += kPartialBatch * kGroupThreads) {
         float sum[kPartialBatch][kBf16PerVector] = {};
         for (int j = 0; j < pair.count; ++j) {
             if (j > 0 || first != thread)
@@ -1006,10 +1096,19 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
             for (int i = 0; i < kPartialBatch; ++i)
                 accumulate_bf16x8(sum[i], raw[i], weight);
         }
+        if (a.use_logfmt) {
 #pragma unroll
-        for (int i = 0; i < kPartialBatch; ++i)
-            if (first + i * kGroupThreads < num_vectors)
-                st_na_global(out + first + i * kGroupThreads, floats_to_bf16x8(sum[i]));
+            for (int i = 0; i < kPartialBatch; ++i) {
+                const int v = first + i * kGroupThreads;
+                if (store_logfmt_vector(reinterpret_cast<uint8_t*>(out), logfmt, v, sum[i], v < num_vectors))
+                    pair.fell_back = true;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < kPartialBatch; ++i)
+                if (first + i * kGroupThreads < num_vectors)
+                    st_na_global(out + first + i * kGroupThreads, floats_to_bf16x8(sum[i]));
+        }
     }
     group.sync();
     if (thread == 0)
@@ -1019,8 +1118,10 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
         if (thread == 0)  // after the group barrier: the release covers the whole group's stores
             st_release_sys_global(direct_address(flag, s, a.rank, false), seq);
     } else if (thread < kWarpSize) {
-        nvshmemx_putmem_signal_nbi_warp(slot, staged, static_cast<size_t>(a.hidden) * 2, flag, seq,
-                                        NVSHMEM_SIGNAL_SET, s);
+        const int bytes = !a.use_logfmt  ? a.hidden * 2
+                          : pair.fell_back ? logfmt.message_bytes
+                                           : logfmt.encoded_bytes;
+        nvshmemx_putmem_signal_nbi_warp(slot, staged, static_cast<size_t>(bytes), flag, seq, NVSHMEM_SIGNAL_SET, s);
     }
     if (thread == 0)
         trace_latest(a.trace, kTracePartialFlagged);
@@ -1032,6 +1133,8 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
+        if (team_sees_masked(whole_block(), a.status, pe))
+            continue;
         auto word = [&](int i) -> uint32_t {
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
             return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
@@ -1048,12 +1151,12 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     const int num_groups = gridDim.x * kGroupsPerBlock;
     for (int i = group * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
-        if (t < __ldg(a.source_tokens + s))
+        if (t < __ldg(a.source_tokens + s) && !team_sees_masked(warp_group(group), a.status, s))
             send_partial(a, s, t, seq, deadline_ns, warp_group(group), pairs[group]);
     }
 }
 
-// Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts.
+// Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts (BF16 or LogFMT).
 __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
     __shared__ int ranks[kMaxTopk];
     __shared__ float partial_weights[kMaxTopk];
@@ -1062,9 +1165,15 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
         const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
                                               a.num_ranks, a.status, ranks, a.topk_weights, partial_weights);
         __syncwarp();
-        if (static_cast<int>(threadIdx.x) < count)
-            wait_at_least(a.token_flags + static_cast<int64_t>(ranks[threadIdx.x]) * a.flag_stride + t, seq,
-                          deadline_ns, a.status, ranks[threadIdx.x], kPhaseLowLatencyPartial);
+        if (static_cast<int>(threadIdx.x) < count) {
+            const int holder = ranks[threadIdx.x];
+            const uint64_t started = globaltimer_ns();
+            // A partial that never came (shrink mode: its rank was masked meanwhile) adds nothing.
+            if (!wait_at_least(a.token_flags + static_cast<int64_t>(holder) * a.flag_stride + t, seq, deadline_ns,
+                               a.status, holder, kPhaseLowLatencyPartial))
+                ranks[threadIdx.x] = -1;
+            add_wait(a.wait_stats, holder, started);
+        }
         if (threadIdx.x == 0)
             num_ranks_holding = count;
     }
@@ -1072,6 +1181,19 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
     trace_block(a.trace, kTracePartialsArrived);
     const int num_vectors = a.hidden / kBf16PerVector;
     const int count = num_ranks_holding;
+    if (a.use_logfmt) {
+        const LogFmtLayout logfmt(a.hidden);
+        for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
+            float sum[kBf16PerVector] = {};
+            for (int i = 0; i < count; ++i)
+                if (ranks[i] >= 0)
+                    accumulate_logfmt_vector(sum, message_slot(a.slots, ranks[i], t, a.max_tokens, a.slot_bytes),
+                                             logfmt, v, partial_weights[i]);
+            a.combined_x[static_cast<int64_t>(t) * num_vectors + v] = floats_to_bf16x8(sum);
+        }
+        __syncthreads();
+        return;
+    }
     for (int first = threadIdx.x; first < num_vectors; first += kSumBatch * blockDim.x) {
         float sum[kSumBatch][kBf16PerVector] = {};
         for (int base = 0; base < count; base += kPartialsAtOnce) {
@@ -1083,7 +1205,9 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
 #pragma unroll
                 for (int j = 0; j < kSumBatch; ++j) {
                     const int v = first + j * blockDim.x;
-                    raw[i][j] = base + i < count && v < num_vectors ? ld_cg_global(partial + v) : make_int4(0, 0, 0, 0);
+                    raw[i][j] = base + i < count && v < num_vectors && ranks[min(base + i, count - 1)] >= 0
+                                    ? ld_cg_global(partial + v)
+                                    : make_int4(0, 0, 0, 0);
                 }
             }
 #pragma unroll
@@ -1114,21 +1238,23 @@ extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_dispa
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    cuep::dispatch(args, seq, deadline_ns);
+    if (!cuep::sits_out(args))
+        cuep::dispatch(args, seq, deadline_ns);
     if constexpr (cuep::kTrace)
         __syncthreads();  // the end is the last team's
     cuep::trace_block(args.trace, cuep::kTraceEnd);
-    cuep::finish_send_launch(args.seq_state, args.phases, args.half, seq);
+    cuep::finish_launch(args, seq);
 }
 
 extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_combine(const cuep::CombineArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    if (args.phases & cuep::kSendPhase)
+    const bool sits_out = cuep::sits_out(args);
+    if (!sits_out && (args.phases & cuep::kSendPhase))
         cuep::combine_send(args, seq, deadline_ns);
-    if (args.phases & cuep::kRecvPhase)
+    if (!sits_out && (args.phases & cuep::kRecvPhase))
         cuep::combine_recv(args, seq, deadline_ns);
     cuep::trace_block(args.trace, cuep::kTraceEnd);
-    cuep::finish_send_launch(args.seq_state, args.phases, args.half, seq);
+    cuep::finish_launch(args, seq);
 }

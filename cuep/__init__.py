@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
-from .errors import CompileError, CuepError, MissingDependencyError, PeerTimeoutError  # noqa: E402
+from .errors import CompileError, CuepError, MaskedRankError, MissingDependencyError, PeerTimeoutError  # noqa: E402
 from .event import EventOverlap  # noqa: E402
 
-__all__ = ["Buffer", "CompileError", "Config", "CuepError", "EventOverlap", "MissingDependencyError", "PeerTimeoutError",
-           "__version__"]
+__all__ = ["Buffer", "CompileError", "Config", "CuepError", "EventOverlap", "MaskedRankError", "MissingDependencyError",
+           "PeerTimeoutError", "__version__"]

@@ -46,6 +46,9 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: let low-latency kernels store over NVLink to peers
             NVSHMEM can reach directly.
         explicitly_destroy: resources are released only by :meth:`destroy` (or at exit).
+        enable_shrink: low-latency shrink mode: a peer that does not answer within ``CUEP_TIMEOUT_S`` is
+            masked instead of failing the call (:meth:`low_latency_query_mask_buffer`); the call completes
+            on every live rank without it, and later calls skip it without waiting.
 
     Differs from DeepEP: takes an mpi4py communicator instead of a torch process group; intranode
     and internode memory are one NVSHMEM mechanism; adds :meth:`barrier`.
@@ -56,7 +59,7 @@ class Buffer:
 
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 explicitly_destroy: bool = False):
+                 explicitly_destroy: bool = False, enable_shrink: bool = False):
         call = "Buffer()"
         self.num_nvl_bytes, self.num_rdma_bytes = _checks.buffer_sizes(call, num_nvl_bytes, num_rdma_bytes,
                                                                        num_qps_per_rank, intranode.META_BYTES)
@@ -66,10 +69,12 @@ class Buffer:
         self.num_qps_per_rank = int(num_qps_per_rank)
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
         _checks.same_on_every_rank(call, self.comm, num_nvl_bytes=self.num_nvl_bytes,
                                    num_rdma_bytes=self.num_rdma_bytes)
         self._resources = r = Resources(self.comm, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                        force_put=not self.allow_nvlink_for_low_latency_mode)
+                                        force_put=not self.allow_nvlink_for_low_latency_mode,
+                                        shrink=self.enable_shrink)
         self.topology, self.rank, self.group_size, self.device_id = r.topology, r.rank, r.num_ranks, r.device_id
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()
@@ -370,8 +375,9 @@ class Buffer:
         return low_latency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats=None, use_fp8: bool = True, round_scale: bool = False,
-                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
         """Send each token to the ranks holding its experts, laid out per local expert (decode, low latency).
 
         Each token crosses to each destination rank once, quantised to FP8 by its sender (or as BF16);
@@ -394,6 +400,10 @@ class Buffer:
             num_experts: experts across all ranks, a multiple of the number of ranks.
             cumulative_local_expert_recv_stats: `[num_local_experts]` `int32`; each call adds the tokens each
                 local expert received.
+            dispatch_wait_recv_cost_stats: `[num_ranks]` `int64`; each call adds, per source rank, the
+                nanoseconds this rank's receive waited for that source's messages (its routing table, then
+                each of its tokens). A straggler shows as one large entry. Waits of different warps overlap,
+                so the entries compare sources rather than add up to wall time.
             use_fp8: send e4m3 with one float32 scale per 128 channels (else BF16).
             round_scale: round each scale up to a power of two.
             use_ue8m0: return the (power-of-two) scales as packed UE8M0 exponents.
@@ -413,7 +423,8 @@ class Buffer:
             hook: the receive hook with ``return_recv_hook``, else ``None``.
 
         Differs from DeepEP: rows are deterministic (DeepEP's order depends on timing); up to 32 experts
-        per token; `int32` ids accepted; FP8 is `uint8` (CuPy has no FP8 dtype).
+        per token; `int32` ids accepted; FP8 is `uint8` (CuPy has no FP8 dtype); wait statistics count
+        nanoseconds (DeepEP counts clock cycles).
         """
         call = "low_latency_dispatch()"
         ctx = self._resources.low_latency_ready(call)
@@ -424,16 +435,19 @@ class Buffer:
                                            use_fp8, round_scale, use_ue8m0)
         stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                                         np.int32, num_experts // self.group_size)
+        wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                             np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
         recv_x, recv_scales, recv_count, handle, launch = low_latency.dispatch(
             ctx, ctx.next_half(), x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), stats,
-            use_fp8, round_scale, use_ue8m0)
+            wait_stats, use_fp8, round_scale, use_ue8m0)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
-                                            (x, topk_idx, stats, recv_x, recv_scales, recv_count, handle))
+                                            (x, topk_idx, stats, wait_stats, recv_x, recv_scales, recv_count, handle))
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle: low_latency.Handle, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False, out=None):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle: low_latency.Handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None):
         """Send the expert outputs back to their tokens' ranks and reduce them with the top-k weights.
 
         Each rank first sums, in FP32, the weighted outputs of its local experts for each token it
@@ -445,10 +459,16 @@ class Buffer:
             topk_idx: `[num_tokens, num_topk]`, the dispatch's routing; entries set to `-1` since then are skipped.
             topk_weights: `[num_tokens, num_topk]` `float32`.
             handle: the handle of the matching :meth:`low_latency_dispatch`.
+            use_logfmt: send each partial as LogFMT (:mod:`cuep.logfmt`): per 128 channels, 10-bit
+                logarithmic codes with the block's range, or BF16 where the block's nonzero values span more
+                than 16 octaves; about 1.31 bytes per channel instead of 2, each element within 1.1% (BF16
+                blocks: 2^-8) of the FP32 partial. Every rank passes the same value.
             zero_copy: accepted for DeepEP compatibility: cuep reads ``x`` in place whatever it is, so this
                 costs nothing either way (:meth:`get_next_low_latency_combine_buffer` gives a ready buffer).
             async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
             out: `[num_tokens, hidden]` `bfloat16` to write into, else a new array.
+            combine_wait_recv_cost_stats: `[num_ranks]` `int64`; each call adds, per rank, the nanoseconds
+                this rank's receive waited for that rank's partials.
 
         Returns:
             combined_x: `[num_tokens, hidden]` `bfloat16`, ``sum_k topk_weights[t, k] * x[row of (t, k)]``.
@@ -457,15 +477,20 @@ class Buffer:
 
         Differs from DeepEP: a token's partial sum from each rank is rounded to BF16 once before it
         travels (DeepEP rounds each expert's output); the result differs from DeepEP's by BF16 rounding.
+        LogFMT is cuep's own format (DeepEP's LogFMT-10 inspired it; the bytes differ) and works with
+        ``zero_copy``.
         """
         call = "low_latency_combine()"
         ctx = self._resources.low_latency_ready(call)
         x, topk_idx, topk_weights, out = _checks.low_latency_combine_inputs(
             call, x, topk_idx, topk_weights, handle, out, self.group_size, low_latency.Handle)
+        wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                             np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
-        launch = low_latency.combine(ctx, ctx.next_half(), x, topk_idx, topk_weights, handle, out)
+        launch = low_latency.combine(ctx, ctx.next_half(), x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
+                                     wait_stats)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
-                                            (x, topk_idx, topk_weights, handle, out))
+                                            (x, topk_idx, topk_weights, handle, out, wait_stats))
         return out, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: low_latency.Handle):
@@ -500,6 +525,58 @@ class Buffer:
         self._resources.device.synchronize()
         wait_for_all(self.comm, call)
         _deps.cupy().cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
+        self._resources.device.synchronize()
+        wait_for_all(self.comm, call)
+
+    # ----------------------------------------------------------------------------------------------
+    # Shrink mode (low latency)
+    def _shrink_ready(self, call: str) -> low_latency.Context:
+        ctx = self._resources.low_latency_ready(call)
+        if not ctx.shrink:
+            raise ValueError(f"{call}: create the Buffer with enable_shrink=True (and low_latency_mode=True)")
+        return ctx
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank in this rank's mask, in stream order (shrink mode).
+
+        A masked rank is sent nothing and waited for by no low-latency call; its experts' tokens add
+        nothing to a combine. A rank masked here reaches every other live rank at the end of this rank's
+        next low-latency kernel, as a mask set by a timeout does. Unmasking is local: it undoes a mask
+        no call has used yet; a rank that its peers masked rejoins through
+        :meth:`low_latency_clean_mask_buffer`.
+        """
+        call = "low_latency_update_mask_buffer()"
+        ctx = self._shrink_ready(call)
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, (int, np.integer)) \
+                or not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"{call}: rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        ctx.set_mask(int(rank_to_mask), bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status) -> None:
+        """Write this rank's mask into ``mask_status``, `[num_ranks]` `int32` (1: masked), in stream order
+        (shrink mode). Once a call that masked a rank has finished on every live rank, every live rank
+        shows the same mask."""
+        call = "low_latency_query_mask_buffer()"
+        ctx = self._shrink_ready(call)
+        out = _checks.optional_vector(call, "mask_status", mask_status, np.int32, self.group_size)
+        if out is None:
+            raise ValueError(f"{call}: mask_status must be a [{self.group_size}] int32 device array")
+        ctx.query_mask(out)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Collective over every rank of the Buffer, a masked rank that is back included: unmask every
+        rank and resume together (shrink mode).
+
+        A rank that sat calls out is behind the others' call numbers; every rank goes on from the newest
+        call any rank sent. Nothing may be in flight (no pending hook). A rank that never comes makes it
+        raise :class:`~cuep.errors.PeerTimeoutError` after ``CUEP_TIMEOUT_S``, and the masks stay.
+        """
+        call = "low_latency_clean_mask_buffer()"
+        ctx = self._shrink_ready(call)
+        self._resources.device.synchronize()
+        wait_for_all(self.comm, call)
+        newest = max(self.comm.allgather(ctx.newest_call()))  # every rank arrived: cannot stall
+        ctx.restart(newest)
         self._resources.device.synchronize()
         wait_for_all(self.comm, call)
 

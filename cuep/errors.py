@@ -31,3 +31,9 @@ class PeerTimeoutError(CuepError, TimeoutError):
             f"rank {rank} waited {timeout_s:g} s for {who} in {phase} and gave up; "
             f"check that every rank makes the same cuep calls in the same order "
             f"(raise CUEP_TIMEOUT_S if the peer is merely slow)")
+
+
+class MaskedRankError(CuepError):
+    """This rank's peers masked it in shrink mode (``Buffer(..., enable_shrink=True)``): it did not
+    answer within ``CUEP_TIMEOUT_S``, and its low-latency calls do nothing until every rank calls
+    ``Buffer.low_latency_clean_mask_buffer()``."""

@@ -122,5 +122,6 @@ def test_phase_codes_have_no_holes_and_a_name_each():
     codes = sorted(int(phase) for phase in status.Phase)
     assert codes == list(range(1, len(codes) + 1))
     assert set(status.PHASE_NAMES) == set(status.Phase)
-    words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.LANDING_ROWS]
+    words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.LANDING_ROWS,
+             status.SELF_MASKED]
     assert sorted(words) == list(range(status.STATUS_WORDS))

@@ -61,10 +61,17 @@ constexpr int kStatusPhase = CUEP_STATUS_PHASE;                 // which wait (k
 constexpr int kStatusOverflow = CUEP_STATUS_OVERFLOW;           // rows beyond num_worst_tokens
 constexpr int kStatusBadExpertIds = CUEP_STATUS_BAD_EXPERT_IDS; // top-k ids a kernel treated as -1
 constexpr int kStatusLandingRows = CUEP_STATUS_LANDING_ROWS;    // rows beyond one rank's landing region
+constexpr int kStatusSelfMasked = CUEP_STATUS_SELF_MASKED;      // shrink mode: the peers masked this rank
 constexpr int kStatusWords = CUEP_STATUS_WORDS;
 static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kStatusPhase < kStatusWords &&
               kStatusOverflow < kStatusWords && kStatusBadExpertIds < kStatusWords &&
-              kStatusLandingRows < kStatusWords, "a status word outside the status array");
+              kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords,
+              "a status word outside the status array");
+
+// Values of a shrink-mode mask entry (Status::masked): 0 live, else masked, and whether this rank
+// still has to tell its peers (it masked the peer itself) or has told them (or was told).
+constexpr int kMaskedToTell = CUEP_MASKED_TO_TELL;
+constexpr int kMaskedTold = CUEP_MASKED_TOLD;
 
 // Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py (Phase) names them.
 constexpr int kPhaseBarrier = CUEP_PHASE_BARRIER;

@@ -79,6 +79,10 @@ __device__ __forceinline__ void st_relaxed_sys_global(uint64_t* ptr, uint64_t va
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_sys_global(int32_t* ptr, int32_t value) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t ld_volatile_global(const uint64_t* ptr) {
     uint64_t value;
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr));

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import ctypes
 
-from .. import env
+from .. import env, logfmt
 from .._math import ceil_div
 from ..jit import KernelSpec
 from .common import UE8M0_SCALES_PER_WORD, WARP_SIZE, family_constants
 from .launcher import KernelArgs
-from .status import Status
+from .status import MaskedStatus
 
 NUM_THREADS = 512               # threads per block; the kernels' registers are budgeted for it
 MAX_TOPK = 32                   # experts per token (a warp's lanes hold one each)
 SEND_PHASE, RECV_PHASE = 1, 2   # a launch's phases (bits): both for a whole call, one each for a hook
 SEQ_WORDS = 8                   # uint64 words of the device's sequence state (their meaning: low_latency.cu)
+SEQ_LATEST, SEQ_OF_HALF = 0, 1  # in it: the newest call number sent, then the newest of each buffer half
 ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then each token's choices]
 MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
 DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
@@ -64,7 +65,8 @@ def _trace_constants() -> dict[str, int]:
 
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "send_phase": SEND_PHASE, "recv_phase": RECV_PHASE,
-             "seq_words": SEQ_WORDS, "routing_header_words": ROUTING_HEADER_WORDS,
+             "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST, "seq_of_half": SEQ_OF_HALF,
+             "routing_header_words": ROUTING_HEADER_WORDS, **logfmt.CONSTANTS,
              "ue8m0_scales_per_word": UE8M0_SCALES_PER_WORD, "trace_points": TRACE_POINTS, **_trace_constants()}
 """What ``low_latency.cu`` reads as ``CUEP_<NAME>`` besides the shared constants."""
 
@@ -96,9 +98,9 @@ class DispatchArgs(KernelArgs):
         ("routing_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p), ("recv_count", ctypes.c_void_p),
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
-        ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
+        ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p), ("wait_stats", ctypes.c_void_p),
         ("num_parts", ctypes.c_int),
-        ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", Status),
+        ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),
         ("trace", ctypes.c_void_p),
     ]
 
@@ -120,13 +122,13 @@ class CombineArgs(KernelArgs):
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
         ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
-        ("combined_x", ctypes.c_void_p),
-        ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", Status),
+        ("combined_x", ctypes.c_void_p), ("use_logfmt", ctypes.c_int), ("wait_stats", ctypes.c_void_p),
+        ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),
         ("trace", ctypes.c_void_p),
     ]
 
 
-ARGUMENT_STRUCTS = (Status, DispatchArgs, CombineArgs)
+ARGUMENT_STRUCTS = (MaskedStatus, DispatchArgs, CombineArgs)
 """Every struct the entries take, with the ones nested in them (tests/test_kernel_args.py checks each)."""
 
 DISPATCH_ENTRY, COMBINE_ENTRY = DispatchArgs.entry, CombineArgs.entry

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import enum
 
-from ..errors import PeerTimeoutError
+from ..errors import MaskedRankError, PeerTimeoutError
 from .launcher import KernelArgs
 
 # Index of each int32 status word.
@@ -21,7 +21,12 @@ PHASE = 2           # which wait (a Phase)
 OVERFLOW = 3        # rows a dispatch needed beyond the num_worst_tokens it was given
 BAD_EXPERT_IDS = 4  # top-k ids outside [-1, num_experts) that a kernel treated as -1
 LANDING_ROWS = 5    # rows a push dispatch or a combine had to land on one rank, beyond its buffer
-STATUS_WORDS = 6
+SELF_MASKED = 6     # shrink mode: this rank's peers masked it, so its low-latency kernels did nothing
+STATUS_WORDS = 7
+
+# A shrink-mode mask entry (cuep::Status::masked): 0 for a live peer, else masked, and whether this
+# rank still has to tell the other ranks (it masked the peer itself) or has told them (or was told).
+MASKED_TO_TELL, MASKED_TOLD = 1, 2
 
 
 class Phase(enum.IntEnum):
@@ -61,7 +66,8 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,
              "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
-             "status_words": STATUS_WORDS, **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
+             "status_self_masked": SELF_MASKED, "status_words": STATUS_WORDS, "masked_to_tell": MASKED_TO_TELL,
+             "masked_told": MASKED_TOLD, **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
 """The status layout and phase codes as the kernels see them (``CUEP_<NAME>``)."""
 
 
@@ -72,6 +78,14 @@ class Status(KernelArgs):
     cxx_name = "Status"
     _fields_ = [("device", ctypes.c_void_p),  # [STATUS_WORDS] int32 device array, updated atomically
                 ("host", ctypes.c_void_p)]    # device address of its pinned host mirror, read without a copy
+
+
+class MaskedStatus(KernelArgs):
+    """Mirror of ``cuep::MaskedStatus``, the low-latency kernels' :class:`Status` with shrink mode's mask."""
+
+    cxx_name = "MaskedStatus"
+    _fields_ = [*Status._fields_,
+                ("masked", ctypes.c_void_p)]  # shrink mode: this rank's [num_ranks] int32 mask in the region; else 0
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
@@ -95,6 +109,10 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
     if int(status_host[BAD_EXPERT_IDS]):
         raise ValueError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: topk_idx held expert ids "
                          f"outside [-1, num_experts); the kernel treated them as -1, so that call's result is wrong")
+    if int(status_host[SELF_MASKED]):
+        raise MaskedRankError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: the other ranks masked "
+                              f"this rank (shrink mode: it did not answer within {timeout_s:g} s), so its low-latency "
+                              f"kernels did nothing; call Buffer.low_latency_clean_mask_buffer() on every rank to rejoin")
     if int(status_host[TIMED_OUT]):
         code = int(status_host[PHASE])
         phase = PHASE_NAMES.get(code, f"phase {code}")  # Phase members hash as their codes

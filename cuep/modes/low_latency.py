@@ -13,6 +13,7 @@ Buffer layout (byte offsets from the start of the low-latency region, the same o
 
     [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
     [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
+    [mask: R int32]                 shrink mode: this rank's mask of its peers (cuep::Status::masked)
     [half 0 data][half 1 data]      each: see HalfLayout
 
 Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _deps
+from .. import _deps, logfmt
 from .._checks import bf16_dtype
 from .._status import StatusWords
 from .._math import align_up
@@ -42,15 +43,16 @@ from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch
 from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MAX_TOPK, NUM_THREADS, RECV_PHASE,
-                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_WORDS, TRACE_POINTS, CombineArgs,
-                                   DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
-from ..kernels.status import Status
+                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_OF_HALF, SEQ_WORDS, TRACE_POINTS,
+                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
+from ..kernels.status import MASKED_TO_TELL, MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
 MAX_TOKENS_PER_RANK = 1024      # flags per (half, source): the largest num_max_dispatch_tokens_per_rank
 ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
 WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 _FLAG_BYTES = 8
+_MASK_ENTRY_BYTES = 4           # an int32 per rank
 _TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
 _REGION_ALIGN = REGION_ALIGN  # flags, tables and halves start on pages, like the regions
@@ -66,9 +68,13 @@ def _tables_half_bytes(num_ranks: int) -> int:
     return num_ranks * (ROUTING_WORDS + WEIGHT_WORDS) * _TABLE_WORD_BYTES
 
 
-def fixed_bytes(num_ranks: int) -> int:
-    """Bytes at the start of the region that never move: the flags, then both halves' tables."""
+def _mask_offset(num_ranks: int) -> int:
     return flags_bytes(num_ranks) + align_up(2 * _tables_half_bytes(num_ranks), _REGION_ALIGN)
+
+
+def fixed_bytes(num_ranks: int) -> int:
+    """Bytes at the start of the region that never move: the flags, both halves' tables, the mask."""
+    return _mask_offset(num_ranks) + align_up(num_ranks * _MASK_ENTRY_BYTES, _REGION_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,9 @@ def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     """Where each region of a half's data sits for calls of up to ``max_tokens`` tokens of ``hidden``."""
     fp8_message = hidden + hidden // SCALE_BLOCK * 4  # e4m3 bytes, then a float32 scale per block
     dispatch_slot = align_up(max(2 * hidden, fp8_message), _SLOT_ALIGN)  # BF16, or FP8 + scales
-    combine_slot = align_up(2 * hidden, _SLOT_ALIGN)
+    # A partial as BF16, or as LogFMT, whose message with every block fallen back is a little larger.
+    logfmt_message = logfmt.message_bytes(hidden) if hidden % logfmt.BLOCK == 0 else 0
+    combine_slot = align_up(max(2 * hidden, logfmt_message), _SLOT_ALIGN)
     # Staged tables (put path) are never polled, so unlike the tables they are sized for this call's shape.
     routing_staging_words = align_up(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 2)
     weight_staging_words = max_tokens * MAX_TOPK
@@ -141,6 +149,7 @@ class Context:
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
     trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
     status_words: StatusWords | None = None  # owner of ``status`` and its host mirror
+    shrink: bool = False          # a timed-out peer is masked instead of failing the call (enable_shrink)
 
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
@@ -149,7 +158,7 @@ class Context:
 
     @classmethod
     def create(cls, library: Library, region_ptr: int, region_bytes: int, rank: int, num_ranks: int, num_sms: int,
-               force_put: bool, timeout_s: float, trace: bool) -> "Context":
+               force_put: bool, timeout_s: float, trace: bool, shrink: bool = False) -> "Context":
         """The context of a Buffer's low-latency region (zeroed), with status words of its own."""
         cupy = _deps.cupy()
         status = StatusWords()
@@ -157,7 +166,37 @@ class Context:
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
-                   trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None)
+                   trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink)
+
+    @functools.cached_property
+    def mask(self):
+        """This rank's mask of its peers, `[num_ranks]` `int32` in the region (non-zero: masked; the
+        kernels' values are :data:`~cuep.kernels.status.MASKED_TO_TELL` and ``MASKED_TOLD``)."""
+        cupy = _deps.cupy()
+        address = self.region_ptr + _mask_offset(self.num_ranks)
+        memory = cupy.cuda.UnownedMemory(address, self.num_ranks * _MASK_ENTRY_BYTES, self)
+        return cupy.ndarray((self.num_ranks,), dtype=cupy.int32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+    def set_mask(self, rank: int, masked: bool) -> None:
+        """Mask (or unmask) ``rank`` in this rank's mask, in stream order; a rank masked here reaches
+        the peers at the end of this rank's next low-latency kernel."""
+        self.mask[rank] = MASKED_TO_TELL if masked else 0
+
+    def query_mask(self, out) -> None:
+        """``out[r] = 1`` where rank ``r`` is masked here, else 0, in stream order."""
+        _deps.cupy().not_equal(self.mask, 0, out=out, casting="unsafe")
+
+    def newest_call(self) -> int:
+        """The number of the newest call this rank sent (waits for the device)."""
+        return int(self.seq_state[SEQ_LATEST].get())
+
+    def restart(self, call_number: int) -> None:
+        """Unmask every rank and go on from ``call_number`` (every rank the same; nothing in flight), in
+        stream order: a rank that sat calls out catches up with the others' call numbers, and every
+        rank's next call uses half 0."""
+        self.mask.fill(0)
+        self.seq_state[SEQ_LATEST:SEQ_OF_HALF + 2] = call_number
+        self.half = 0
 
     def next_half(self) -> int:
         """The half this call uses; every call flips it."""
@@ -311,7 +350,7 @@ def _common(ctx: Context, args, half: int) -> None:
     args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
     args.flag_stride = MAX_TOKENS_PER_RANK
     args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
-    args.status = Status(ctx.status.data.ptr, ctx.status_host_ptr)
+    args.status = MaskedStatus(ctx.status.data.ptr, ctx.status_host_ptr, ctx.mask.data.ptr if ctx.shrink else 0)
     args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
 
 
@@ -358,13 +397,14 @@ def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_ex
     return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes)
 
 
-def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats,
+def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
              use_fp8: bool, round_scale: bool, use_ue8m0: bool):
     """Allocate a dispatch's outputs (on the current stream) and build its launch.
 
     Arguments are the Buffer's, checked: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx``
     `[num_tokens, num_topk]` `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or
-    ``None``; ``half``: the buffer half this call uses (calls alternate).
+    ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``; ``half``: the buffer half this call
+    uses (calls alternate).
 
     Returns:
         ``(recv_x, recv_scales, recv_count, handle, launch)``: the outputs (views of one allocation that
@@ -392,6 +432,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     a.recv_src_info, a.layout_range = address("recv_src_info"), address("layout_range")
     a.combine_rows, a.source_tokens = address("combine_rows"), address("source_tokens")
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
+    a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
     # ctx stands in for the Library: its function() is a dict lookup.
     launch = Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
     return recv_x, recv_scales, recv_count, handle, launch
@@ -413,12 +454,14 @@ def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_exp
     return Plan(COMBINE_ENTRY, grid(ctx.num_sms), bytes(a))
 
 
-def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out) -> Launch:
+def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out, use_logfmt: bool = False,
+            wait_stats=None) -> Launch:
     """Build a combine's launch, writing into ``out``.
 
     Arguments are the Buffer's, checked: ``x`` `[num_local_experts, num_ranks * max_tokens, hidden]`
     `bfloat16`; ``topk_idx`` and ``topk_weights`` `[num_tokens, num_topk]`; ``handle`` from the
-    matching :func:`dispatch`; ``out`` `[num_tokens, hidden]` `bfloat16`.
+    matching :func:`dispatch`; ``out`` `[num_tokens, hidden]` `bfloat16`; ``use_logfmt``: partials
+    travel as LogFMT (:mod:`cuep.logfmt`); ``wait_stats`` `[num_ranks]` `int64` or ``None``.
 
     Returns:
         the :class:`Launch`, its phases set to both (the caller sets ``launch.args.phases`` for a hook).
@@ -432,6 +475,8 @@ def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, 
     a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
     a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
     a.combined_x = out.data.ptr
+    a.use_logfmt = int(use_logfmt)
+    a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
     return Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
 
 

@@ -26,7 +26,8 @@ class Resources:
     the internode one (which needs the RDMA buffer too) when they span several; the low-latency
     context exists with ``low_latency_mode`` and an RDMA buffer."""
 
-    def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool):
+    def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool,
+                 shrink: bool = False):
         self.topology = discover_topology(comm)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode
@@ -63,7 +64,7 @@ class Resources:
             if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
             libraries["low_latency"], self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
-            force_put, timeout_s, env.get("CUEP_TRACE")) if "low_latency" in libraries else None
+            force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
 
     def check_alive(self, call: str) -> None:
         """Raise if the Buffer was destroyed, or what an earlier kernel recorded."""
