@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import cupy
 import numpy as np
@@ -347,6 +348,154 @@ def peer_that_skips_a_call_times_out():
     short.destroy()
 
 
+# ------------------------------------------------------------------------------------------------------
+# LogFMT combine and wait statistics
+
+
+def partials_sent(expected, outputs, inputs: AllInputs, num_experts):
+    """The FP32 partials this rank's combine sends back, one row per (source rank, token) it received:
+    the weighted sum of its rows for that token, or the row itself where it holds just one of the
+    token's experts (the source applies that weight)."""
+    per_rank = num_experts // num_ranks
+    terms = {}
+    for e, pairs in enumerate(expected[rank].recv_src):
+        for row, (s, t) in enumerate(pairs):
+            k = np.flatnonzero(inputs[s].topk_idx[t] == rank * per_rank + e)[0]
+            terms.setdefault((int(s), int(t)), []).append((np.float32(inputs[s].topk_weights[t, k]),
+                                                           outputs[rank][e, row].astype(np.float32)))
+    rows = [held[0][1] if len(held) == 1 else np.sum([w * v for w, v in held], axis=0, dtype=np.float32)
+            for held in terms.values()]
+    return np.stack(rows) if rows else np.zeros((0, outputs[rank].shape[-1]), dtype=np.float32)
+
+
+def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None):
+    """The same dispatch combined with BF16 partials, then with LogFMT ones: each within its bound of
+    the exact result. LogFMT: each partial element within ``logfmt.MAX_RELATIVE_ERROR`` (BF16 blocks:
+    2^-8), then the BF16 rounding of the result, so |error| <= (MAX_RELATIVE_ERROR + 2^-8 (1 +
+    MAX_RELATIVE_ERROR)) sum_k |w_k x_k| (+ float32 summation slack). With ``huge_channel``, that channel
+    of every expert output row is about 1e6, so the block holding it spans more than 16 octaves in
+    every partial and must travel as BF16 while the other blocks stay LogFMT. Prints both worst errors
+    relative to sum |w x| on rank 0."""
+    from cuep import logfmt
+    inputs = all_inputs(MAX_TOKENS, hidden, EXPERTS, 8)
+    expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS, use_fp8)
+    outputs = expert_outputs(expected, EXPERTS)
+    if huge_channel is not None:
+        for r, (out, result) in enumerate(zip(outputs, expected)):
+            for e, n in enumerate(result.recv_count):
+                out[e, :n, huge_channel] = np.float32(1e6 * (1 + e / 8 + r))
+    topks, weights = inputs.topk_idxs, inputs.topk_weights
+    want = reference.low_latency_combine(outputs, topks, weights, EXPERTS)[rank]
+    scale = reference.low_latency_combine([AbsoluteRows(o) for o in outputs], topks, [np.abs(w) for w in weights],
+                                          EXPERTS)[rank]
+    fallback = logfmt.fallback_blocks(partials_sent(expected, outputs, inputs, EXPERTS))
+    if huge_channel is not None:
+        block = huge_channel // logfmt.BLOCK
+        assert fallback[:, block].all(), f"a partial's block {block} does not fall back: the case tests nothing"
+        fallback = np.delete(fallback, block, axis=1)
+    encoded, blocks = comm.allreduce(int((~fallback).sum())), comm.allreduce(int(fallback.size))
+    assert encoded > blocks // 2, f"only {encoded} of {blocks} blocks are encoded: the case would test BF16 only"
+
+    mine = inputs[rank]
+    x, topk, topk_weights, expert_x = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, mine.topk_weights,
+                                                                  outputs[rank]))
+    worst = {}
+    for use_logfmt in (False, True):
+        received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
+                                                                         use_fp8=use_fp8)
+        check_received(received, recv_count, expected[rank], use_fp8)
+        combined, _, _ = buffer.low_latency_combine(expert_x, topk, topk_weights, handle, use_logfmt=use_logfmt)
+        error = np.abs(combined.get().astype(np.float32) - want)
+        relative = (logfmt.MAX_RELATIVE_ERROR + 2.0 ** -8 * (1 + logfmt.MAX_RELATIVE_ERROR) + 2.0 ** -16
+                    if use_logfmt else 2.0 ** -7)
+        excess = error - (scale * relative + 1e-6)
+        assert (excess <= 0).all(), (f"use_logfmt={use_logfmt}", float(error.max()), float(excess.max()))
+        counted = scale > 0
+        ratio = float((error[counted] / scale[counted]).max()) if counted.any() else 0.0
+        worst[use_logfmt] = comm.allreduce(ratio, op=MPI.MAX)
+    if rank == 0:
+        what = f"hidden {hidden}, {'FP8' if use_fp8 else 'BF16'} dispatch" + (
+            f", channel {huge_channel} ~1e6" if huge_channel is not None else "")
+        print(f"[rank 0]   {what}: max |error| / sum|w x|: BF16 combine {worst[False]:.3e}, "
+              f"LogFMT combine {worst[True]:.3e}; {encoded / blocks:.2%} of "
+              f"{'the other ' if huge_channel is not None else ''}blocks encoded", flush=True)
+
+
+def logfmt_combine_hidden_2048(buffer):
+    logfmt_against_bf16(buffer, 2048, use_fp8=False)
+
+
+def logfmt_combine_hidden_7168_fp8(buffer):
+    logfmt_against_bf16(buffer, 7168, use_fp8=True)
+
+
+def logfmt_block_with_a_huge_channel_falls_back(buffer):
+    logfmt_against_bf16(buffer, 2048, use_fp8=False, huge_channel=3)
+
+
+def wait_stats_point_at_a_late_rank(buffer):
+    """The last rank starts its dispatch 1 s after the others, then its combine 1 s after them, twice:
+    on every other rank that hears from it, its entry is the largest and grew by >= 0.5 s each call;
+    the stats only grow, the dispatch's and the combine's apart; wrongly sized stats are refused."""
+    late, per_rank = num_ranks - 1, EXPERTS // num_ranks
+    dispatch_waits = cupy.zeros(num_ranks, dtype=cupy.int64)
+    combine_waits = cupy.zeros(num_ranks, dtype=cupy.int64)
+    before = (np.zeros(num_ranks, dtype=np.int64), np.zeros(num_ranks, dtype=np.int64))
+    for _ in range(2):
+        inputs = all_inputs(90, 2048, EXPERTS, 8)
+        # The late rank's tokens reach at most one expert per rank: the others send their partials for them
+        # unweighted, without waiting for its weights in their combine's send, so they wait for it in the
+        # receive, where it is counted.
+        routed = inputs[late].topk_idx.copy()
+        owner = np.where(routed >= 0, routed // per_rank, -1)
+        for k in range(1, routed.shape[1]):
+            routed[:, k][(owner[:, k] >= 0) & (owner[:, :k] == owner[:, k:k + 1]).any(axis=1)] = -1
+        inputs[late] = inputs[late]._replace(topk_idx=routed)
+        expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS)
+        outputs = expert_outputs(expected, EXPERTS)
+        mine = inputs[rank]
+        x, topk, weights, expert_x = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, mine.topk_weights,
+                                                                 outputs[rank]))
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        if rank == late:
+            time.sleep(1.0)
+        received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
+                                                                         dispatch_wait_recv_cost_stats=dispatch_waits)
+        after_dispatch = dispatch_waits.get(), combine_waits.get()
+        comm.Barrier()
+        if rank == late:
+            time.sleep(1.0)
+        combined, _, _ = buffer.low_latency_combine(expert_x, topk, weights, handle,
+                                                    combine_wait_recv_cost_stats=combine_waits)
+        after_combine = dispatch_waits.get(), combine_waits.get()
+        check_received(received, recv_count, expected[rank], True)
+        check_combined(combined, inputs, outputs, EXPERTS)
+
+        np.testing.assert_array_equal(after_dispatch[1], before[1], err_msg="the dispatch added to combine stats")
+        np.testing.assert_array_equal(after_combine[0], after_dispatch[0], err_msg="a combine added to dispatch stats")
+        dispatch_added, combine_added = after_dispatch[0] - before[0], after_combine[1] - after_dispatch[1]
+        assert (dispatch_added >= 0).all() and (combine_added >= 0).all(), (dispatch_added, combine_added)
+        hears_from_late = ((routed >= 0) & (routed // per_rank == rank)).any()
+        routes_to_late = ((mine.topk_idx >= 0) & (mine.topk_idx // per_rank == late)).any()
+        if rank != late and hears_from_late:
+            assert int(np.argmax(dispatch_added)) == late and dispatch_added[late] >= 0.5e9, dispatch_added
+        if rank != late and routes_to_late:
+            assert int(np.argmax(combine_added)) == late and combine_added[late] >= 0.5e9, combine_added
+        before = after_combine
+    for name, call in [
+        ("dispatch_wait_recv_cost_stats", lambda: buffer.low_latency_dispatch(
+            x, topk, MAX_TOKENS, EXPERTS, dispatch_wait_recv_cost_stats=cupy.zeros(num_ranks + 1, cupy.int64))),
+        ("dispatch_wait_recv_cost_stats", lambda: buffer.low_latency_dispatch(
+            x, topk, MAX_TOKENS, EXPERTS, dispatch_wait_recv_cost_stats=cupy.zeros(num_ranks, cupy.int32))),
+        ("combine_wait_recv_cost_stats", lambda: buffer.low_latency_combine(
+            expert_x, topk, weights, handle, combine_wait_recv_cost_stats=cupy.zeros(num_ranks + 1, cupy.int64))),
+    ]:
+        expect_error((ValueError, TypeError), call, f"no error for a bad {name}", match=name)
+    np.testing.assert_array_equal(dispatch_waits.get(), before[0])
+    np.testing.assert_array_equal(combine_waits.get(), before[1])
+
+
 def main() -> None:
     buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True)
 
@@ -366,6 +515,11 @@ def main() -> None:
         ("1000 calls without memory growth", on_buffer(thousand_calls_hold_no_memory)),
         ("an out-of-range expert id is reported", on_buffer(bad_expert_id_is_reported_by_the_next_call)),
         ("argument errors name the argument", on_buffer(argument_errors_name_the_argument)),
+        ("LogFMT combine, hidden 2048", on_buffer(logfmt_combine_hidden_2048)),
+        ("LogFMT combine, hidden 7168, fp8 dispatch", on_buffer(logfmt_combine_hidden_7168_fp8)),
+        ("LogFMT: a block with a huge channel falls back to BF16",
+         on_buffer(logfmt_block_with_a_huge_channel_falls_back)),
+        ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ])
     buffer.destroy()
