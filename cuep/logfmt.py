@@ -12,8 +12,9 @@ Per block of 128 channels with nonzero magnitudes spanning ``[amin, amax]``, the
 ``2 ** (log_min + (m - 1) * step)``. Rounding to the nearest level keeps each nonzero value within a
 relative error of ``2 ** (step / 2) - 1``; a block spanning at most 16 octaves has
 ``step <= 16 / 510``, hence :data:`MAX_RELATIVE_ERROR`. A block spanning more than 16 octaves,
-reaching ``2 ** 127``, or holding an inf or a NaN, falls back to BF16 (256 bytes, which is why a message has an overflow area:
-a sender transmits only :func:`encoded_bytes` unless some block fell back).
+reaching ``2 ** 127``, or holding an inf or a NaN, falls back to BF16 (256 bytes, which is why a
+message has an overflow area: a sender transmits only :func:`encoded_bytes` unless some block fell
+back).
 
 Byte layout of one message (all little-endian), ``nb = hidden // 128`` blocks:
 

@@ -109,6 +109,14 @@ def test_sixteen_octaves_encode_and_a_hair_more_falls_back():
     np.testing.assert_array_equal(logfmt.fallback_blocks(x), [[False], [True]])
 
 
+def test_a_block_reaching_two_to_the_127_falls_back_and_stays_finite():
+    values = np.full((1, 128), 2.0 ** 126, np.float32)
+    values[0, 0] = np.float32(3.0e38)  # one octave wide, but its top level would decode past float32
+    assert logfmt.fallback_blocks(values).tolist() == [[True]]
+    assert np.isfinite(logfmt.round_trip(values)).all()
+    assert not logfmt.fallback_blocks(values / np.float32(4)).any()
+
+
 def test_all_zero_block_and_equal_magnitudes():
     x = np.zeros((2, 256), np.float32)
     x[1, :128] = np.where(np.arange(128) % 3, 0.75, -0.75)   # step 0: every nonzero value is level 1

@@ -111,8 +111,9 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
                          f"outside [-1, num_experts); the kernel treated them as -1, so that call's result is wrong")
     if int(status_host[SELF_MASKED]):
         raise MaskedRankError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: the other ranks masked "
-                              f"this rank (shrink mode: it did not answer within {timeout_s:g} s), so its low-latency "
-                              f"kernels did nothing; call Buffer.low_latency_clean_mask_buffer() on every rank to rejoin")
+                              f"this rank (shrink mode: it did not answer within {timeout_s:g} s), so its "
+                              f"low-latency kernels did nothing; call Buffer.low_latency_clean_mask_buffer() on "
+                              f"every rank to rejoin")
     if int(status_host[TIMED_OUT]):
         code = int(status_host[PHASE])
         phase = PHASE_NAMES.get(code, f"phase {code}")  # Phase members hash as their codes

@@ -10,3 +10,9 @@ from .launch import run_or_skip
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 def test_shrink_masks_a_rank_that_stops(num_ranks):
     run_or_skip("shrink_worker.py", num_ranks, expect=f"shrink worker passed on {num_ranks} ranks")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+def test_shrink_fallback_and_aggressive_ptx_builds(variant):
+    run_or_skip("shrink_worker.py", 2, env={variant: "1"}, expect="shrink worker passed on 2 ranks")

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
-from common import AllInputs, RankInputs, SeededInputs, environment, run_cases
+from common import AllInputs, RankInputs, SeededInputs, environment, expect_error, run_cases
 from low_latency_worker import check_combined, check_received, expert_outputs
 from mpi4py import MPI
 
@@ -353,6 +353,36 @@ def victim_masked_by_hand(buffer, live):
     full_call(buffer, draw())
 
 
+def put_path_and_a_victim_that_comes_back_without_clean(live):
+    """On a Buffer whose peers all take NVSHMEM puts (signals instead of direct flags): the victim stops at
+    a dispatch and is masked; it then calls again without a clean, and its calls do nothing and raise
+    MaskedRankError; after a clean every rank gets full results."""
+    with environment(CUEP_TIMEOUT_S=str(TIMEOUT_S)):
+        put = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True, enable_shrink=True,
+                          allow_nvlink_for_low_latency_mode=False)
+    first = draw()
+    masking = draw(victim_dispatches=False, victim_combines=False)
+    later = [draw(victim_dispatches=False, victim_combines=False)]
+    full_call(put, first)
+    if rank != VICTIM:
+        live_ranks_go_on(put, live, masking, later)
+    comm.Barrier()
+    if rank == VICTIM:
+        ignored = draw()
+
+        def call_twice():
+            whole_call(put, ignored)  # sits out: the kernels see the mask the live ranks wrote into it
+            cupy.cuda.Device().synchronize()
+            whole_call(put, ignored)
+        expect_error(cuep.MaskedRankError, call_twice, "a masked rank's calls did not raise MaskedRankError",
+                     match="low_latency_clean_mask_buffer")
+    else:
+        draw()  # every rank draws the same inputs
+    clean_with_every_rank(put)
+    full_call(put, draw())
+    put.destroy()
+
+
 def main() -> None:
     live = comm.Split(MPI.UNDEFINED if rank == VICTIM else 0, rank)  # MPI.COMM_NULL on the victim
     with environment(CUEP_TIMEOUT_S=str(TIMEOUT_S)):
@@ -367,6 +397,8 @@ def main() -> None:
         ("the victim stops between calls (receive hooks)", on_buffer(victim_stops_between_calls)),
         ("CUDA graph replays without the victim", on_buffer(cuda_graph_replays_without_the_victim)),
         ("rank 0 masks the victim by hand", on_buffer(victim_masked_by_hand)),
+        ("NVSHMEM put path; a masked rank that calls again raises",
+         lambda: put_path_and_a_victim_that_comes_back_without_clean(live)),
     ])
     buffer.destroy()
     if live != MPI.COMM_NULL:
