@@ -374,6 +374,9 @@ def bench_low_latency(args) -> None:
     def combine():
         return buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
 
+    def combine_logfmt():
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, handle, use_logfmt=True)
+
     def dispatch_send():
         return buffer.low_latency_dispatch(x, topk_idx, tokens, experts, return_recv_hook=True)
 
@@ -393,13 +396,14 @@ def bench_low_latency(args) -> None:
         return run
 
     runs = {"dispatch fp8": (lambda _: dispatch(), 1), "combine bf16": (lambda _: combine(), 1),
-            "dispatch + combine": (both, 2), "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
+            "combine logfmt": (lambda _: combine_logfmt(), 1), "dispatch + combine": (both, 2), "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
             "combine hook (send | recv)": (hooked(combine_send), 2)}
     times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
 
     # The same calls replayed from CUDA graphs (how decode engines run them): no Python in the loop.
     graphs = _Graphs()
     dispatch_graph, combine_graph = graphs.capture(dispatch), graphs.capture(combine)
+    logfmt_graph = graphs.capture(combine_logfmt)
     send_graph = graphs.capture(dispatch_send)
     recv_graph = graphs.capture(lambda: graphs.kept[-1][-1]())  # the hook of the send just captured
     combine_send_graph = graphs.capture(combine_send)
@@ -416,6 +420,7 @@ def bench_low_latency(args) -> None:
             times[f"graph x{BACK_TO_BACK}: {name}"] = runs / BACK_TO_BACK
         times["graph: dispatch fp8"] = _times_us(lambda _: graphs.launch(dispatch_graph), args.warmup, args.iters)
         times["graph: combine bf16"] = _times_us(lambda _: graphs.launch(combine_graph), args.warmup, args.iters)
+        times["graph: combine logfmt"] = _times_us(lambda _: graphs.launch(logfmt_graph), args.warmup, args.iters)
         for name, send_g, recv_g in (("graph: dispatch hook (send | recv)", send_graph, recv_graph),
                                      ("graph: combine hook (send | recv)", combine_send_graph, combine_recv_graph)):
             times[name] = _times_us(lambda mark, s=send_g, r=recv_g: (graphs.launch(s), mark(), graphs.launch(r)),
@@ -435,7 +440,8 @@ def bench_low_latency(args) -> None:
     times["nccl dispatch fp8"] = _times_us(lambda _: nccl_dispatch(), args.warmup, args.iters)
     times["nccl combine bf16"] = _times_us(lambda _: nccl_combine(), args.warmup, args.iters)
 
-    # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header bytes).
+    # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header bytes);
+    # a combine counts BF16 rows, LogFMT's too.
     selections = int((topk_idx >= 0).sum())
     dispatch_bytes, combine_bytes = selections * (_fp8_row_bytes(hidden) + 16), selections * hidden * 2
     gathered = comm.gather(times, root=0)
