@@ -60,6 +60,7 @@ namespace cuep {
 
 constexpr int kNumThreads = CUEP_NUM_THREADS;
 constexpr int kMaxTopk = CUEP_MAX_TOPK;  // experts per token; a warp's lanes hold one each
+constexpr int kMaxTokensPerRank = CUEP_MAX_TOKENS_PER_RANK;  // the largest num_max_dispatch_tokens_per_rank
 static_assert(kMaxTopk <= kWarpSize, "ranks_holding_token gives each choice a lane");
 constexpr int kBytesPerVector = 16;
 // The FP8 send quantises a unit of two vectors (16 channels) per lane into one 16-byte store, so a
@@ -126,8 +127,74 @@ static_assert(kSeqLatest == 0 && kSeqOfHalf == 1, "the words below follow these 
 constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running launch on each half that finished
 constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
 constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all went out
+constexpr int kSeqRowsPublished = 8;     // [2], shrink mode: blocks of the running dispatch whose routing rows went out
 constexpr int kSeqWords = CUEP_SEQ_WORDS;
-static_assert(kSeqTablesSent < kSeqWords, "the sequence state outgrew SEQ_WORDS");
+static_assert(kSeqRowsPublished + 1 < kSeqWords, "the sequence state outgrew SEQ_WORDS");
+
+// ---------------------------------------------------------------------------------------------
+// Shrink mode
+
+// Values of a mask entry (MaskedStatus::masked): 0 live, else masked, and whether this rank still has
+// to tell the other ranks (masked by hand) or has told them (or was told).
+constexpr int kMaskedToTell = CUEP_MASKED_TO_TELL;
+constexpr int kMaskedTold = CUEP_MASKED_TOLD;
+
+// The family's status: Status's words and, in shrink mode (a Buffer made with enable_shrink), this
+// rank's mask of its peers. There a wait that times out does not fail the call: it masks its peer and
+// tells the other ranks at once; from then on every wait on that peer gives up at once while the
+// waits on the others go on, and this rank sends the peer nothing more.
+struct MaskedStatus {
+    int32_t* device;
+    int32_t* host;
+    int32_t* masked;  // shrink mode: [num_ranks] (symmetric): 0, kMaskedToTell or kMaskedTold; else nullptr
+    int rank, num_ranks;
+
+    __device__ Status plain() const { return Status{device, host}; }
+    __device__ void record(int word, int32_t value) const { plain().record(word, value); }
+    __device__ void record_bad_expert_id() const { plain().record_bad_expert_id(); }
+
+    __device__ bool is_masked(int peer) const { return masked != nullptr && ld_volatile_global(masked + peer) != 0; }
+
+    // wait_until's policy (cuep/sync.cuh).
+    __device__ bool gives_up_on(int peer) const { return masked != nullptr ? is_masked(peer) : plain().timed_out(); }
+
+    __device__ void time_out(int32_t peer, int32_t phase) const {
+        if (masked == nullptr)
+            plain().record_timeout(peer, phase);
+        else if (atomicCAS(masked + peer, 0, kMaskedToTell) == 0)
+            tell(peer);
+    }
+
+    // Tell every other live rank that `peer` is masked, so that they stop waiting for it now. The peer
+    // is told too where this GPU stores to it, so that it learns it is out; one reached only by network
+    // puts is not written (its process may be gone, and a put to it could break the connection for
+    // everyone). A rank tells nothing when its peers masked it, or when it sees fewer than half the
+    // ranks alive: then it may be the one that cannot hear the others.
+    __device__ void tell(int peer) const {
+        int alive = 0;
+        for (int pe = 0; pe < num_ranks; ++pe)
+            alive += !is_masked(pe);
+        if (is_masked(rank) || 2 * alive < num_ranks)
+            return;
+        bool put = false;
+        for (int pe = 0; pe < num_ranks; ++pe) {
+            if (pe == rank || (pe != peer && is_masked(pe)))
+                continue;
+            if (auto* direct = static_cast<int32_t*>(nvshmem_ptr(masked + peer, pe))) {
+                st_relaxed_sys_global(direct, kMaskedTold);
+            } else if (pe != peer) {
+                nvshmem_int_p(masked + peer, kMaskedTold, pe);
+                put = true;
+            }
+        }
+        if (put)
+            nvshmem_quiet();  // delivered before the kernel ends, so before any clean of the masks
+        masked[peer] = kMaskedTold;
+    }
+
+    // This status without the mask: its waits stop only at the deadline, and a timeout fails the call.
+    __device__ MaskedStatus unmasked() const { return MaskedStatus{device, host, nullptr, rank, num_ranks}; }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Launch bookkeeping
@@ -140,34 +207,19 @@ __device__ __forceinline__ uint64_t call_number(uint64_t* seq_state, int phases,
                                  : ld_volatile_global(seq_state + kSeqOfHalf + half);
 }
 
-// Shrink mode, by the last thread of a launch: tell the other ranks of each peer this rank masked
-// itself (kMaskedToTell), so that every live rank skips it from its next call on. The masked peer is
-// told too where this GPU stores to it, so that it learns it is out; one reached only by network puts
-// is not written (its process may be gone, and a put to it could break the connection for everyone).
-// A rank that its peers masked tells nothing: it may be the one that cannot hear them.
-template <typename Args>
-__device__ void tell_masks(const Args& a) {
-    const MaskedStatus& status = a.status;
-    if (status.masked == nullptr || status.is_masked(a.rank))
+// Shrink mode, by the last thread of a launch: tell the other ranks of each peer masked here but not
+// told yet (Buffer.low_latency_update_mask_buffer; a wait that times out tells at once).
+__device__ __forceinline__ void tell_pending_masks(const MaskedStatus& status) {
+    if (status.masked == nullptr)
         return;
-    for (int peer = 0; peer < a.num_ranks; ++peer) {
-        if (ld_volatile_global(status.masked + peer) != kMaskedToTell)
-            continue;
-        for (int pe = 0; pe < a.num_ranks; ++pe) {
-            if (pe == a.rank || (pe != peer && status.is_masked(pe)))
-                continue;
-            if (auto* direct = static_cast<int32_t*>(nvshmem_ptr(status.masked + peer, pe)))
-                st_relaxed_sys_global(direct, kMaskedTold);
-            else if (pe != peer)
-                nvshmem_int_p(status.masked + peer, kMaskedTold, pe);
-        }
-        status.masked[peer] = kMaskedTold;
-    }
+    for (int peer = 0; peer < status.num_ranks; ++peer)
+        if (ld_volatile_global(status.masked + peer) == kMaskedToTell)
+            status.tell(peer);
 }
 
 // The last block of a launch publishes a send's call number (every block has read the old one; only
 // this GPU reads it, so a GPU-scope fence orders it after every block's reads) and, in shrink mode,
-// tells the peers of the ranks the launch masked.
+// tells the other ranks of masks set by hand.
 template <typename Args>
 __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq) {
     if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.half))
@@ -177,7 +229,7 @@ __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq) {
         a.seq_state[kSeqLatest] = seq;
         a.seq_state[kSeqOfHalf + a.half] = seq;
     }
-    tell_masks(a);
+    tell_pending_masks(a.status);
 }
 
 // Shrink mode: whether the peers masked this rank, which then sits the call out and reports it, until
@@ -363,7 +415,8 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
 // Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
 // peer's words show themselves (read_table). False if the signal never came.
 __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
-                                                const MaskedStatus& status, int pe, int rank, bool force_put, int phase) {
+                                                const MaskedStatus& status, int pe, int rank, bool force_put,
+                                                int phase) {
     if (direct_address(flag, pe, rank, force_put) != nullptr)
         return true;
     return wait_at_least(flag, seq, deadline_ns, status, pe, phase);
@@ -446,6 +499,7 @@ struct DispatchArgs {
     int32_t* combine_rows;         // [num_ranks][max_tokens][num_topk]: flat row in x of combine, or -1
     int32_t* source_tokens;        // [num_ranks]: tokens each source sent
     int32_t* cumulative_stats;     // [L] or nullptr
+    uint64_t* source_decisions;    // shrink mode: [2][num_ranks], see agree_on_source; else nullptr
     int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each source, added
     int num_parts;                 // blocks that share one local expert's rows
     uint64_t* seq_state;
@@ -464,12 +518,14 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
 }
 
 // A warp: the ranks holding token t's experts, each once, in choice order, written to `ranks`
-// (kMaxTopk entries of shared memory); returns how many. Masked ranks (shrink mode) hold none. With `weights` (the caller's top-k weights),
-// also writes the factor each rank's combined partial takes at the source to `partial_weights`: the
-// choice's weight where the rank holds one of the token's experts (it sent that row unweighted), 1
-// where it holds several (it summed them weighted). The caller syncs before others read.
+// (kMaxTopk entries of shared memory); returns how many; masked ranks (shrink mode) hold none. With
+// `weights` (the caller's top-k weights), also writes the factor each rank's combined partial takes at
+// the source to `partial_weights`: the choice's weight where the rank holds one of the token's experts
+// (it sent that row unweighted), 1 where it holds several (it summed them weighted). The caller syncs
+// before others read.
 static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
-                                   int num_ranks, const MaskedStatus& status, int* ranks, const float* weights = nullptr,
+                                   int num_ranks, const MaskedStatus& status, int* ranks,
+                                   const float* weights = nullptr,
                                    float* partial_weights = nullptr) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
@@ -477,11 +533,12 @@ static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int
         const int id = read_expert_id(topk_idx, ids_are_int64, static_cast<int64_t>(t) * num_topk + lane, num_experts,
                                       status);
         r = id >= 0 ? id / (num_experts / num_ranks) : -1;
-        if (r >= 0 && status.is_masked(r))  // shrink mode: a masked rank's experts take no tokens
-            r = -1;
     }
     const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
-    const bool first = r >= 0 && __ffs(same_rank) - 1 == lane;
+    // Shrink mode: a masked rank's experts take no tokens. The first lane naming a rank decides for
+    // all of them (a mask landing meanwhile must not split a rank's choices).
+    const bool leads = r >= 0 && __ffs(same_rank) - 1 == lane;
+    const bool first = leads && !status.is_masked(r);
     const uint32_t firsts = __ballot_sync(kFullWarpMask, first);
     if (first) {
         const int slot = __popc(firsts & ((1u << lane) - 1));
@@ -655,6 +712,26 @@ __device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, int i) {
                           : ~0u;  // the pad
 }
 
+// Shrink mode, by each sending block's leader once its rows went out: the last one stores the header
+// (the token count) to every direct peer. A receiver that sees a header then finds every word of the
+// table, so the blocks of a receive agree on what a source sent even when the source is lost in the
+// middle of its send (agree_on_source).
+static __device__ void publish_header_last(const DispatchArgs& a, uint64_t seq) {
+    __threadfence_system();  // this block's rows (the team's barrier ordered them before this thread)
+    auto* published = reinterpret_cast<unsigned long long*>(a.seq_state + kSeqRowsPublished + a.half);
+    if (atomicAdd(published, 1ull) != gridDim.x - 1)
+        return;
+    *published = 0;
+    __threadfence_system();  // every block's rows before the header
+    for (int pe = 0; pe < a.num_ranks; ++pe) {
+        uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
+                                         a.force_put);
+        if (table != nullptr && !a.status.is_masked(pe))
+            for (int w = 0; w < kRoutingHeaderWords; ++w)
+                st_relaxed_sys_global(table + w, tagged_word(seq, routing_word(a, w)));
+    }
+}
+
 // Team-wide: this block's tokens' rows of the routing table of every direct (NVLink) peer, and from
 // block 0 the header and the flag a receiver that takes this rank for a put peer waits for (it then
 // polls the tagged words like everyone else). Each block stores its rows just before its own token
@@ -664,7 +741,8 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
     const int stride = ids_stride(a);
     const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
     const int own_tokens = a.num_tokens > block ? (a.num_tokens - 1 - block) / grid + 1 : 0;
-    const int header_words = block == 0 ? kRoutingHeaderWords : 0;
+    const bool header_last = a.status.masked != nullptr;  // shrink mode: publish_header_last
+    const int header_words = block == 0 && !header_last ? kRoutingHeaderWords : 0;
     const int per_peer = header_words + own_tokens * stride;
     for (int i = team.thread(); i < a.num_ranks * per_peer; i += team.size) {
         const int pe = i / per_peer, w = i % per_peer;
@@ -682,6 +760,8 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
                 flag != nullptr && !a.status.is_masked(pe))
                 st_relaxed_sys_global(flag, seq);
     team.sync();
+    if (header_last && team.leader())
+        publish_header_last(a, seq);
 }
 
 // Whether any peer takes this rank's tables and tokens by put (NVSHMEM) rather than by direct stores.
@@ -739,7 +819,7 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
     const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
     const int64_t flat_row = e * rows_per_expert + row;
     const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
-    const uint64_t started = globaltimer_ns();
+    const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
     const bool arrived = wait_at_least(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns,
                                        a.status, s, kPhaseLowLatencyToken);
     if (lane == 0)
@@ -803,19 +883,41 @@ static __device__ ReceiveState receive_state(const DispatchArgs& a) {
     return r;
 }
 
+// Shrink mode: what every block of this call takes source s to have sent, given what this block saw
+// (`sent`: its token count, or -1 when its table never came): the first block to decide decides for
+// all (`decision`: this half's word of s, (call number << 12) | (count + 1)). A block that gave up on s
+// while another saw its header then reads its table like the other (the header came last, so every
+// word is there), and one that saw it while another gave up drops it: the blocks lay out the same rows.
+__device__ __forceinline__ int agree_on_source(uint64_t* decision, uint64_t seq, int sent) {
+    constexpr int kCountBits = 12;
+    static_assert(kMaxTokensPerRank + 2 <= (1 << kCountBits), "a token count and 'none' fit the low bits");
+    auto* word = reinterpret_cast<unsigned long long*>(decision);
+    const unsigned long long mine = (seq << kCountBits) | static_cast<unsigned long long>(sent + 1);
+    unsigned long long seen = ld_volatile_global(decision);
+    while ((seen >> kCountBits) < seq) {  // nobody decided this call yet
+        const unsigned long long before = atomicCAS(word, seen, mine);
+        if (before == seen)
+            return sent;
+        seen = before;
+    }
+    return static_cast<int>(seen & ((1ull << kCountBits) - 1)) - 1;
+}
+
 // Wait for every source's routing table and keep its token count (0 from a masked source, shrink
-// mode). Ends with a team barrier.
+// mode, as every block of the call agrees). Ends with a team barrier.
 static __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                    uint64_t deadline_ns) {
     for (int s = team.thread(); s < a.num_ranks; s += team.size) {
-        int sent = 0;
-        const uint64_t started = globaltimer_ns();
+        int sent = -1;
+        const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
         if (table_signalled(a.routing_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
                             kPhaseLowLatencyRouting))
             read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words, 1, seq, deadline_ns, a.status, s,
                           kPhaseLowLatencyRouting, [&](int, uint32_t tokens) { sent = static_cast<int>(tokens); });
         if (blockIdx.x == 0)  // every block waits for every table; one counts it
             add_wait(a.wait_stats, s, started);
+        if (a.source_decisions != nullptr)
+            sent = agree_on_source(a.source_decisions + static_cast<int64_t>(a.half) * a.num_ranks + s, seq, sent);
         r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = r.source_tokens[s];
@@ -838,7 +940,8 @@ static __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, con
         if (t >= r.source_tokens[s])
             continue;
         bool chosen = false;
-        read_table<kIdsAtOnce, true>(routed_ids(a, s, t), a.num_topk, seq, deadline_ns, a.status, s,
+        // Unmasked: a source this call counts sent its whole table (agree_on_source), even if masked since.
+        read_table<kIdsAtOnce, true>(routed_ids(a, s, t), a.num_topk, seq, deadline_ns, a.status.unmasked(), s,
                                      kPhaseLowLatencyRouting,
                                      [&](int, uint32_t id) { chosen |= static_cast<int>(id) == expert; });
         if (chosen)
@@ -910,7 +1013,8 @@ static __device__ void mark_foreign_choices(const Team& team, const DispatchArgs
         const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
         if (within / a.num_topk >= r.source_tokens[s])
             continue;
-        read_table<1>(routed_ids(a, s, within / a.num_topk) + within % a.num_topk, 1, seq, deadline_ns, a.status, s,
+        read_table<1>(routed_ids(a, s, within / a.num_topk) + within % a.num_topk, 1, seq, deadline_ns,
+                      a.status.unmasked(), s,
                       kPhaseLowLatencyRouting,
                       [&](int, uint32_t word) {
                           const int id = static_cast<int>(word);
@@ -1006,7 +1110,10 @@ struct PairRows {
 static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, PairRows& pair) {
     const int lane = threadIdx.x % kWarpSize;
     const int64_t entry = (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
-    const int row = lane < a.num_topk ? __ldg(a.combine_rows + entry + lane) : -1;
+    const int num_rows = a.num_experts / a.num_ranks * a.num_ranks * a.max_tokens;
+    int row = lane < a.num_topk ? __ldg(a.combine_rows + entry + lane) : -1;
+    if (row >= num_rows)  // never read outside x, whatever a dispatch that lost a rank midway left here
+        row = -1;
     const uint32_t held = __ballot_sync(kFullWarpMask, row >= 0);
     if (row >= 0) {
         const int slot = __popc(held & ((1u << lane) - 1));
@@ -1167,7 +1274,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
         __syncwarp();
         if (static_cast<int>(threadIdx.x) < count) {
             const int holder = ranks[threadIdx.x];
-            const uint64_t started = globaltimer_ns();
+            const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
             // A partial that never came (shrink mode: its rank was masked meanwhile) adds nothing.
             if (!wait_at_least(a.token_flags + static_cast<int64_t>(holder) * a.flag_stride + t, seq, deadline_ns,
                                a.status, holder, kPhaseLowLatencyPartial))
@@ -1251,8 +1358,13 @@ extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_combi
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
     const bool sits_out = cuep::sits_out(args);
+    // Shrink mode: the send's waits (a source's weights) end at half the timeout. A warp group that waits
+    // for a lost source sends its next pairs only then, and their ranks' waits for them must not run
+    // out first, or they would mask a live rank.
+    const uint64_t send_deadline_ns =
+        args.status.masked != nullptr ? deadline_ns - args.timeout_ns / 2 : deadline_ns;
     if (!sits_out && (args.phases & cuep::kSendPhase))
-        cuep::combine_send(args, seq, deadline_ns);
+        cuep::combine_send(args, seq, send_deadline_ns);
     if (!sits_out && (args.phases & cuep::kRecvPhase))
         cuep::combine_recv(args, seq, deadline_ns);
     cuep::trace_block(args.trace, cuep::kTraceEnd);

@@ -30,6 +30,11 @@ class StatusWords:
             raise CuepError(f"cuep: pinned host memory is not visible to the GPU ({err})")
         self.host_ptr = int(address)
 
+    def clear(self, word: int) -> None:
+        """Forget what status word ``word`` recorded (both copies; the device's in stream order)."""
+        self.device[word] = 0
+        self.host[word] = 0
+
     def raise_recorded(self, rank: int, timeout_s: float | None = None) -> None:
         """Clear both copies and raise what they recorded (``timeout_s``: the bound the waits ran with,
         for the message; default ``CUEP_TIMEOUT_S``)."""

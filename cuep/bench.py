@@ -396,8 +396,8 @@ def bench_low_latency(args) -> None:
         return run
 
     runs = {"dispatch fp8": (lambda _: dispatch(), 1), "combine bf16": (lambda _: combine(), 1),
-            "combine logfmt": (lambda _: combine_logfmt(), 1), "dispatch + combine": (both, 2), "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
-            "combine hook (send | recv)": (hooked(combine_send), 2)}
+            "combine logfmt": (lambda _: combine_logfmt(), 1), "dispatch + combine": (both, 2),
+            "dispatch hook (send | recv)": (hooked(dispatch_send), 2), "combine hook (send | recv)": (hooked(combine_send), 2)}
     times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
 
     # The same calls replayed from CUDA graphs (how decode engines run them): no Python in the loop.

@@ -15,6 +15,7 @@ from . import _checks, _deps, env
 from .config import Config, get_combine_config, get_dispatch_config
 from .event import EventOverlap, record_event
 from .kernels import layout as layout_kernel
+from .kernels.status import SELF_MASKED
 from .modes import internode, intranode, low_latency
 from .modes.resources import Resources
 from .runtime import wait_for_all
@@ -527,14 +528,31 @@ class Buffer:
         _deps.cupy().cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
         self._resources.device.synchronize()
         wait_for_all(self.comm, call)
+        if ctx.shrink:  # the masks were in the region: every rank is back, at the same call
+            self._resume_together(call, ctx)
 
     # ----------------------------------------------------------------------------------------------
     # Shrink mode (low latency)
     def _shrink_ready(self, call: str) -> low_latency.Context:
+        """The low-latency context of a shrink-mode Buffer. These calls are how a masked rank learns of and
+        ends its state, so a masked rank's pending :class:`~cuep.errors.MaskedRankError` is not raised here."""
+        ctx = self._resources.low_latency
+        if ctx is not None and ctx.shrink:
+            ctx.status_words.clear(SELF_MASKED)
         ctx = self._resources.low_latency_ready(call)
         if not ctx.shrink:
             raise ValueError(f"{call}: create the Buffer with enable_shrink=True (and low_latency_mode=True)")
         return ctx
+
+    def _resume_together(self, call: str, ctx: low_latency.Context) -> None:
+        """Collective, nothing in flight: every rank unmasks every rank and goes on from the newest call any
+        rank sent (a rank that sat calls out is behind the others)."""
+        self._resources.device.synchronize()
+        wait_for_all(self.comm, call)
+        newest = max(self.comm.allgather(ctx.newest_call()))  # every rank arrived: cannot stall
+        ctx.restart(newest)
+        self._resources.device.synchronize()
+        wait_for_all(self.comm, call)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank in this rank's mask, in stream order (shrink mode).
@@ -550,6 +568,9 @@ class Buffer:
         if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, (int, np.integer)) \
                 or not 0 <= rank_to_mask < self.group_size:
             raise ValueError(f"{call}: rank_to_mask must be a rank in [0, {self.group_size}), got {rank_to_mask!r}")
+        if mask and rank_to_mask == self.rank:
+            raise ValueError(f"{call}: rank {self.rank} cannot mask itself; leave the calls instead, and the others "
+                             f"mask it when they time out")
         ctx.set_mask(int(rank_to_mask), bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
@@ -572,13 +593,7 @@ class Buffer:
         raise :class:`~cuep.errors.PeerTimeoutError` after ``CUEP_TIMEOUT_S``, and the masks stay.
         """
         call = "low_latency_clean_mask_buffer()"
-        ctx = self._shrink_ready(call)
-        self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
-        newest = max(self.comm.allgather(ctx.newest_call()))  # every rank arrived: cannot stall
-        ctx.restart(newest)
-        self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
+        self._resume_together(call, self._shrink_ready(call))
 
     def destroy(self) -> None:
         """Collective: release this Buffer's symmetric memory now. Idempotent; the Buffer is unusable after."""

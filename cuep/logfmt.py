@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
+from . import _deps
 from ._math import align_up
 
 BLOCK = 128               # channels per block: one log_min and step each
@@ -160,7 +160,8 @@ def encode(values) -> np.ndarray:
     words = (pairs.reshape(rows, nb, _HIGH_WORDS, 8) << shifts).sum(axis=-1)
     compact = np.concatenate([(levels & 0xFF).astype(np.uint8),
                               _le_bytes(words, "<u2").reshape(rows, nb, 2 * _HIGH_WORDS)], axis=-1)
-    bf16 = _le_bytes(blocks.astype(ml_dtypes.bfloat16).view(np.uint16), "<u2").reshape(rows, nb, _BF16_BYTES)
+    bfloat16 = _deps.require("ml_dtypes").bfloat16
+    bf16 = _le_bytes(blocks.astype(bfloat16).view(np.uint16), "<u2").reshape(rows, nb, _BF16_BYTES)
     compact = np.where(fallback[..., None], bf16[..., :COMPACT_BYTES], compact)
     overflow = np.where(fallback[..., None], bf16[..., COMPACT_BYTES:], np.uint8(0))
 

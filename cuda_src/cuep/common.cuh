@@ -68,11 +68,6 @@ static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kS
               kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords,
               "a status word outside the status array");
 
-// Values of a shrink-mode mask entry (Status::masked): 0 live, else masked, and whether this rank
-// still has to tell its peers (it masked the peer itself) or has told them (or was told).
-constexpr int kMaskedToTell = CUEP_MASKED_TO_TELL;
-constexpr int kMaskedTold = CUEP_MASKED_TOLD;
-
 // Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py (Phase) names them.
 constexpr int kPhaseBarrier = CUEP_PHASE_BARRIER;
 constexpr int kPhaseLowLatencyRouting = CUEP_PHASE_LOW_LATENCY_ROUTING;  // a source's routing table

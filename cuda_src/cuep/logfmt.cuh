@@ -4,8 +4,8 @@
 // nonzero magnitudes span at most kLogFmtMaxOctaves octaves travels as 10-bit codes: a sign and a
 // 9-bit magnitude level m, 0 for zero, else |x| = 2^(log_min + (m - 1) * step) with the block's own
 // log_min and step (its meta); any other block (a huge channel beside small ones, inf, nan, values
-// near float32's top) travels as BF16. The layout, the rule and the error bound are cuep/logfmt.py's, which holds the NumPy
-// reference and defines every constant here (CUEP_LOGFMT_*):
+// near float32's top) travels as BF16. The layout, the rule and the error bound are cuep/logfmt.py's,
+// which holds the NumPy reference and defines every constant here (CUEP_LOGFMT_*):
 //
 //   [compact: kLogFmtCompactBytes per block][meta: 2 floats per block, padded to 16 B][overflow per block]
 //
@@ -79,7 +79,8 @@ __device__ __forceinline__ bool store_logfmt_vector(uint8_t* message, const LogF
     }
     const float log_max = __log2f(largest), log_smallest = __log2f(smallest);
     const bool zero = largest == 0.0f;
-    const bool fallback = !finite || (!zero && (log_max - log_smallest > kLogFmtMaxOctaves || log_max >= kLogFmtMaxLog2));
+    const bool too_wide = log_max - log_smallest > kLogFmtMaxOctaves || log_max >= kLogFmtMaxLog2;
+    const bool fallback = !finite || (!zero && too_wide);
     const float log_min = zero ? 0.0f : log_smallest;
     const float step = zero ? 0.0f : (log_max - log_smallest) / static_cast<float>(kLogFmtMaxLevel - 1);
     const float inverse_step = step > 0.0f ? 1.0f / step : 0.0f;
@@ -104,9 +105,8 @@ __device__ __forceinline__ bool store_logfmt_vector(uint8_t* message, const LogF
     const int block = v / kLogFmtLanes;
     uint8_t* compact = message + block * kLogFmtCompactBytes;
     if (fallback) {
-        uint8_t* out = w * 16 < kLogFmtCompactBytes
-                           ? compact + w * 16
-                           : message + layout.overflow + block * kLogFmtOverflowBytes + w * 16 - kLogFmtCompactBytes;
+        uint8_t* overflow = message + layout.overflow + block * kLogFmtOverflowBytes;
+        uint8_t* out = w * 16 < kLogFmtCompactBytes ? compact + w * 16 : overflow + w * 16 - kLogFmtCompactBytes;
         st_na_global(reinterpret_cast<int4*>(out), floats_to_bf16x8(f));
     } else {
         if (w % 2 == 0)
@@ -131,9 +131,8 @@ __device__ __forceinline__ void accumulate_logfmt_vector(float (&acc)[kBf16PerVe
     const float2 meta = __ldcg(reinterpret_cast<const float2*>(message + layout.meta + block * kLogFmtMetaBytes));
     const uint8_t* compact = message + block * kLogFmtCompactBytes;
     if (meta.y == kLogFmtFallbackStep) {
-        const uint8_t* in = w * 16 < kLogFmtCompactBytes
-                                ? compact + w * 16
-                                : message + layout.overflow + block * kLogFmtOverflowBytes + w * 16 - kLogFmtCompactBytes;
+        const uint8_t* overflow = message + layout.overflow + block * kLogFmtOverflowBytes;
+        const uint8_t* in = w * 16 < kLogFmtCompactBytes ? compact + w * 16 : overflow + w * 16 - kLogFmtCompactBytes;
         accumulate_bf16x8(acc, ld_cg_global(reinterpret_cast<const int4*>(in)), weight);
         return;
     }

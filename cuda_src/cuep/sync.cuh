@@ -82,36 +82,10 @@ struct Status {
     __device__ void record_bad_expert_id() const { record(kStatusBadExpertIds, 1); }
 };
 
-// The low-latency family's status: Status's words and, in shrink mode (a Buffer made with
-// enable_shrink), this rank's mask of its peers. There a wait that times out does not fail the call:
-// it masks its peer, and from then on every wait on that peer gives up at once while waits on the
-// others go on.
-struct MaskedStatus {
-    int32_t* device;
-    int32_t* host;
-    int32_t* masked;  // shrink mode: [num_ranks], non-zero for a masked peer (kMaskedToTell, kMaskedTold); else nullptr
-
-    __device__ Status words() const { return Status{device, host}; }
-    __device__ void record(int word, int32_t value) const { words().record(word, value); }
-    __device__ void record_bad_expert_id() const { words().record_bad_expert_id(); }
-
-    __device__ bool is_masked(int peer) const { return masked != nullptr && ld_volatile_global(masked + peer) != 0; }
-
-    __device__ bool gives_up_on(int peer) const { return masked != nullptr ? is_masked(peer) : words().timed_out(); }
-
-    // The peer's first masking is the one the other ranks are told of (low_latency.cu, tell_masks).
-    __device__ void time_out(int32_t peer, int32_t phase) const {
-        if (masked != nullptr)
-            atomicCAS(masked + peer, 0, kMaskedToTell);
-        else
-            words().record_timeout(peer, phase);
-    }
-};
-
 // The bounded wait that records its own timeout: until `arrived()` holds, poll again with `poll()`
 // (nothing, when `arrived` loads; the next load, when it tests a value loaded before). Gives up at
-// once when status.gives_up_on(peer), or at the deadline, recording `peer` and `phase` (Status, or
-// MaskedStatus in shrink mode: masking the peer). Returns whether it arrived.
+// once when status.gives_up_on(peer), or at the deadline, recording `peer` and `phase` (Status; the
+// low-latency family's MaskedStatus masks the peer in shrink mode). Returns whether it arrived.
 template <typename Arrived, typename Poll, typename AnyStatus>
 __device__ __forceinline__ bool wait_until(const Arrived& arrived, const Poll& poll, uint64_t deadline_ns,
                                            const AnyStatus& status, int peer, int phase) {

@@ -23,9 +23,13 @@ from .status import MaskedStatus
 
 NUM_THREADS = 512               # threads per block; the kernels' registers are budgeted for it
 MAX_TOPK = 32                   # experts per token (a warp's lanes hold one each)
+MAX_TOKENS_PER_RANK = 1024      # the largest num_max_dispatch_tokens_per_rank (flags per half and source)
 SEND_PHASE, RECV_PHASE = 1, 2   # a launch's phases (bits): both for a whole call, one each for a hook
-SEQ_WORDS = 8                   # uint64 words of the device's sequence state (their meaning: low_latency.cu)
+SEQ_WORDS = 10                  # uint64 words of the device's sequence state (their meaning: low_latency.cu)
 SEQ_LATEST, SEQ_OF_HALF = 0, 1  # in it: the newest call number sent, then the newest of each buffer half
+# A shrink-mode mask entry (cuep::MaskedStatus::masked): 0 for a live peer, else masked, and whether this
+# rank still has to tell the other ranks (masked by hand) or has told them (or was told).
+MASKED_TO_TELL, MASKED_TOLD = 1, 2
 ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then each token's choices]
 MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
 DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
@@ -64,8 +68,10 @@ def _trace_constants() -> dict[str, int]:
     return {f"trace_{name}": index for name, index in points.items()}
 
 
-CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "send_phase": SEND_PHASE, "recv_phase": RECV_PHASE,
+CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_rank": MAX_TOKENS_PER_RANK,
+             "send_phase": SEND_PHASE, "recv_phase": RECV_PHASE,
              "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST, "seq_of_half": SEQ_OF_HALF,
+             "masked_to_tell": MASKED_TO_TELL, "masked_told": MASKED_TOLD,
              "routing_header_words": ROUTING_HEADER_WORDS, **logfmt.CONSTANTS,
              "ue8m0_scales_per_word": UE8M0_SCALES_PER_WORD, "trace_points": TRACE_POINTS, **_trace_constants()}
 """What ``low_latency.cu`` reads as ``CUEP_<NAME>`` besides the shared constants."""
@@ -98,7 +104,8 @@ class DispatchArgs(KernelArgs):
         ("routing_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p), ("recv_count", ctypes.c_void_p),
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
-        ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p), ("wait_stats", ctypes.c_void_p),
+        ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
+        ("source_decisions", ctypes.c_void_p), ("wait_stats", ctypes.c_void_p),
         ("num_parts", ctypes.c_int),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),
         ("trace", ctypes.c_void_p),

@@ -24,10 +24,6 @@ LANDING_ROWS = 5    # rows a push dispatch or a combine had to land on one rank,
 SELF_MASKED = 6     # shrink mode: this rank's peers masked it, so its low-latency kernels did nothing
 STATUS_WORDS = 7
 
-# A shrink-mode mask entry (cuep::Status::masked): 0 for a live peer, else masked, and whether this
-# rank still has to tell the other ranks (it masked the peer itself) or has told them (or was told).
-MASKED_TO_TELL, MASKED_TOLD = 1, 2
-
 
 class Phase(enum.IntEnum):
     """Which bounded wait gave up (status word :data:`PHASE`); the kernels name each ``kPhase<Name>``."""
@@ -66,8 +62,8 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,
              "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
-             "status_self_masked": SELF_MASKED, "status_words": STATUS_WORDS, "masked_to_tell": MASKED_TO_TELL,
-             "masked_told": MASKED_TOLD, **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
+             "status_self_masked": SELF_MASKED, "status_words": STATUS_WORDS,
+             **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
 """The status layout and phase codes as the kernels see them (``CUEP_<NAME>``)."""
 
 
@@ -81,11 +77,13 @@ class Status(KernelArgs):
 
 
 class MaskedStatus(KernelArgs):
-    """Mirror of ``cuep::MaskedStatus``, the low-latency kernels' :class:`Status` with shrink mode's mask."""
+    """Mirror of ``cuep::MaskedStatus`` (``cuda_src/low_latency.cu``), the low-latency kernels' :class:`Status`
+    with shrink mode's mask."""
 
     cxx_name = "MaskedStatus"
     _fields_ = [*Status._fields_,
-                ("masked", ctypes.c_void_p)]  # shrink mode: this rank's [num_ranks] int32 mask in the region; else 0
+                ("masked", ctypes.c_void_p),  # shrink mode: this rank's [num_ranks] int32 mask in the region; else 0
+                ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int)]
 
 
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:

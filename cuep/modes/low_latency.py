@@ -13,7 +13,7 @@ Buffer layout (byte offsets from the start of the low-latency region, the same o
 
     [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
     [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
-    [mask: R int32]                 shrink mode: this rank's mask of its peers (cuep::Status::masked)
+    [mask: R int32]                 shrink mode: this rank's mask of its peers (cuep::MaskedStatus::masked)
     [half 0 data][half 1 data]      each: see HalfLayout
 
 Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
@@ -42,13 +42,13 @@ from .._math import align_up
 from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch
-from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MAX_TOPK, NUM_THREADS, RECV_PHASE,
+from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK,
+                                   NUM_THREADS, RECV_PHASE,
                                    ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_OF_HALF, SEQ_WORDS, TRACE_POINTS,
                                    CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
-from ..kernels.status import MASKED_TO_TELL, MaskedStatus
+from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
-MAX_TOKENS_PER_RANK = 1024      # flags per (half, source): the largest num_max_dispatch_tokens_per_rank
 ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
 WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 _FLAG_BYTES = 8
@@ -150,6 +150,7 @@ class Context:
     trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
     status_words: StatusWords | None = None  # owner of ``status`` and its host mirror
     shrink: bool = False          # a timed-out peer is masked instead of failing the call (enable_shrink)
+    source_decisions: Any = None  # shrink mode: [2, num_ranks] uint64, what each call's receive counts each source sent
 
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
@@ -166,12 +167,13 @@ class Context:
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
-                   trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink)
+                   trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink,
+                   source_decisions=cupy.zeros((2, num_ranks), dtype=cupy.uint64) if shrink else None)
 
     @functools.cached_property
     def mask(self):
         """This rank's mask of its peers, `[num_ranks]` `int32` in the region (non-zero: masked; the
-        kernels' values are :data:`~cuep.kernels.status.MASKED_TO_TELL` and ``MASKED_TOLD``)."""
+        kernels' values are :data:`~cuep.kernels.low_latency.MASKED_TO_TELL` and ``MASKED_TOLD``)."""
         cupy = _deps.cupy()
         address = self.region_ptr + _mask_offset(self.num_ranks)
         memory = cupy.cuda.UnownedMemory(address, self.num_ranks * _MASK_ENTRY_BYTES, self)
@@ -195,6 +197,7 @@ class Context:
         stream order: a rank that sat calls out catches up with the others' call numbers, and every
         rank's next call uses half 0."""
         self.mask.fill(0)
+        self.seq_state.fill(0)  # the launch counts too: a launch that sat out in some blocks left them behind
         self.seq_state[SEQ_LATEST:SEQ_OF_HALF + 2] = call_number
         self.half = 0
 
@@ -350,7 +353,8 @@ def _common(ctx: Context, args, half: int) -> None:
     args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
     args.flag_stride = MAX_TOKENS_PER_RANK
     args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
-    args.status = MaskedStatus(ctx.status.data.ptr, ctx.status_host_ptr, ctx.mask.data.ptr if ctx.shrink else 0)
+    args.status = MaskedStatus(ctx.status.data.ptr, ctx.status_host_ptr, ctx.mask.data.ptr if ctx.shrink else 0,
+                               ctx.rank, ctx.num_ranks)
     args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
 
 
@@ -393,6 +397,7 @@ def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_ex
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
     a.staging_words = layout.routing_staging_words
     a.num_parts = dispatch_num_parts(ctx.num_sms, num_experts // ctx.num_ranks)
+    a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
     return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes)
 

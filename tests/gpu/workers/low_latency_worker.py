@@ -421,6 +421,19 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None):
               f"{'the other ' if huge_channel is not None else ''}blocks encoded", flush=True)
 
 
+def logfmt_hidden_2176_half_a_warp_past_the_end(buffer):
+    """17 blocks of 128: the last warp of a row codes one block while its other half-warp idles."""
+    logfmt_against_bf16(buffer, 2176, use_fp8=False)
+
+
+def logfmt_on_the_put_path():
+    """Partials put by NVSHMEM: only the coded bytes travel, or the whole message when a block fell back."""
+    put_buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
+    logfmt_against_bf16(put_buffer, 2048, use_fp8=False)
+    logfmt_against_bf16(put_buffer, 2048, use_fp8=False, huge_channel=3)
+    put_buffer.destroy()
+
+
 def logfmt_combine_hidden_2048(buffer):
     logfmt_against_bf16(buffer, 2048, use_fp8=False)
 
@@ -517,6 +530,8 @@ def main() -> None:
         ("argument errors name the argument", on_buffer(argument_errors_name_the_argument)),
         ("LogFMT combine, hidden 2048", on_buffer(logfmt_combine_hidden_2048)),
         ("LogFMT combine, hidden 7168, fp8 dispatch", on_buffer(logfmt_combine_hidden_7168_fp8)),
+        ("LogFMT, hidden 2176: half a warp past the end", on_buffer(logfmt_hidden_2176_half_a_warp_past_the_end)),
+        ("LogFMT on the NVSHMEM put path, with and without a fallen-back block", logfmt_on_the_put_path),
         ("LogFMT: a block with a huge channel falls back to BF16",
          on_buffer(logfmt_block_with_a_huge_channel_falls_back)),
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
