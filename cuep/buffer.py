@@ -403,8 +403,8 @@ class Buffer:
                 local expert received.
             dispatch_wait_recv_cost_stats: `[num_ranks]` `int64`; each call adds, per source rank, the
                 nanoseconds this rank's receive waited for that source's messages (its routing table, then
-                each of its tokens). A straggler shows as one large entry. Waits of different warps overlap,
-                so the entries compare sources rather than add up to wall time.
+                each row of its tokens). A straggler shows as one large entry. Waits of different warps
+                overlap, so the entries compare sources rather than add up to wall time.
             use_fp8: send e4m3 with one float32 scale per 128 channels (else BF16).
             round_scale: round each scale up to a power of two.
             use_ue8m0: return the (power-of-two) scales as packed UE8M0 exponents.
@@ -517,7 +517,8 @@ class Buffer:
 
         cuep's flags and table words carry call numbers that only grow, at offsets that do not move with
         the shapes, so its kernels never need this, even when the shapes change between calls; it exists
-        for DeepEP compatibility and to start from a clean state.
+        for DeepEP compatibility and to start from a clean state. In shrink mode it also unmasks every rank
+        and re-synchronises the call numbers, as :meth:`low_latency_clean_mask_buffer` does.
         The arguments are checked against the buffer's capacity.
         """
         call = "clean_low_latency_buffer()"
@@ -576,7 +577,7 @@ class Buffer:
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Write this rank's mask into ``mask_status``, `[num_ranks]` `int32` (1: masked), in stream order
         (shrink mode). Once a call that masked a rank has finished on every live rank, every live rank
-        shows the same mask."""
+        shows the same mask; a rank its peers masked shows itself masked (it is told over NVLink)."""
         call = "low_latency_query_mask_buffer()"
         ctx = self._shrink_ready(call)
         out = _checks.optional_vector(call, "mask_status", mask_status, np.int32, self.group_size)
