@@ -2,6 +2,8 @@
 collective headers left out -- none of it changing the generated code. No GPU needed."""
 
 import logging
+import os
+import threading
 
 import pytest
 
@@ -144,3 +146,26 @@ def test_start_returns_while_the_compile_runs(cache_dir, monkeypatch):
     release.set()
     assert finish() == [(spec, b"cubin")] and compiled == [spec]
     library._loaded.pop(spec, None)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux thread affinity and at least two processors")
+def test_compile_threads_spread_over_the_host_when_the_rank_is_bound_to_one_core():
+    # mpirun binds each rank to a core; the compiling rank's threads must not share that one core.
+    main_before = os.sched_getaffinity(0)
+    one_core = {min(main_before)}
+    os.sched_setaffinity(0, one_core)
+    try:
+        seen = {}
+
+        def in_a_thread():
+            library.widen_thread_affinity()
+            seen["mask"] = os.sched_getaffinity(0)
+        thread = threading.Thread(target=in_a_thread)
+        thread.start()
+        thread.join()
+        assert len(seen["mask"]) > 1, seen
+        assert os.sched_getaffinity(0) == one_core  # the rank's own thread keeps its binding
+        assert library.available_cores() == os.cpu_count()
+    finally:
+        os.sched_setaffinity(0, main_before)

@@ -157,8 +157,23 @@ def _produce(job: _Job, announce: bool) -> bytes:
 
 
 def available_cores() -> int:
-    """Processors this process may run on (its affinity mask, where the OS has one)."""
+    """Processors a compile thread may run on: every one of the host's where the OS lets a thread widen
+    its affinity (:func:`widen_thread_affinity`), else this process's affinity mask."""
+    if hasattr(os, "sched_setaffinity"):
+        return os.cpu_count() or 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def widen_thread_affinity() -> None:
+    """Let the calling thread run on every processor of the host (Linux: the affinity of pid 0 is the
+    calling thread's). mpirun binds each rank to a core by default, which left the one rank per host
+    that compiles building its families one after another on that core; its compile threads now spread
+    over the host while its own thread keeps the binding. Where the OS refuses (a cpuset narrower
+    than the host), the thread keeps the process's mask."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):
+        pass
 
 
 def _costliest_first(jobs: Sequence[_Job]) -> list[int]:
@@ -177,7 +192,8 @@ def _run_concurrently(work: Callable[[_Job], _Result], jobs: Sequence[_Job]) -> 
     if len(jobs) <= 1:
         return [work(job) for job in jobs]
     jit_logger()  # its first use attaches the handler: done here, not by two threads at once (two lines each)
-    with ThreadPoolExecutor(max_workers=min(len(jobs), available_cores()), thread_name_prefix="cuep-jit") as pool:
+    with ThreadPoolExecutor(max_workers=min(len(jobs), available_cores()), thread_name_prefix="cuep-jit",
+                            initializer=widen_thread_affinity) as pool:
         futures = {index: pool.submit(work, jobs[index]) for index in _costliest_first(jobs)}
     return [futures[index].result() for index in range(len(jobs))]
 

@@ -3,7 +3,9 @@
 One world per process, shared by every Buffer. Bootstrap uses a unique id broadcast over the
 communicator (works with any MPI; NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
 sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set with
-``setdefault`` (a user's value wins) before init.
+``setdefault`` (a user's value wins) before init, as is ``NVSHMEM_DISABLE_NCCL=1``: NVSHMEM's NCCL
+backend serves host-side collectives, which cuep does not call (its allocations' barriers run without
+it), and creating its NCCL communicator was half of every start's ``nvshmem.core.init``.
 
 Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), the symmetric
 memory that no ``Buffer.destroy()`` freed is freed, then ``nvshmem.core.finalize()``. Finalize is
@@ -140,6 +142,7 @@ def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> Wor
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
     cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
     heap_bytes = _size_heap(data_bytes)
+    os.environ.setdefault("NVSHMEM_DISABLE_NCCL", "1")
     device = core.Device(device_id)
     device.set_current()
     cupy.cuda.Device(device_id).use()
