@@ -29,9 +29,9 @@
 // Every wait is bounded (cuep/sync.cuh): a timed-out wait records the peer and phase in `status`
 // (mirrored to pinned host memory, so no copy is enqueued per call) and every later wait of the
 // launch gives up at once; the host raises PeerTimeoutError. In shrink mode (Buffer(enable_shrink=
-// True)) it masks the peer instead: this rank sends it nothing and waits for it no more, the call
-// completes without it, and the launch's last thread tells the other ranks (tell_masks), so that
-// every live rank skips it from its next call on.
+// True)) it masks the peer instead (MaskedStatus): this rank sends it nothing and waits for it no
+// more, the call completes without it, and the other ranks are told at once, so that every live rank
+// skips it too.
 //
 // Options: a combine's partials may travel as LogFMT (cuep/logfmt.cuh) instead of BF16; a call given
 // wait statistics adds, per peer, the nanoseconds its receive waited for that peer's messages.
