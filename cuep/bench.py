@@ -201,6 +201,104 @@ def bench_normal(args) -> None:
     buffer.destroy()
 
 
+OVERLAP_GEMM = (8192, 7168, 2048)  # M, K, N of the compute stream's GEMM per rank (issue 27's expert GEMM)
+
+
+def _gemm(cupy):
+    """``run()``, one GEMM of :data:`OVERLAP_GEMM` on the current stream, and its label: BF16 where CuPy's
+    matmul takes it, else FP16 (the same tensor cores and bytes)."""
+    from ._checks import bf16_dtype
+    m, k, n = OVERLAP_GEMM
+    for dtype, label in ((bf16_dtype(), "bf16"), (cupy.float16, "fp16")):
+        try:
+            a = cupy.ones((m, k), dtype=dtype)
+            b = cupy.ones((k, n), dtype=dtype)
+            out = cupy.empty((m, n), dtype=dtype)
+            cupy.matmul(a, b, out=out)
+        except (TypeError, ValueError, NotImplementedError, cupy.cuda.cublas.CUBLASError):
+            continue
+        return (lambda: cupy.matmul(a, b, out=out)), f"{label} GEMM {m}x{k}x{n}"
+    raise RuntimeError("cuep.bench --mode overlap: CuPy's matmul takes neither bfloat16 nor float16 here")
+
+
+def bench_overlap(args) -> None:
+    """Dispatch + combine (cached dispatch, then combine, both ``async_finish`` on the comm stream) beside a
+    GEMM on the compute stream, per SM budget: each alone, then together; each one's slowdown."""
+    cupy, mpi = _deps.cupy(), _deps.mpi()
+    import cuep
+    from .config import Config
+    comm = mpi.COMM_WORLD
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    hidden_bytes = args.hidden * 2
+    nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk)
+    rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk)
+    buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
+    x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                      num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert)
+    gemm, gemm_label = _gemm(cupy)
+    compute = cupy.cuda.get_current_stream()
+    comm_stream = buffer.get_comm_stream()
+
+    def timed(run_gemm: bool, config) -> tuple[float, float]:
+        """(GEMM us, communication us) of one iteration, each on its own stream, started together: the
+        calls wait for an event taken before the GEMM (DeepEP's previous_event), not for the GEMM."""
+        ready = cuep.Buffer.capture()
+        comm_stream.wait_event(ready.event)
+        comm_start = comm_stream.record()
+        # The communication is enqueued first, as a training step issues it before the expert GEMM: its
+        # kernels take their SMs, and the GEMM's blocks fill the rest.
+        outputs = None  # held until the comm stream is done with them
+        if config is not None:
+            outputs = (buffer.dispatch(x, handle=handle, config=config, previous_event=ready, async_finish=True),
+                       buffer.combine(recv_x, handle, topk_weights=recv_w, config=config, previous_event=ready,
+                                      async_finish=True))
+        comm_end = comm_stream.record()
+        gemm_start = compute.record()  # after the host enqueued the communication, which the GEMM does not wait for
+        if run_gemm:
+            gemm()
+        gemm_end = compute.record()
+        compute.wait_event(comm_end)
+        gemm_end.synchronize()
+        comm_end.synchronize()
+        del outputs
+        return (cupy.cuda.get_elapsed_time(gemm_start, gemm_end) * 1e3,
+                cupy.cuda.get_elapsed_time(comm_start, comm_end) * 1e3)
+
+    def median(run_gemm: bool, config) -> tuple[float, float]:
+        for _ in range(args.warmup):
+            timed(run_gemm, config)
+        samples = np.array([timed(run_gemm, config) for _ in range(args.iters)])
+        return float(np.median(samples[:, 0])), float(np.median(samples[:, 1]))
+
+    sms_list = args.sms or [24, buffer.get_combine_config(num_ranks).num_sms]
+    gemm_alone = median(True, None)[0]
+    rows = []
+    for sms in sms_list:
+        config = Config(num_sms=sms)
+        comm_alone = median(False, config)[1]
+        gemm_both, comm_both = median(True, config)
+        rows.append((sms, comm_alone, gemm_both, comm_both))
+        if rank == 0 and args.progress:
+            print(f"  ... measured num_sms={sms}", flush=True)
+    gathered = comm.gather((gemm_alone, rows), root=0)
+    buffer.destroy()
+    if rank != 0:
+        return
+    gemm_alone = float(np.mean([g[0] for g in gathered]))
+    print(f"cuep overlap: {num_ranks} ranks, {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} of "
+          f"{args.experts} experts; cached BF16 dispatch + combine (async_finish, comm stream) beside a "
+          f"{gemm_label} (compute stream), alone {gemm_alone:.1f} us; medians of {args.iters}, means over ranks")
+    print(f"{'SMs':>4s} {'comm alone us':>14s} {'comm beside us':>15s} {'comm slowdown':>14s} "
+          f"{'GEMM beside us':>15s} {'GEMM slowdown':>14s}")
+    for i, sms in enumerate(sms_list):
+        comm_alone, gemm_both, comm_both = (float(np.mean([g[1][i][j] for g in gathered])) for j in (1, 2, 3))
+        print(f"{sms:4d} {comm_alone:14.1f} {comm_both:15.1f} {comm_both / comm_alone - 1:14.1%} "
+              f"{gemm_both:15.1f} {gemm_both / gemm_alone - 1:14.1%}")
+
+
 def bench_ceiling(args) -> None:
     """What the dispatch's and combine's row copies reach with no protocol around them (the probe
     family, ``cuda_src/probe.cu``), for the benchmark's routing, beside the full operations' NVLink
@@ -397,7 +495,8 @@ def bench_low_latency(args) -> None:
 
     runs = {"dispatch fp8": (lambda _: dispatch(), 1), "combine bf16": (lambda _: combine(), 1),
             "combine logfmt": (lambda _: combine_logfmt(), 1), "dispatch + combine": (both, 2),
-            "dispatch hook (send | recv)": (hooked(dispatch_send), 2), "combine hook (send | recv)": (hooked(combine_send), 2)}
+            "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
+            "combine hook (send | recv)": (hooked(combine_send), 2)}
     times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
 
     # The same calls replayed from CUDA graphs (how decode engines run them): no Python in the loop.
@@ -440,8 +539,8 @@ def bench_low_latency(args) -> None:
     times["nccl dispatch fp8"] = _times_us(lambda _: nccl_dispatch(), args.warmup, args.iters)
     times["nccl combine bf16"] = _times_us(lambda _: nccl_combine(), args.warmup, args.iters)
 
-    # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header bytes);
-    # a combine counts BF16 rows, LogFMT's too.
+    # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header
+    # bytes); a combine counts BF16 rows, LogFMT's too.
     selections = int((topk_idx >= 0).sum())
     dispatch_bytes, combine_bytes = selections * (_fp8_row_bytes(hidden) + 16), selections * hidden * 2
     gathered = comm.gather(times, root=0)
@@ -470,8 +569,9 @@ def bench_low_latency(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuep.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["normal", "low_latency", "ceiling"], default="normal",
-                        help="ceiling: the intranode row copies alone, on the normal mode's routing")
+    parser.add_argument("--mode", choices=["normal", "low_latency", "ceiling", "overlap"], default="normal",
+                        help="ceiling: the intranode row copies alone, on the normal mode's routing; overlap: "
+                             "dispatch + combine beside a GEMM on the compute stream, each one's slowdown")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per rank (default 4096 normal, 128 low latency)")
     parser.add_argument("--hidden", type=int, default=7168)
@@ -497,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     args.iters = args.iters or (1000 if low_latency else 30)
     if args.tune:
         args.sms, args.progress = TUNE_SMS, True
-    {"normal": bench_normal, "low_latency": bench_low_latency, "ceiling": bench_ceiling}[args.mode](args)
+    {"normal": bench_normal, "low_latency": bench_low_latency, "ceiling": bench_ceiling,
+     "overlap": bench_overlap}[args.mode](args)
     return 0
 
 
