@@ -52,6 +52,16 @@ struct LogFmtLayout {
         encoded_bytes = overflow;
         message_bytes = overflow + blocks * kLogFmtOverflowBytes;
     }
+
+    // Byte offset of vector w (channels 8w .. 8w + 7) of a block sent as BF16: its compact bytes, then
+    // its overflow.
+    __device__ int bf16_vector(int block, int w) const {
+        const int byte = w * 16;
+        return byte < kLogFmtCompactBytes ? block * kLogFmtCompactBytes + byte
+                                          : overflow + block * kLogFmtOverflowBytes + byte - kLogFmtCompactBytes;
+    }
+
+    __device__ int meta_of(int block) const { return meta + block * kLogFmtMetaBytes; }
 };
 
 // Whole warps, each half-warp one block: code vector `v` (channels 8v .. 8v + 7, this lane's `f`) into
@@ -105,9 +115,7 @@ __device__ __forceinline__ bool store_logfmt_vector(uint8_t* message, const LogF
     const int block = v / kLogFmtLanes;
     uint8_t* compact = message + block * kLogFmtCompactBytes;
     if (fallback) {
-        uint8_t* overflow = message + layout.overflow + block * kLogFmtOverflowBytes;
-        uint8_t* out = w * 16 < kLogFmtCompactBytes ? compact + w * 16 : overflow + w * 16 - kLogFmtCompactBytes;
-        st_na_global(reinterpret_cast<int4*>(out), floats_to_bf16x8(f));
+        st_na_global(reinterpret_cast<int4*>(message + layout.bf16_vector(block, w)), floats_to_bf16x8(f));
     } else {
         if (w % 2 == 0)
             st_na_global(reinterpret_cast<int4*>(compact + w * 8),
@@ -119,7 +127,7 @@ __device__ __forceinline__ bool store_logfmt_vector(uint8_t* message, const LogF
                                    static_cast<int>(next_high4), static_cast<int>(next_high4 >> 32)));
     }
     if (w == 0)
-        *reinterpret_cast<float2*>(message + layout.meta + block * kLogFmtMetaBytes) =
+        *reinterpret_cast<float2*>(message + layout.meta_of(block)) =
             make_float2(fallback ? 0.0f : log_min, fallback ? kLogFmtFallbackStep : step);
     return fallback;
 }
@@ -128,12 +136,11 @@ __device__ __forceinline__ bool store_logfmt_vector(uint8_t* message, const LogF
 __device__ __forceinline__ void accumulate_logfmt_vector(float (&acc)[kBf16PerVector], const uint8_t* message,
                                                          const LogFmtLayout& layout, int v, float weight) {
     const int block = v / kLogFmtLanes, w = v % kLogFmtLanes;
-    const float2 meta = __ldcg(reinterpret_cast<const float2*>(message + layout.meta + block * kLogFmtMetaBytes));
+    const float2 meta = __ldcg(reinterpret_cast<const float2*>(message + layout.meta_of(block)));
     const uint8_t* compact = message + block * kLogFmtCompactBytes;
     if (meta.y == kLogFmtFallbackStep) {
-        const uint8_t* overflow = message + layout.overflow + block * kLogFmtOverflowBytes;
-        const uint8_t* in = w * 16 < kLogFmtCompactBytes ? compact + w * 16 : overflow + w * 16 - kLogFmtCompactBytes;
-        accumulate_bf16x8(acc, ld_cg_global(reinterpret_cast<const int4*>(in)), weight);
+        accumulate_bf16x8(acc, ld_cg_global(reinterpret_cast<const int4*>(message + layout.bf16_vector(block, w))),
+                          weight);
         return;
     }
     const uint64_t low = __ldcg(reinterpret_cast<const unsigned long long*>(compact + w * 8));
