@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import shutil
 
 import pytest
@@ -35,6 +36,17 @@ def test_one_byte_of_a_header_changes_the_key(sources):
     before = key_for(sources)
     header = sources / "cuep" / "ptx.cuh"
     header.write_bytes(header.read_bytes() + b" ")
+    assert key_for(sources) != before
+
+
+def test_a_rewrite_of_the_same_size_changes_the_key(sources):
+    # Keys are memoised per process by file size and modification time; a rewrite moves the time.
+    before = key_for(sources)
+    header = sources / "cuep" / "ptx.cuh"
+    text = header.read_bytes()
+    stat = header.stat()
+    header.write_bytes(text[:-1] + (b"\n" if text[-1:] != b"\n" else b" "))
+    os.utime(header, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert key_for(sources) != before
 
 

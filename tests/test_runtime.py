@@ -45,6 +45,15 @@ def test_heap_is_sized_from_the_request(monkeypatch):
         world._size_heap(1 << 30)
 
 
+def test_nvshmem_defaults_keep_the_users_values():
+    environ = {"NVSHMEM_MAX_TEAMS": "40"}
+    world.apply_nvshmem_defaults(environ)
+    assert environ == {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_DISABLE_NCCL": "1"}
+    environ = {}
+    world.apply_nvshmem_defaults(environ)
+    assert environ == {"NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_NCCL": "1"}
+
+
 def test_gpus_command_prints_a_rank_count(capsys, monkeypatch):
     from cuep import cli
     from cuep.runtime import world

@@ -36,21 +36,39 @@ class UncacheableError(RuntimeError):
     """An input of the key could not be read; the kernel must be compiled without the cache."""
 
 
+# Digests already taken in this process, by what ``os.stat`` says of the files read: every family's key
+# hashes the same source tree and NVSHMEM device library, which would otherwise be read once per family
+# on every start.
+_digests: dict[tuple, str] = {}
+
+
+def _signature(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
 def digest_file(path: Path) -> str:
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        memo = ("file", str(path), _signature(path))
+        if memo not in _digests:
+            _digests[memo] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return _digests[memo]
     except OSError as exc:
         raise UncacheableError(f"cannot read {path} for the cache key: {exc}") from exc
 
 
 def digest_tree(root: Path) -> str:
     """Digest of every file under ``root``: relative path and bytes, in sorted order."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        for part in (path.relative_to(root).as_posix().encode(), path.read_bytes()):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-    return h.hexdigest()
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    memo = ("tree", str(root), tuple((p.relative_to(root).as_posix(), *_signature(p)) for p in paths))
+    if memo not in _digests:
+        h = hashlib.sha256()
+        for path in paths:
+            for part in (path.relative_to(root).as_posix().encode(), path.read_bytes()):
+                h.update(len(part).to_bytes(8, "little"))
+                h.update(part)
+        _digests[memo] = h.hexdigest()
+    return _digests[memo]
 
 
 def key_fields(spec: KernelSpec, source_root: Path, program_options: str, linker_options: str,

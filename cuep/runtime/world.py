@@ -2,10 +2,9 @@
 
 One world per process, shared by every Buffer. Bootstrap uses a unique id broadcast over the
 communicator (works with any MPI; NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
-sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set with
-``setdefault`` (a user's value wins) before init, as is ``NVSHMEM_DISABLE_NCCL=1``: NVSHMEM's NCCL
-backend serves host-side collectives, which cuep does not call (its allocations' barriers run without
-it), and creating its NCCL communicator was half of every start's ``nvshmem.core.init``.
+sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set before init unless
+the user set it. :data:`NVSHMEM_DEFAULTS` are set the same way: they turn off what NVSHMEM prepares
+for its own collectives and teams, which cuep never uses, and which took most of every start.
 
 Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), the symmetric
 memory that no ``Buffer.destroy()`` freed is freed, then ``nvshmem.core.finalize()``. Finalize is
@@ -38,6 +37,14 @@ _HEAP_ALIGN_BYTES = 2 << 20
 # At exit, how long to wait for the other ranks before skipping the collective finalize.
 _EXIT_TIMEOUT_S = 30.0
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# NVSHMEM variables cuep sets before init where the user has not. cuep's kernels use puts, signals,
+# quiet and peer pointers, never an NVSHMEM collective or team, and its host side calls none either.
+#  - NVSHMEM_DISABLE_NCCL: NVSHMEM's NCCL backend serves host-side collectives; creating its NCCL
+#    communicators took about half of ``nvshmem.core.init``.
+#  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (32 by
+#    default), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
+#    the number of its predefined teams to that number, so 1 means "the predefined teams only".
+NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1"}
 
 
 def parse_heap_size(text: str) -> int | None:
@@ -142,7 +149,7 @@ def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> Wor
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
     cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
     heap_bytes = _size_heap(data_bytes)
-    os.environ.setdefault("NVSHMEM_DISABLE_NCCL", "1")
+    apply_nvshmem_defaults(os.environ)
     device = core.Device(device_id)
     device.set_current()
     cupy.cuda.Device(device_id).use()
@@ -154,6 +161,12 @@ def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> Wor
     _world = World(comm=comm, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)
     return _world
+
+
+def apply_nvshmem_defaults(environ) -> None:
+    """Set each of :data:`NVSHMEM_DEFAULTS` in ``environ`` that the user has not set."""
+    for name, value in NVSHMEM_DEFAULTS.items():
+        environ.setdefault(name, value)
 
 
 def _size_heap(data_bytes: int) -> int:
