@@ -221,9 +221,30 @@ def _gemm(cupy):
     raise RuntimeError("cuep.bench --mode overlap: CuPy's matmul takes neither bfloat16 nor float16 here")
 
 
+def _gemm_sm_target(cupy):
+    """``set(sms)``: size CuPy's cuBLAS GEMMs on this device for ``sms`` SMs (0: the whole GPU), through
+    ``cublasSetSmCountTarget`` on CuPy's handle. cuBLAS otherwise sizes a GEMM's grid for every SM, and
+    its blocks queue behind the SMs the communication holds; DeepGEMM's ``num_sms`` does this for a
+    training step's expert GEMMs."""
+    import ctypes
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+    cublas = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    set_target = cublas.cublasSetSmCountTarget
+    set_target.argtypes, set_target.restype = (ctypes.c_void_p, ctypes.c_int), ctypes.c_int
+    handle = cupy.cuda.device.get_cublas_handle()
+
+    def set_sms(sms: int) -> None:
+        status = set_target(handle, sms)
+        if status != 0:
+            raise RuntimeError(f"cublasSetSmCountTarget({sms}) returned status {status}")
+    return set_sms
+
+
 def bench_overlap(args) -> None:
     """Dispatch + combine (cached dispatch, then combine, both ``async_finish`` on the comm stream) beside a
-    GEMM on the compute stream, per SM budget: each alone, then together; each one's slowdown."""
+    GEMM on the compute stream, per SM budget: each alone, then together; each one's slowdown. The GEMM
+    runs twice beside the communication: sized for the whole GPU (cuBLAS's default), and told the SMs
+    the communication leaves (``cublasSetSmCountTarget``), as an expert GEMM given ``num_sms`` is."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
     import cuep
     from .config import Config
@@ -239,6 +260,8 @@ def bench_overlap(args) -> None:
                                                       num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                       num_tokens_per_expert=per_expert)
     gemm, gemm_label = _gemm(cupy)
+    set_gemm_sms = _gemm_sm_target(cupy)
+    device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     compute = cupy.cuda.get_current_stream()
     comm_stream = buffer.get_comm_stream()
 
@@ -267,20 +290,28 @@ def bench_overlap(args) -> None:
         return (cupy.cuda.get_elapsed_time(gemm_start, gemm_end) * 1e3,
                 cupy.cuda.get_elapsed_time(comm_start, comm_end) * 1e3)
 
-    def median(run_gemm: bool, config) -> tuple[float, float]:
-        for _ in range(args.warmup):
-            timed(run_gemm, config)
-        samples = np.array([timed(run_gemm, config) for _ in range(args.iters)])
+    def median(run_gemm: bool, config, gemm_sms: int = 0) -> tuple[float, float]:
+        set_gemm_sms(gemm_sms)
+        try:
+            for _ in range(args.warmup):
+                timed(run_gemm, config)
+            samples = np.array([timed(run_gemm, config) for _ in range(args.iters)])
+        finally:
+            set_gemm_sms(0)
         return float(np.median(samples[:, 0])), float(np.median(samples[:, 1]))
 
     sms_list = args.sms or [24, buffer.get_combine_config(num_ranks).num_sms]
+    if max(sms_list) >= device_sms:
+        raise ValueError(f"--sms: every count must leave the GEMM SMs of the {device_sms} this GPU has")
     gemm_alone = median(True, None)[0]
     rows = []
     for sms in sms_list:
         config = Config(num_sms=sms)
         comm_alone = median(False, config)[1]
-        gemm_both, comm_both = median(True, config)
-        rows.append((sms, comm_alone, gemm_both, comm_both))
+        gemm_whole, comm_whole = median(True, config)
+        gemm_rest_alone = median(True, None, device_sms - sms)[0]
+        gemm_rest, comm_rest = median(True, config, device_sms - sms)
+        rows.append((comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest))
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
     gathered = comm.gather((gemm_alone, rows), root=0)
@@ -290,13 +321,18 @@ def bench_overlap(args) -> None:
     gemm_alone = float(np.mean([g[0] for g in gathered]))
     print(f"cuep overlap: {num_ranks} ranks, {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} of "
           f"{args.experts} experts; cached BF16 dispatch + combine (async_finish, comm stream) beside a "
-          f"{gemm_label} (compute stream), alone {gemm_alone:.1f} us; medians of {args.iters}, means over ranks")
-    print(f"{'SMs':>4s} {'comm alone us':>14s} {'comm beside us':>15s} {'comm slowdown':>14s} "
-          f"{'GEMM beside us':>15s} {'GEMM slowdown':>14s}")
+          f"{gemm_label} (compute stream), alone on all {device_sms} SMs {gemm_alone:.1f} us; medians of "
+          f"{args.iters}, means over ranks. Slowdowns against each one alone on the whole GPU.")
+    print(f"{'SMs':>4s} {'comm alone':>11s} | {'GEMM sized for the whole GPU':^38s} | "
+          f"{'GEMM told the other SMs (cuBLAS SM target)':^56s}")
+    print(f"{'':4s} {'us':>11s} | {'comm us':>9s} {'slowdown':>9s} {'GEMM us':>9s} {'slowdown':>8s} | "
+          f"{'GEMM alone':>10s} {'comm us':>9s} {'slowdown':>9s} {'GEMM us':>9s} {'slowdown':>8s}")
     for i, sms in enumerate(sms_list):
-        comm_alone, gemm_both, comm_both = (float(np.mean([g[1][i][j] for g in gathered])) for j in (1, 2, 3))
-        print(f"{sms:4d} {comm_alone:14.1f} {comm_both:15.1f} {comm_both / comm_alone - 1:14.1%} "
-              f"{gemm_both:15.1f} {gemm_both / gemm_alone - 1:14.1%}")
+        comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest = (
+            float(np.mean([g[1][i][j] for g in gathered])) for j in range(6))
+        print(f"{sms:4d} {comm_alone:11.1f} | {comm_whole:9.1f} {comm_whole / comm_alone - 1:9.1%} "
+              f"{gemm_whole:9.1f} {gemm_whole / gemm_alone - 1:8.1%} | {gemm_rest_alone:10.1f} "
+              f"{comm_rest:9.1f} {comm_rest / comm_alone - 1:9.1%} {gemm_rest:9.1f} {gemm_rest / gemm_alone - 1:8.1%}")
 
 
 def bench_ceiling(args) -> None:
