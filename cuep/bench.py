@@ -2,8 +2,11 @@
 all-to-all baseline moving the same tokens in the same run.
 
 Bandwidth follows DeepEP's convention: bytes received per rank (its own share included) over time;
-the NVLink figure counts only the bytes that crossed NVLink. Times are medians over ``--iters``
-calls after ``--warmup``; every rank reports, rank 0 prints the mean over ranks of each median.
+the NVLink figure counts only the bytes that crossed NVLink; across nodes (the internode mode, or virtual
+nodes with ``CUEP_RANKS_PER_NODE``) the last figure is instead the bytes that crossed a node boundary,
+one row per (token, other node). Times are medians over ``--iters`` calls after ``--warmup``; every rank
+reports, rank 0 prints the mean over ranks of each median. Where ranks share a GPU (``CUEP_SHARE_GPUS``)
+NCCL cannot run, and the baseline's rows say so.
 """
 
 from __future__ import annotations
@@ -100,6 +103,15 @@ def nccl_baseline(comm, rows, in_rank):
     return dispatch, combine
 
 
+def _ranks_share_gpus(comm, device_id: int) -> bool:
+    """Whether two ranks of ``comm`` run on one GPU (same host, same PCI bus id)."""
+    import socket
+    cupy = _deps.cupy()
+    mine = (socket.gethostname(), cupy.cuda.runtime.deviceGetPCIBusId(device_id))
+    placements = comm.allgather(mine)
+    return len(set(placements)) < len(placements)
+
+
 def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
     cupy = _deps.cupy()
     from ._checks import bf16_dtype
@@ -175,10 +187,20 @@ def bench_normal(args) -> None:
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
 
-    nccl_dispatch, nccl_combine = nccl_baseline(comm, x, in_rank)
-    results[("nccl dispatch bf16", 0)] = _median_us(nccl_dispatch, args.warmup, args.iters)
-    results[("nccl combine bf16", 0)] = _median_us(nccl_combine, args.warmup, args.iters)
+    shared_gpu = _ranks_share_gpus(comm, buffer.device_id)
+    if not shared_gpu:
+        nccl_dispatch, nccl_combine = nccl_baseline(comm, x, in_rank)
+        results[("nccl dispatch bf16", 0)] = _median_us(nccl_dispatch, args.warmup, args.iters)
+        results[("nccl combine bf16", 0)] = _median_us(nccl_combine, args.warmup, args.iters)
 
+    topology = buffer.topology
+    across_nodes = topology.num_nodes > 1
+    if across_nodes:
+        # Rank 0's figures, as for the rows received: the copies it puts across node boundaries.
+        from .reference import cross_node_copies
+        remote_rows = cross_node_copies(topk_idx.get(), args.experts, num_ranks, topology.ranks_per_node, rank)
+        own_node = slice(topology.node * topology.ranks_per_node, (topology.node + 1) * topology.ranks_per_node)
+        flat_rows = int(per_rank.get().sum() - per_rank.get()[own_node].sum())
     fp8_row_bytes = _fp8_row_bytes(args.hidden)
     bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row_bytes
     remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row_bytes
@@ -186,14 +208,26 @@ def bench_normal(args) -> None:
     if rank != 0:
         buffer.destroy()
         return
-    print(f"cuep normal mode: {num_ranks} ranks, {args.tokens} tokens/rank, hidden {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts; {num_recv} rows received by rank 0 "
-          f"({remote_rows} over NVLink)")
-    print(f"{'operation':34s} {'SMs':>4s} {'median us':>10s} {'GB/s':>8s} {'NVLink GB/s':>12s}")
+    if across_nodes:
+        print(f"cuep internode mode: {topology.num_nodes} nodes x {topology.ranks_per_node} ranks, {args.tokens} "
+              f"tokens/rank, hidden {args.hidden}, top-{args.topk} of {args.experts} experts; {num_recv} rows "
+              f"received by rank 0; it sends {remote_rows} rows across nodes per call ({remote_bf16 / 1e6:.1f} MB "
+              f"BF16, {remote_fp8 / 1e6:.1f} MB FP8), one per (token, other node), where a flat all-to-all sends "
+              f"{flat_rows}")
+        last_column = "net GB/s"
+    else:
+        print(f"cuep normal mode: {num_ranks} ranks, {args.tokens} tokens/rank, hidden {args.hidden}, "
+              f"top-{args.topk} of {args.experts} experts; {num_recv} rows received by rank 0 "
+              f"({remote_rows} over NVLink)")
+        last_column = "NVLink GB/s"
+    print(f"{'operation':34s} {'SMs':>4s} {'median us':>10s} {'GB/s':>8s} {last_column:>12s}")
     mean_us = {key: float(np.mean([g[key] for g in gathered])) for key in results}
     for (name, sms), us in mean_us.items():
         total, remote = (fp8_bytes, remote_fp8) if "fp8" in name else (bf16_bytes, remote_bf16)
         print(f"{name:34s} {sms or '-':>4} {us:10.1f} {total / us / 1e3:8.1f} {remote / us / 1e3:12.1f}")
+    if shared_gpu:
+        print("nccl baseline: not run, ranks share a GPU here (NCCL refuses two ranks on one device); "
+              "these timings are of time-sliced ranks and do not show speed")
     if args.tune:
         for name in ("dispatch bf16 (cached)", "dispatch fp8 (cached)", "combine bf16"):
             sms, us = min(((s, u) for (n, s), u in mean_us.items() if n == name), key=lambda item: item[1])
