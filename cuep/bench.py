@@ -6,7 +6,7 @@ the NVLink figure counts only the bytes that crossed NVLink; across nodes (the i
 nodes with ``CUEP_RANKS_PER_NODE``) the last figure is instead the bytes that crossed a node boundary,
 one row per (token, other node). Times are medians over ``--iters`` calls after ``--warmup``; every rank
 reports, rank 0 prints the mean over ranks of each median. Where ranks share a GPU (``CUEP_SHARE_GPUS``)
-NCCL cannot run, and the baseline's rows say so.
+NCCL cannot run, and a line says so in place of the baseline.
 """
 
 from __future__ import annotations
