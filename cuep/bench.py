@@ -104,12 +104,9 @@ def nccl_baseline(comm, rows, in_rank):
 
 
 def _ranks_share_gpus(comm, device_id: int) -> bool:
-    """Whether two ranks of ``comm`` run on one GPU (same host, same PCI bus id)."""
-    import socket
-    cupy = _deps.cupy()
-    mine = (socket.gethostname(), cupy.cuda.runtime.deviceGetPCIBusId(device_id))
-    placements = comm.allgather(mine)
-    return len(set(placements)) < len(placements)
+    """Collective: whether two ranks of ``comm`` run on one GPU (the Buffer allowed it: ``CUEP_SHARE_GPUS``)."""
+    from .runtime import world
+    return world.check_gpu_sharing(comm.allgather(world.gpu_identity(device_id)), share=True) > 1
 
 
 def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
@@ -200,7 +197,8 @@ def bench_normal(args) -> None:
         from .reference import cross_node_copies
         remote_rows = cross_node_copies(topk_idx.get(), args.experts, num_ranks, topology.ranks_per_node, rank)
         own_node = slice(topology.node * topology.ranks_per_node, (topology.node + 1) * topology.ranks_per_node)
-        flat_rows = int(per_rank.get().sum() - per_rank.get()[own_node].sum())
+        tokens_per_rank = per_rank.get()
+        flat_rows = int(tokens_per_rank.sum() - tokens_per_rank[own_node].sum())
     fp8_row_bytes = _fp8_row_bytes(args.hidden)
     bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row_bytes
     remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row_bytes

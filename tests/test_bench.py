@@ -1,9 +1,7 @@
 """The benchmark's host-side decisions (no GPU)."""
 
-import socket
-from types import SimpleNamespace
-
-from cuep import _deps, bench
+from cuep import bench
+from cuep.runtime import world
 
 
 class FakeComm:
@@ -16,10 +14,7 @@ class FakeComm:
         return [mine] + self.others
 
 
-def test_ranks_on_one_gpu_of_one_host_share_it(monkeypatch):
-    runtime = SimpleNamespace(deviceGetPCIBusId=lambda device: f"0000:{device:02x}:00.0")
-    monkeypatch.setattr(_deps, "cupy", lambda: SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
-    host = socket.gethostname()
-    assert bench._ranks_share_gpus(FakeComm([(host, "0000:00:00.0")]), 0)
-    assert not bench._ranks_share_gpus(FakeComm([(host, "0000:01:00.0")]), 0)
-    assert not bench._ranks_share_gpus(FakeComm([("another-host", "0000:00:00.0")]), 0)
+def test_ranks_on_one_gpu_share_it(monkeypatch):
+    monkeypatch.setattr(world, "gpu_identity", lambda device_id: b"GPU-%d" % device_id)
+    assert bench._ranks_share_gpus(FakeComm([b"GPU-0"]), 0)
+    assert not bench._ranks_share_gpus(FakeComm([b"GPU-1", b"GPU-2"]), 0)

@@ -120,15 +120,18 @@ def current() -> World | None:
     return _world
 
 
+def gpu_identity(device_id: int) -> bytes:
+    """What tells GPU ``device_id`` apart from every other: its UUID, else its PCI bus id."""
+    runtime = _deps.cupy().cuda.runtime
+    return bytes(runtime.getDeviceProperties(device_id).get("uuid") or runtime.deviceGetPCIBusId(device_id).encode())
+
+
 def choose_device(comm, topology: Topology) -> int:
     """Collective: this rank's GPU (:func:`pick_device`), after :func:`check_gpu_sharing` over ``comm``."""
     if _world is not None and not _world.finalized:
         return _world.device_id
-    cupy = _deps.cupy()
     device_id = pick_device(topology.local_rank, visible_gpu_count())
-    gpu = (cupy.cuda.runtime.getDeviceProperties(device_id).get("uuid")
-           or cupy.cuda.runtime.deviceGetPCIBusId(device_id).encode())
-    ranks_per_gpu = check_gpu_sharing(comm.allgather(bytes(gpu)), env.get("CUEP_SHARE_GPUS"))
+    ranks_per_gpu = check_gpu_sharing(comm.allgather(gpu_identity(device_id)), env.get("CUEP_SHARE_GPUS"))
     if ranks_per_gpu > 1 and topology.rank == 0:
         logger.warning("cuep: up to %d ranks share each GPU (CUEP_SHARE_GPUS=1): results are tested, speed is not",
                        ranks_per_gpu)
