@@ -41,8 +41,8 @@ _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # quiet and peer pointers, never an NVSHMEM collective or team, and its host side calls none either.
 #  - NVSHMEM_DISABLE_NCCL: NVSHMEM's NCCL backend serves host-side collectives; creating its NCCL
 #    communicators took about half of ``nvshmem.core.init``.
-#  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (32 by
-#    default), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
+#  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (256 by
+#    default in 3.8), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
 #    the number of its predefined teams to that number, so 1 means "the predefined teams only".
 NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1"}
 
