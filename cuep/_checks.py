@@ -365,15 +365,6 @@ def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any
     return x, topk_idx, topk_weights, out
 
 
-def communicator(call: str, comm: Any):
-    """``comm`` (default ``MPI.COMM_WORLD``), which must be an mpi4py communicator."""
-    mpi = _deps.mpi()
-    comm = mpi.COMM_WORLD if comm is None else comm
-    if not isinstance(comm, mpi.Comm):
-        raise TypeError(f"{call}: comm must be an mpi4py communicator, got {type(comm).__name__}")
-    return comm
-
-
 def buffer_sizes(call: str, num_nvl_bytes: Any, num_rdma_bytes: Any, num_qps_per_rank: Any,
                  min_nvl_bytes: int) -> tuple[int, int]:
     """A Buffer's ``(num_nvl_bytes, num_rdma_bytes)``; an NVL buffer holds at least ``min_nvl_bytes``."""
@@ -387,12 +378,10 @@ def buffer_sizes(call: str, num_nvl_bytes: Any, num_rdma_bytes: Any, num_qps_per
     return nvl, rdma
 
 
-def same_on_every_rank(call: str, comm: Any, **values: Any) -> None:
+def same_on_every_rank(call: str, group: Any, **values: Any) -> None:
     """Collective (bounded): raise on every rank unless each of ``values`` is the same on every rank of
-    ``comm`` (symmetric memory sizes: the kernels derive offsets from them)."""
-    from .runtime import wait_for_all
-    wait_for_all(comm, call)  # the allgather below cannot time out itself
-    seen = sorted(set(comm.allgather(tuple(values.values()))))
+    ``group`` (symmetric memory sizes: the kernels derive offsets from them)."""
+    seen = sorted(set(group.allgather(tuple(values.values()), call)))
     if len(seen) > 1:
         raise ValueError(f"{call}: {' and '.join(values)} must be the same on every rank, got "
                          f"({', '.join(values)}) pairs {seen}")

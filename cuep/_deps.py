@@ -23,6 +23,8 @@ _INSTALL_HINTS = {
     "nvshmem.core": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
     "mpi4py.MPI": "cuep needs mpi4py and an MPI library: pip install mpi4py mpich (or use your cluster's MPI).",
     "ml_dtypes": "cuep needs ml_dtypes for bfloat16 arrays: pip install ml_dtypes.",
+    "torch": "cuep.torch needs PyTorch with CUDA: pip install torch.",
+    "torch.distributed": "cuep.torch needs PyTorch with torch.distributed: pip install torch.",
 }
 
 
@@ -73,3 +75,11 @@ def nvshmem() -> ModuleType:
 
 def mpi() -> ModuleType:
     return require("mpi4py.MPI")
+
+
+def torch() -> ModuleType:
+    return require("torch")
+
+
+def torch_distributed() -> ModuleType:
+    return require("torch.distributed")

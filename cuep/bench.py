@@ -388,7 +388,7 @@ def bench_ceiling(args) -> None:
     from .kernels import barrier as barrier_kernel
     from .kernels import probe as probe_kernel
     from .kernels.status import Status
-    from .runtime import MpiGroup, discover_topology
+    from .runtime import MpiGroup, NodeGroup, discover_topology
     from .runtime import world
     from .runtime.regions import Regions, SymmetricMemory
     comm = mpi.COMM_WORLD
@@ -400,17 +400,16 @@ def bench_ceiling(args) -> None:
     max_rows = max(comm.allgather(max(received)))
 
     # The probe's world: the barrier's signals, then each rank's probe buffer, in symmetric memory.
-    topology = discover_topology(comm)
-    device_id = world.choose_device(comm, topology)
+    group = MpiGroup(comm)
+    topology = discover_topology(group)
+    device_id = world.choose_device(group, topology)
     probe_bytes = probe_kernel.buffer_bytes(num_ranks, max_rows, bf16_row)
     regions = Regions.carve(barrier_kernel.signal_bytes(num_ranks), probe_bytes, 0)
-    world.init_world(comm, topology, regions.total_bytes, device_id)
+    world.init_world(group, topology, regions.total_bytes, device_id)
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
-    group = MpiGroup.by_host(comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
-    try:
-        probe_library, barrier_library = get_libraries([probe_kernel.spec(arch), barrier_kernel.spec(arch)], group)
-    finally:
-        group.close()
+    probe_library, barrier_library = get_libraries(
+        [probe_kernel.spec(arch), barrier_kernel.spec(arch)],
+        NodeGroup(group, topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")))
     memory = SymmetricMemory(regions)  # zeroed: the probe's flags start at 0 on every rank
     device_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     peer_bases = cupy.asarray(np.array(memory.peer_addresses(regions.nvl_offset, num_ranks, rank), dtype=np.uint64))

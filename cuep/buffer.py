@@ -18,7 +18,7 @@ from .kernels import layout as layout_kernel
 from .kernels.status import SELF_MASKED
 from .modes import internode, intranode, low_latency
 from .modes.resources import Resources
-from .runtime import wait_for_all
+from .runtime import as_group
 
 
 class Buffer:
@@ -39,7 +39,8 @@ class Buffer:
         from a garbage-collector callback).
 
     Arguments:
-        comm: the ``mpi4py`` communicator of the expert-parallel group (default ``MPI.COMM_WORLD``).
+        comm: the expert-parallel group: an ``mpi4py`` communicator (default ``MPI.COMM_WORLD``), or a
+            ``torch.distributed`` process group of any backend (no MPI needed then).
         num_nvl_bytes: bytes of the intranode (NVLink) buffer, used by normal-mode dispatch/combine.
         num_rdma_bytes: bytes of the internode buffer, used by the internode and low-latency modes.
         low_latency_mode: whether this Buffer serves the low-latency (decode) kernels.
@@ -51,8 +52,9 @@ class Buffer:
             masked instead of failing the call (:meth:`low_latency_query_mask_buffer`); the call completes
             on every live rank without it, and later calls skip it without waiting.
 
-    Differs from DeepEP: takes an mpi4py communicator instead of a torch process group; intranode
-    and internode memory are one NVSHMEM mechanism; adds :meth:`barrier`.
+    Differs from DeepEP: takes an mpi4py communicator as well as a torch process group (``cuep.torch``
+    is DeepEP's own module, on torch tensors); intranode and internode memory are one NVSHMEM mechanism;
+    adds :meth:`barrier`.
     """
 
     #: SMs for the high-throughput kernels when no Config is given; ``None`` uses the tuned defaults.
@@ -65,15 +67,16 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = _checks.buffer_sizes(call, num_nvl_bytes, num_rdma_bytes,
                                                                        num_qps_per_rank, intranode.META_BYTES)
         _deps.cupy()  # a missing CuPy is named before any collective
-        self.comm = _checks.communicator(call, comm)
+        self.group = as_group(call, comm)
+        self.comm = comm if comm is not None else getattr(self.group, "comm", None)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
-        _checks.same_on_every_rank(call, self.comm, num_nvl_bytes=self.num_nvl_bytes,
+        _checks.same_on_every_rank(call, self.group, num_nvl_bytes=self.num_nvl_bytes,
                                    num_rdma_bytes=self.num_rdma_bytes)
-        self._resources = r = Resources(self.comm, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+        self._resources = r = Resources(self.group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                         force_put=not self.allow_nvlink_for_low_latency_mode,
                                         shrink=self.enable_shrink)
         self.topology, self.rank, self.group_size, self.device_id = r.topology, r.rank, r.num_ranks, r.device_id
@@ -525,10 +528,10 @@ class Buffer:
         ctx = self._resources.low_latency_ready(call)
         low_latency.check_fits(call, ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
+        self.group.wait_for_all(call)
         _deps.cupy().cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
         self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
+        self.group.wait_for_all(call)
         if ctx.shrink:  # the masks were in the region: every rank is back, at the same call
             self._resume_together(call, ctx)
 
@@ -549,11 +552,11 @@ class Buffer:
         """Collective, nothing in flight: every rank unmasks every rank and goes on from the newest call any
         rank sent (a rank that sat calls out is behind the others)."""
         self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
-        newest = max(self.comm.allgather(ctx.newest_call()))  # every rank arrived: cannot stall
+        self.group.wait_for_all(call)
+        newest = max(self.group.allgather(ctx.newest_call(), call))
         ctx.restart(newest)
         self._resources.device.synchronize()
-        wait_for_all(self.comm, call)
+        self.group.wait_for_all(call)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask a rank in this rank's mask, in stream order (shrink mode).
@@ -599,7 +602,7 @@ class Buffer:
     def destroy(self) -> None:
         """Collective: release this Buffer's symmetric memory now. Idempotent; the Buffer is unusable after."""
         if not self._resources.destroyed:
-            wait_for_all(self.comm, "Buffer.destroy()")  # freeing symmetric memory is collective
+            self.group.wait_for_all("Buffer.destroy()")  # freeing symmetric memory is collective
             self._resources.free()
 
     def __del__(self) -> None:

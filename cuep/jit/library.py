@@ -30,7 +30,7 @@ _Result = TypeVar("_Result")
 
 
 class CompileGroup(Protocol):
-    """The ranks that compile together; cuep.runtime provides it over MPI, with timeouts."""
+    """The ranks that compile together; cuep.runtime.NodeGroup provides it over any group, with timeouts."""
 
     rank: int
     local_rank: int

@@ -12,35 +12,36 @@ from ..errors import CuepError
 from ..jit import Library, start_libraries
 from ..kernels import barrier as barrier_kernel
 from ..kernels import buffer_specs
-from ..runtime import MpiGroup, discover_topology
+from ..runtime import Group, NodeGroup, discover_topology
 from ..runtime import world as nvshmem_world
 from ..runtime.regions import Regions, SymmetricMemory
 from . import internode, intranode, low_latency
 
 
 class Resources:
-    """Collective over ``comm``: the ranks' hosts and GPUs, the NVSHMEM world (booted while the kernels
+    """Collective over ``group``: the ranks' hosts and GPUs, the NVSHMEM world (booted while the kernels
     compile), the kernel families these sizes use, the symmetric memory, and each mode's context.
 
     With an NVL buffer, the normal mode's context: the intranode one when every rank is on one node,
     the internode one (which needs the RDMA buffer too) when they span several; the low-latency
     context exists with ``low_latency_mode`` and an RDMA buffer."""
 
-    def __init__(self, comm, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool,
+    def __init__(self, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool,
                  shrink: bool = False):
-        self.topology = discover_topology(comm)
+        self.topology = discover_topology(group)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode
         across_nodes = self.topology.num_nodes > 1 and num_nvl_bytes > 0 and not low_latency_mode
         if across_nodes:
             check_internode_sizes(self.topology, num_nvl_bytes, num_rdma_bytes)
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
-        self.device_id = nvshmem_world.choose_device(comm, self.topology)
+        self.device_id = nvshmem_world.choose_device(group, self.topology)
         # Across nodes a low-latency Buffer has no normal mode (its RDMA buffer is the low-latency one).
         normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and low_latency_mode else num_nvl_bytes
-        load_kernels = start_kernels(comm, self.device_id, normal_nvl_bytes,
+        load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
+                                     self.device_id, normal_nvl_bytes,
                                      num_rdma_bytes if low_latency_mode else 0, across_nodes)
-        nvshmem_world.init_world(comm, self.topology, self.regions.total_bytes, self.device_id)
+        nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()
@@ -135,24 +136,13 @@ def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> 
                          f"Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
 
 
-def start_kernels(comm, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int, internode_mode: bool = False
-                  ) -> Callable[[], dict[str, Library]]:
-    """Collective over ``comm``: start compiling (one rank per host, every family at once, in the
+def start_kernels(group: NodeGroup, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int,
+                  internode_mode: bool = False) -> Callable[[], dict[str, Library]]:
+    """Collective over ``group``: start compiling (one rank per host, every family at once, in the
     background) or loading the kernel families a Buffer of these sizes uses (``internode_mode``: its
     ranks span several nodes); the returned call, once NVSHMEM is up, waits for them and loads them,
     by family name."""
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
     specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode)
-    group = MpiGroup.by_host(comm, env.get("CUEP_COMPILE_TIMEOUT_S"))
-    try:
-        finish = start_libraries(list(specs.values()), group)
-    except BaseException:
-        group.close()
-        raise
-
-    def load() -> dict[str, Library]:
-        try:
-            return dict(zip(specs, finish()))
-        finally:
-            group.close()
-    return load
+    finish = start_libraries(list(specs.values()), group)
+    return lambda: dict(zip(specs, finish()))

@@ -1,57 +1,88 @@
-"""MPI collectives that give up: every wait on peers is bounded and raises PeerTimeoutError.
+"""The ranks of a Buffer behind one interface, whatever launched them: an mpi4py communicator
+(:class:`~cuep.runtime.mpi_group.MpiGroup`) or a torch process group
+(:class:`~cuep.runtime.torch_group.TorchGroup`).
 
-MPI's blocking collectives wait forever for a rank that never comes. Here each collective first
-meets the peers in a non-blocking barrier polled against a deadline; once all have arrived, the
-blocking collective that follows cannot stall.
+The core asks a group for a handful of host-side collectives (allgather, broadcast, barrier), each bounded:
+a rank that never arrives makes the others raise :class:`~cuep.errors.PeerTimeoutError` instead of
+hanging. Nothing here touches a GPU.
 """
 
 from __future__ import annotations
 
-import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 from .. import _deps, env
-from ..errors import PeerTimeoutError
-
-_FIRST_POLL_S, _MAX_POLL_S = 1e-4, 0.05
 
 
-def wait_for_all(comm, phase: str, timeout_s: float | None = None, rank: int | None = None) -> None:
-    """Non-blocking barrier on ``comm``, polled until every rank arrives or the timeout passes.
+class Group(ABC):
+    """The ranks that make a Buffer together: this process's ``rank`` of ``num_ranks``.
 
-    ``rank`` names this process in the error (default: its rank in ``comm``)."""
-    timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s
-    request = comm.Ibarrier()
-    deadline, pause = time.monotonic() + timeout_s, _FIRST_POLL_S
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise PeerTimeoutError(comm.Get_rank() if rank is None else rank, -1, phase, timeout_s)
-        time.sleep(pause)
-        pause = min(pause * 2, _MAX_POLL_S)
+    Every rank of the group calls the same collectives in the same order; ``phase`` names the step
+    in a timeout's message, and ``timeout_s`` (default ``CUEP_TIMEOUT_S``) bounds each wait."""
+
+    rank: int
+    num_ranks: int
+
+    @abstractmethod
+    def allgather(self, value: Any, phase: str, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's ``value`` (picklable), by rank."""
+
+    @abstractmethod
+    def wait_for_all(self, phase: str, timeout_s: float | None = None) -> None:
+        """Return once every rank has called this (a host barrier)."""
+
+    @abstractmethod
+    def same_ranks(self, other: "Group") -> bool:
+        """Whether ``other`` spans the same processes in the same rank order."""
+
+    @abstractmethod
+    def usable(self) -> bool:
+        """Whether collectives can still run (the launcher's runtime has not been torn down)."""
+
+    def broadcast(self, value: Any, phase: str, root: int = 0, timeout_s: float | None = None) -> Any:
+        """Rank ``root``'s ``value``, on every rank."""
+        return self.allgather(value if self.rank == root else None, phase, timeout_s)[root]
+
+    @staticmethod
+    def timeout(timeout_s: float | None) -> float:
+        return env.get("CUEP_TIMEOUT_S") if timeout_s is None else timeout_s
 
 
-class MpiGroup:
-    """The ranks of ``comm`` and their hosts, as :class:`cuep.jit.library.CompileGroup` needs them."""
+class NodeGroup:
+    """A group and its hosts, as :class:`cuep.jit.library.CompileGroup` needs them: one rank per host
+    (its local rank 0) compiles, the others of the host wait for its word, for up to ``timeout_s``."""
 
-    def __init__(self, comm, local_comm, timeout_s: float):
-        self.comm, self.local_comm, self.timeout_s = comm, local_comm, timeout_s
-        self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
-        self.local_rank = local_comm.Get_rank()
-
-    @classmethod
-    def by_host(cls, comm, timeout_s: float) -> "MpiGroup":
-        """The group of ``comm`` with its ranks split by host; :meth:`close` frees the split."""
-        return cls(comm, comm.Split_type(_deps.mpi().COMM_TYPE_SHARED), timeout_s)
-
-    def close(self) -> None:
-        """Free the per-host communicator (collective over the host's ranks)."""
-        self.local_comm.Free()
+    def __init__(self, group: Group, local_rank: int, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.num_ranks, self.local_rank = group.rank, group.num_ranks, local_rank
+        # Ranks are placed host by host (the topology refuses anything else): the host's first rank leads.
+        self._leader = group.rank - local_rank
 
     def allgather(self, value: Any, phase: str) -> list[Any]:
-        wait_for_all(self.comm, phase, self.timeout_s)
-        return self.comm.allgather(value)
+        return self.group.allgather(value, phase, self.timeout_s)
 
     def node_broadcast(self, value: Any, phase: str) -> Any:
-        """``value`` of local rank 0, once it gets here (it may be compiling meanwhile)."""
-        wait_for_all(self.local_comm, phase, self.timeout_s, rank=self.rank)
-        return self.local_comm.bcast(value, root=0)
+        """``value`` of this host's local rank 0, once it gets here (it may be compiling meanwhile).
+
+        Collective over the whole group: every host's word travels in one exchange."""
+        return self.allgather(value, phase)[self._leader]
+
+
+def as_group(call: str, comm: Any) -> Group:
+    """The group of ``comm``: a :class:`Group`, an mpi4py communicator, a torch ``ProcessGroup``, or
+    ``None`` for ``MPI.COMM_WORLD``. Raises ``TypeError`` naming ``call`` for anything else."""
+    if isinstance(comm, Group):
+        return comm
+    kind = type(comm)
+    if comm is None or kind.__module__.startswith("mpi4py"):
+        from .mpi_group import MpiGroup
+        mpi = _deps.mpi()
+        comm = mpi.COMM_WORLD if comm is None else comm
+        if isinstance(comm, mpi.Comm):
+            return MpiGroup(comm)
+    elif kind.__module__.startswith("torch"):
+        from .torch_group import TorchGroup
+        return TorchGroup(call, comm)
+    raise TypeError(f"{call}: the group must be an mpi4py communicator or a torch.distributed ProcessGroup, got "
+                    f"{kind.__module__}.{kind.__name__}")

@@ -1,6 +1,6 @@
 """Who is where: world rank, node, local rank and the device each rank drives.
 
-Ranks per node come from MPI's shared-memory split. ``CUEP_RANKS_PER_NODE`` can make nodes
+Ranks per node come from each rank's host identity, gathered over the group. ``CUEP_RANKS_PER_NODE`` can make nodes
 smaller than the physical host (e.g. 2 on a 4-GPU host: 2 nodes x 2 GPUs), so the internode path
 runs, and is tested, on one machine. Logical nodes are ranks ``[n * ranks_per_node, (n + 1) *
 ranks_per_node)``; the split must agree with the hosts, which the checks below enforce.
@@ -8,7 +8,9 @@ ranks_per_node)``; the split must agree with the hosts, which the checks below e
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import env
 
@@ -54,15 +56,18 @@ def plan_topology(rank: int, host_of_rank: list[int], override: int | None) -> T
                     ranks_per_node=ranks_per_node)
 
 
-def discover_topology(comm) -> Topology:
-    """Collective over ``comm``: the shared-memory split tells which ranks share a host."""
-    from .. import _deps
-    mpi = _deps.mpi()
-    local = comm.Split_type(mpi.COMM_TYPE_SHARED)
+def host_identity() -> str:
+    """What tells this host apart from every other: its name and its kernel's boot id."""
     try:
-        leader_of_rank = comm.allgather(local.bcast(comm.Get_rank(), root=0))
-    finally:
-        local.Free()
-    leaders = sorted(set(leader_of_rank))
-    host_of_rank = [leaders.index(leader) for leader in leader_of_rank]
-    return plan_topology(comm.Get_rank(), host_of_rank, env.get("CUEP_RANKS_PER_NODE"))
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the name alone
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def discover_topology(group) -> Topology:
+    """Collective over ``group`` (a :class:`~cuep.runtime.group.Group`): which ranks share a host."""
+    identities = group.allgather(host_identity(), "topology")
+    hosts = list(dict.fromkeys(identities))
+    host_of_rank = [hosts.index(identity) for identity in identities]
+    return plan_topology(group.rank, host_of_rank, env.get("CUEP_RANKS_PER_NODE"))

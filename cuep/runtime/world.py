@@ -1,7 +1,8 @@
-"""The process's NVSHMEM world: bootstrap from an mpi4py communicator, symmetric memory, teardown.
+"""The process's NVSHMEM world: bootstrap over a group of ranks, symmetric memory, teardown.
 
-One world per process, shared by every Buffer. Bootstrap uses a unique id broadcast over the
-communicator (works with any MPI; NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
+One world per process, shared by every Buffer. Bootstrap uses a unique id broadcast over the group
+(an mpi4py communicator or a torch process group, :mod:`cuep.runtime.group`; any MPI works, and no MPI
+is needed: NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
 sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set before init unless
 the user set it. :data:`NVSHMEM_DEFAULTS` are set the same way: they turn off what NVSHMEM prepares
 for its own collectives and teams, which cuep never uses, and which took most of every start.
@@ -26,7 +27,7 @@ import numpy as np
 from .. import _deps, env
 from ..errors import CuepError, PeerTimeoutError
 from .._math import align_up
-from .group import wait_for_all
+from .group import Group
 from .topology import Topology
 
 logger = logging.getLogger("cuep.runtime")
@@ -102,7 +103,7 @@ def check_gpu_sharing(gpu_of_rank: list, share: bool) -> int:
 class World:
     """The initialised NVSHMEM world of this process."""
 
-    comm: Any
+    group: Group
     topology: Topology
     device_id: int
     heap_bytes: int
@@ -126,27 +127,27 @@ def gpu_identity(device_id: int) -> bytes:
     return bytes(runtime.getDeviceProperties(device_id).get("uuid") or runtime.deviceGetPCIBusId(device_id).encode())
 
 
-def choose_device(comm, topology: Topology) -> int:
-    """Collective: this rank's GPU (:func:`pick_device`), after :func:`check_gpu_sharing` over ``comm``."""
+def choose_device(group: Group, topology: Topology) -> int:
+    """Collective: this rank's GPU (:func:`pick_device`), after :func:`check_gpu_sharing` over ``group``."""
     if _world is not None and not _world.finalized:
         return _world.device_id
     device_id = pick_device(topology.local_rank, visible_gpu_count())
-    ranks_per_gpu = check_gpu_sharing(comm.allgather(gpu_identity(device_id)), env.get("CUEP_SHARE_GPUS"))
+    ranks_per_gpu = check_gpu_sharing(group.allgather(gpu_identity(device_id), "GPU choice"),
+                                      env.get("CUEP_SHARE_GPUS"))
     if ranks_per_gpu > 1 and topology.rank == 0:
         logger.warning("cuep: up to %d ranks share each GPU (CUEP_SHARE_GPUS=1): results are tested, speed is not",
                        ranks_per_gpu)
     return device_id
 
 
-def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> World:
-    """Collective: bootstrap NVSHMEM over ``comm`` on ``device_id`` (from :func:`choose_device`) once per
+def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int) -> World:
+    """Collective: bootstrap NVSHMEM over ``group`` on ``device_id`` (from :func:`choose_device`) once per
     process; later calls return the world."""
     global _world
-    mpi = _deps.mpi()
     if _world is not None and not _world.finalized:
-        if mpi.Comm.Compare(comm, _world.comm) not in (mpi.IDENT, mpi.CONGRUENT):
-            raise ValueError("Buffer(): comm must contain the same ranks as the first Buffer's: NVSHMEM "
-                             "allows one world per process")
+        if not group.same_ranks(_world.group):
+            raise ValueError("Buffer(): the group must contain the same ranks as the first Buffer's, in the same "
+                             "order: NVSHMEM allows one world per process")
         return _world
     if _world is not None:
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
@@ -157,11 +158,11 @@ def init_world(comm, topology: Topology, data_bytes: int, device_id: int) -> Wor
     device.set_current()
     cupy.cuda.Device(device_id).use()
     uid = nvshmem.get_unique_id(empty=topology.rank != 0)
-    wait_for_all(comm, "NVSHMEM bootstrap")
-    comm.Bcast(uid._data.view(np.int8), root=0)
+    uid_bytes = uid._data.view(np.int8)
+    uid_bytes[:] = np.frombuffer(group.broadcast(uid_bytes.tobytes(), "NVSHMEM bootstrap"), dtype=np.int8)
     nvshmem.init(device=device, uid=uid, rank=topology.rank, nranks=topology.num_ranks,
                  initializer_method="uid")
-    _world = World(comm=comm, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
+    _world = World(group=group, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)
     return _world
 
@@ -245,10 +246,13 @@ def _finalize_at_exit() -> None:
     if world is None or world.finalized:
         return
     try:
-        if _deps.mpi().Is_finalized():
-            logger.warning("cuep: MPI was finalized before NVSHMEM; skipping NVSHMEM teardown")
+        if not world.group.usable():
+            # Every Buffer destroyed, then the process group (DeepEP's own tests end so): nothing is left
+            # to release but the world, which the process's exit takes down.
+            log = logger.debug if not world._allocations else logger.warning
+            log("cuep: the ranks' MPI or torch.distributed runtime ended before NVSHMEM; skipping NVSHMEM teardown")
             return
-        wait_for_all(world.comm, "exit", min(env.get("CUEP_TIMEOUT_S"), _EXIT_TIMEOUT_S))
+        world.group.wait_for_all("exit", min(env.get("CUEP_TIMEOUT_S"), _EXIT_TIMEOUT_S))
         finalize_world()
     except PeerTimeoutError as exc:
         logger.warning("cuep: skipping NVSHMEM teardown at exit: %s", exc)
