@@ -14,17 +14,20 @@ INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def as_device_array(call: str, name: str, value: Any):
-    """A CuPy view of ``value`` (CuPy, torch, JAX, anything exporting DLPack or ``__cuda_array_interface__``)
-    on the current device, without a copy; FP8 e4m3 arrays become ``uint8`` views."""
+    """``value`` (CuPy, torch, JAX, anything exporting DLPack or ``__cuda_array_interface__``) as a device
+    array the core reads (:func:`cuep._interop.as_array`: a CuPy array or a torch tensor's
+    :class:`~cuep._interop.TensorView`) on the current device, without a copy; FP8 e4m3 arrays read as
+    ``uint8``."""
     cupy = _deps.cupy()
     try:
-        array = _interop.as_cupy(value)
+        array = _interop.as_array(value)
     except TypeError as exc:
         raise TypeError(f"{call}: {name} has a dtype cuep cannot take ({exc}); cuep takes bfloat16, float32, "
                         f"int32, int64, bool and uint8 or float8_e4m3fn") from None
     if array is None:
+        where = " on the CPU" if getattr(value, "is_cuda", None) is False else ""
         raise TypeError(f"{call}: {name} must be a GPU array (CuPy, torch, JAX, or anything exporting __dlpack__ or "
-                        f"__cuda_array_interface__), got {type(value).__module__}.{type(value).__name__}")
+                        f"__cuda_array_interface__), got {type(value).__module__}.{type(value).__name__}{where}")
     device = cupy.cuda.runtime.getDevice()
     if array.data.device_id != device:
         raise ValueError(f"{call}: {name} is on GPU {array.data.device_id}, but this rank's Buffer uses GPU {device}")
@@ -60,8 +63,9 @@ def check_expert_ids(call: str, topk_idx, num_experts: int, stream) -> None:
     if topk_idx.size == 0 or env.get("CUEP_SKIP_VALUE_CHECKS") or stream.is_capturing():
         return
     cupy = _deps.cupy()
+    ids = _interop.to_cupy(topk_idx)
     with stream:
-        low, high = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+        low, high = (int(v) for v in cupy.stack([ids.min(), ids.max()]).get())
     problem = expert_id_range_problem(low, high, num_experts)
     if problem:
         raise ValueError(f"{call}: {problem}")
@@ -299,7 +303,8 @@ def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int,
     if topk_idx is not None:
         topk_idx = as_device_array(call, "topk_idx", topk_idx)
         check_topk_idx(call, topk_idx, num_experts, num_tokens)
-        topk_idx = topk_idx.astype(np.int64, copy=False)
+        if topk_idx.dtype != np.int64:
+            topk_idx = _interop.to_cupy(topk_idx).astype(np.int64)
         topk_weights = as_device_array(call, "topk_weights", topk_weights)
         check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
     return is_token_in_rank, num_tokens_per_expert, num_experts, topk_idx, topk_weights
@@ -341,7 +346,7 @@ def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int
 def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int,
                                handle_type: type) -> tuple[Any, Any, Any, Any]:
     """A low-latency combine's arguments against its dispatch's ``handle``; returns ``(x, topk_idx,
-    topk_weights, out)``, ``out`` allocated when ``None``."""
+    topk_weights, out)``, ``out`` ``None`` when not given."""
     if not isinstance(handle, handle_type):
         raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
     bf16 = bf16_dtype()
@@ -357,9 +362,7 @@ def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any
                          f"{tuple(topk_idx.shape)}")
     topk_weights = as_device_array(call, "topk_weights", topk_weights)
     check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_tokens, handle.num_topk)
-    if out is None:
-        out = _deps.cupy().empty((handle.num_tokens, handle.hidden), dtype=bf16)
-    else:
+    if out is not None:
         out = as_device_array(call, "out", out)
         check_matrix(call, "out", out, [bf16], handle.num_tokens, handle.hidden)
     return x, topk_idx, topk_weights, out

@@ -1,15 +1,23 @@
-"""Foreign GPU arrays (torch, JAX, anything with DLPack or the CUDA array interface) as CuPy views.
+"""Foreign GPU arrays (torch, JAX, anything with DLPack or the CUDA array interface) as the core reads them.
 
-No copy is ever made. DLPack comes first: it names bfloat16, which the CUDA array interface can only
-call an anonymous two-byte type. CuPy has no FP8 dtype, so an FP8 e4m3 array (``torch.float8_e4m3fn``,
-JAX's ``float8_e4m3fn``) becomes a ``uint8`` view of the same bytes, which is how cuep holds FP8.
+No copy is ever made. A torch tensor becomes a :class:`TensorView`: what the checks and the kernels'
+arguments read of a device array (pointer, shape, dtype, strides, contiguity), taken from the tensor
+directly, because a DLPack round trip per array (torch's stream handshake, then CuPy's import) cost more
+host time than a whole eager call. Other arrays become CuPy views through DLPack, which names bfloat16
+(the CUDA array interface can only call it an anonymous two-byte type). CuPy has no FP8 dtype, so an FP8
+e4m3 array (``torch.float8_e4m3fn``, JAX's ``float8_e4m3fn``) is read as ``uint8`` bytes, which is how
+cuep holds FP8.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import sys
 from typing import Any
+
+import numpy as np
 
 from . import _deps
 
@@ -40,6 +48,95 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
+class TensorView:
+    """A torch GPU tensor as the core reads a device array: the attributes of a CuPy array that the checks
+    and the kernels' arguments use (``data.ptr``, ``shape``, ``dtype`` as a NumPy dtype, ``strides`` in
+    bytes, ``flags.c_contiguous``), read from the tensor, which it keeps alive. FP8 tensors read as
+    ``uint8``. :func:`to_cupy` gives a CuPy array over the same memory where the core needs one."""
+
+    __slots__ = ("tensor", "shape", "dtype", "ptr", "device_id", "c_contiguous")
+
+    def __init__(self, tensor, dtype: np.dtype):
+        self.tensor, self.shape, self.dtype = tensor, tensor.shape, dtype
+        self.ptr, self.device_id, self.c_contiguous = tensor.data_ptr(), tensor.get_device(), tensor.is_contiguous()
+
+    @property
+    def data(self) -> "TensorView":  # ``.data.ptr`` and ``.data.device_id``, as on a CuPy array
+        return self
+
+    @property
+    def flags(self) -> "TensorView":  # ``.flags.c_contiguous``
+        return self
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return tuple(s * self.dtype.itemsize for s in self.tensor.stride())
+
+
+@functools.cache
+def _torch_to_numpy_dtypes() -> dict:
+    """torch dtype -> the NumPy dtype cuep reads it as (FP8 e4m3 as its bytes)."""
+    import ml_dtypes
+    torch = sys.modules["torch"]
+    return {torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float32: np.dtype(np.float32),
+            torch.float16: np.dtype(np.float16), torch.float64: np.dtype(np.float64),
+            torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.int8: np.dtype(np.int8),
+            torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
+            torch.float8_e4m3fn: np.dtype(np.uint8)}
+
+
+def _torch_tensor_type():
+    """``torch.Tensor`` if the program has imported torch (cuep never imports it for a CuPy user), else ``None``."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
+
+
+def as_array(value: Any):
+    """``value`` as a device array the core can read, sharing its memory: a CuPy array, a
+    :class:`TensorView` for a torch GPU tensor, else a CuPy view through DLPack or the CUDA array
+    interface; ``None`` when it is no GPU array (a CPU tensor, say).
+
+    Raises ``TypeError`` for a dtype cuep cannot hold."""
+    cupy = _deps.cupy()
+    if isinstance(value, (cupy.ndarray, TensorView)):
+        return value
+    tensor_type = _torch_tensor_type()
+    if tensor_type is not None and isinstance(value, tensor_type):
+        if not value.is_cuda:
+            return None
+        dtype = _torch_to_numpy_dtypes().get(value.dtype)
+        if dtype is None:
+            raise TypeError(f"unsupported dtype {value.dtype}")
+        return TensorView(value, dtype)
+    return as_cupy(value)
+
+
+def to_cupy(array):
+    """A CuPy array over the memory of a device array from :func:`as_array` (the array itself if it is one)."""
+    if not isinstance(array, TensorView):
+        return array
+    cupy = _deps.cupy()
+    if array.tensor.numel() == 0:
+        return cupy.empty(array.shape, dtype=array.dtype)
+    strides = array.strides
+    extent = array.itemsize * (1 + sum((n - 1) * s for n, s in zip(array.shape, array.tensor.stride())))
+    memory = cupy.cuda.UnownedMemory(array.ptr, extent, array.tensor, array.device_id)
+    return cupy.ndarray(tuple(array.shape), dtype=array.dtype, memptr=cupy.cuda.MemoryPointer(memory, 0),
+                        strides=strides)
+
+
 def as_cupy(value: Any):
     """``value`` as a CuPy array sharing its memory, or ``None`` when it is no GPU array.
 
@@ -48,6 +145,8 @@ def as_cupy(value: Any):
     cupy = _deps.cupy()
     if isinstance(value, cupy.ndarray):
         return value
+    if isinstance(value, TensorView):
+        return to_cupy(value)
     if getattr(value, "requires_grad", False) and hasattr(value, "detach"):
         value = value.detach()
     if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):

@@ -3,8 +3,10 @@
 DeepEP's rules, kept by every mode: a call runs after ``previous_event`` (default: the work already
 on the current stream) and after the Buffer's previous call; ``async_finish`` leaves the current
 stream free and returns an event; ``allocate_on_comm_stream`` allocates the outputs on the comm stream.
-CuPy has no ``record_stream``, so arrays a queued kernel still uses are held here until its event
-completes.
+Arrays a queued kernel still uses are held here until its event completes (CuPy has no
+``record_stream``; for torch tensors, holding them keeps torch's caching allocator from handing their
+memory to another stream meanwhile). Streams are the front's (:mod:`cuep._front`): CuPy's current stream
+for ``cuep.Buffer``, torch's for ``cuep.torch``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import _deps
+from ._front import Front
 from .errors import CuepError
 from .event import EventOverlap, record_event
 
@@ -19,7 +22,8 @@ from .event import EventOverlap, record_event
 class CallStreams:
     """One Buffer's comm stream, its previous call and the arrays its queued kernels still use."""
 
-    def __init__(self):
+    def __init__(self, front: Front):
+        self.front = front
         self.comm_stream = _deps.cupy().cuda.Stream(non_blocking=True)
         self._in_flight: list[tuple[Any, tuple]] = []
         # (stream pointer, EventOverlap after it) of the last layout, dispatch or combine
@@ -46,8 +50,7 @@ class CallStreams:
         comm stream, allocating there or on the current stream. ``enqueue`` returns ``(outputs,
         inputs)``; with ``async_finish`` both are kept alive until the comm stream is done with them.
         """
-        cupy = _deps.cupy()
-        compute_stream = cupy.cuda.get_current_stream()
+        compute_stream = self.front.current_stream()
         capturing = compute_stream.is_capturing()
         if previous_event is None and not async_finish and not allocate_on_comm_stream and not capturing:
             self._wait_for_last_call(compute_stream)
@@ -60,7 +63,10 @@ class CallStreams:
         if not capturing:
             self._wait_for_last_call(comm_stream)
         comm_stream.wait_event(previous_event.event if previous_event is not None else record_event(compute_stream))
-        with comm_stream if allocate_on_comm_stream else compute_stream:
+        if allocate_on_comm_stream:
+            with self.front.allocating_on(comm_stream):
+                outputs, inputs = enqueue(comm_stream)
+        else:
             outputs, inputs = enqueue(comm_stream)
         done = record_event(comm_stream)
         if async_finish:
@@ -84,18 +90,17 @@ class CallStreams:
         on the comm stream after it); with ``return_recv_hook`` only the ``send`` phase runs now and
         the returned hook runs ``receive``. ``keep``: the call's arrays, held until the kernels that
         use them are done."""
-        cupy = _deps.cupy()
         phases = send if return_recv_hook else send | receive
         event = EventOverlap()
         if async_finish:
             comm_stream = self.comm_stream
-            comm_stream.wait_event(record_event(cupy.cuda.get_current_stream()))
+            comm_stream.wait_event(record_event(self.front.current_stream()))
             launch(comm_stream, phases)
             done = record_event(comm_stream)
             self.keep_alive(done, keep)
             event = EventOverlap(done, extra_arrays=keep)
         else:
-            launch(cupy.cuda.get_current_stream(), phases)
+            launch(self.front.current_stream(), phases)
         if not return_recv_hook:
             return event, None
         pending = [launch]
@@ -105,7 +110,7 @@ class CallStreams:
             if not pending:
                 raise CuepError("low-latency receive hook: this hook already ran; each hook runs once")
             check_alive("low-latency receive hook")
-            stream = cupy.cuda.get_current_stream()
+            stream = self.front.current_stream()
             pending.pop()(stream, receive)
             # The receive reads the call's arrays (top-k ids, handle) now, long after the call returned.
             self.keep_alive(record_event(stream), keep)

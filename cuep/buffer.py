@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 
 from . import _checks, _deps, env
+from ._front import CupyFront, Front
 from .config import Config, get_combine_config, get_dispatch_config
 from .event import EventOverlap, record_event
 from .kernels import layout as layout_kernel
@@ -62,7 +63,8 @@ class Buffer:
 
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False):
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, *, front: Front | None = None,
+                 device_id: int | None = None):
         call = "Buffer()"
         self.num_nvl_bytes, self.num_rdma_bytes = _checks.buffer_sizes(call, num_nvl_bytes, num_rdma_bytes,
                                                                        num_qps_per_rank, intranode.META_BYTES)
@@ -76,9 +78,10 @@ class Buffer:
         self.enable_shrink = bool(enable_shrink)
         _checks.same_on_every_rank(call, self.group, num_nvl_bytes=self.num_nvl_bytes,
                                    num_rdma_bytes=self.num_rdma_bytes)
-        self._resources = r = Resources(self.group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
-                                        force_put=not self.allow_nvlink_for_low_latency_mode,
-                                        shrink=self.enable_shrink)
+        self._front = front = front or CupyFront()
+        self._resources = r = Resources(self.group, front, self.num_nvl_bytes, self.num_rdma_bytes,
+                                        self.low_latency_mode, force_put=not self.allow_nvlink_for_low_latency_mode,
+                                        shrink=self.enable_shrink, device_id=device_id)
         self.topology, self.rank, self.group_size, self.device_id = r.topology, r.rank, r.num_ranks, r.device_id
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()
@@ -153,7 +156,7 @@ class Buffer:
         timeout_s = env.get("CUEP_TIMEOUT_S") if timeout_s is None else float(timeout_s)
         if not timeout_s > 0:
             raise ValueError(f"Buffer.barrier(): timeout_s must be positive, got {timeout_s}")
-        stream = _deps.cupy().cuda.get_current_stream()
+        stream = self._front.current_stream()
         self._resources.enqueue_barrier(stream, timeout_s)
         stream.synchronize()
         self._resources.raise_if_failed(timeout_s)
@@ -211,19 +214,19 @@ class Buffer:
         """
         call = "get_dispatch_layout()"
         self._check_alive(call)
-        cupy = _deps.cupy()
+        front = self._front
         topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
         _checks.check_topk_idx(call, topk_idx, num_experts)
         _checks.check_num_experts(call, num_experts, self.group_size)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        _checks.check_expert_ids(call, topk_idx, int(num_experts), cupy.cuda.get_current_stream())
+        _checks.check_expert_ids(call, topk_idx, int(num_experts), front.current_stream())
         num_tokens, num_nodes = topk_idx.shape[0], self.topology.num_nodes
 
         def enqueue(stream):
-            per_rank = cupy.empty(self.group_size, dtype=cupy.int32)
-            per_node = cupy.empty(num_nodes, dtype=cupy.int32) if num_nodes > 1 else None
-            per_expert = cupy.empty(int(num_experts), dtype=cupy.int32)
-            in_rank = cupy.empty((num_tokens, self.group_size), dtype=cupy.bool_)
+            per_rank = front.empty((self.group_size,), np.int32)
+            per_node = front.empty((num_nodes,), np.int32) if num_nodes > 1 else None
+            per_expert = front.empty((int(num_experts),), np.int32)
+            in_rank = front.empty((num_tokens, self.group_size), np.bool_)
             layout_kernel.launch(self._resources.layout_library, stream, topk_idx, int(num_experts), self.group_size,
                                  num_nodes, per_expert, per_rank, per_node, in_rank)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
@@ -491,11 +494,13 @@ class Buffer:
         wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                              np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
+        if out is None:
+            out = self._front.empty((handle.num_tokens, handle.hidden), _checks.bf16_dtype())
         launch = low_latency.combine(ctx, ctx.next_half(), x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
                                      wait_stats)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
                                             (x, topk_idx, topk_weights, handle, out, wait_stats))
-        return out, event, hook
+        return self._front.export(out), event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: low_latency.Handle):
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` array for

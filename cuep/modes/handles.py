@@ -20,7 +20,8 @@ class FlatHandle:
         raise NotImplementedError
 
     def __iter__(self):
-        return iter((*(getattr(self, name) for name in self.ARRAY_DTYPES),
+        # An array given as a torch tensor (is_token_in_rank) goes back as the caller's own tensor.
+        return iter((*(_exported(getattr(self, name)) for name in self.ARRAY_DTYPES),
                      np.array(self.scalars(), dtype=np.int64)))
 
     def __len__(self) -> int:
@@ -37,3 +38,7 @@ class FlatHandle:
         for name, dtype in cls.ARRAY_DTYPES.items():
             if arrays[name].dtype != dtype:
                 raise ValueError(f"handle item {name} must be {np.dtype(dtype)}, got {arrays[name].dtype}")
+
+
+def _exported(array: Any) -> Any:
+    return getattr(array, "tensor", array)

@@ -25,7 +25,8 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from .. import _deps
+from .. import _deps, _interop
+from .._front import Front
 from .._math import align_up, ceil_div
 from .._status import StatusWords
 from ..jit import Library
@@ -245,6 +246,7 @@ class Context:
         timeout_ns: the bound on every wait.
         barrier: ``barrier(stream)`` enqueues a device barrier of every rank.
         raise_if_failed: raises what the status words' host mirror recorded.
+        front: where the outputs come from (:mod:`cuep._front`).
     """
 
     library: Library
@@ -263,11 +265,12 @@ class Context:
     timeout_ns: int
     barrier: Callable[[Any], None]
     raise_if_failed: Callable[[], None]
+    front: Front
 
     @classmethod
     def create(cls, library: Library, memory: SymmetricMemory, status: StatusWords, topology: Topology,
                device_sms: int, timeout_s: float, barrier: Callable[[Any], None],
-               raise_if_failed: Callable[[], None]) -> "Context":
+               raise_if_failed: Callable[[], None], front: Front) -> "Context":
         """The context of a Buffer whose symmetric ``memory`` holds both buffers (zeroed)."""
         cupy = _deps.cupy()
         regions = memory.regions
@@ -283,7 +286,7 @@ class Context:
                    state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64),
                    traffic=cupy.zeros(TRAFFIC_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, device_sms=device_sms, timeout_ns=int(timeout_s * 1e9),
-                   barrier=barrier, raise_if_failed=raise_if_failed)
+                   barrier=barrier, raise_if_failed=raise_if_failed, front=front)
 
     def status_mirror(self) -> Status:
         return Status(self.status.data.ptr, self.status_host_ptr)
@@ -351,7 +354,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``;
         a cached dispatch returns ``None`` for the top-k arrays and ``[]`` for the list.
     """
-    cupy = _deps.cupy()
+    front = ctx.front
     t = ctx.topology
     L, N, R = t.ranks_per_node, t.num_nodes, t.num_ranks
     cached = handle is not None
@@ -373,10 +376,10 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         plan = handle.plan
     else:
         num_local_experts = num_experts // R
-        send_pos = cupy.empty((num_tokens, R), dtype=cupy.int32)
-        node_pos = cupy.empty((num_tokens, N), dtype=cupy.int32)
-        node_list = cupy.empty((N, max(num_tokens, 1)), dtype=cupy.int32)
-        counts = cupy.empty(R + N, dtype=cupy.int32)
+        send_pos = front.empty((num_tokens, R), np.int32)
+        node_pos = front.empty((num_tokens, N), np.int32)
+        node_list = front.empty((N, max(num_tokens, 1)), np.int32)
+        counts = front.empty((R + N,), np.int32)
         scan = kernels.ScanArgs(is_token_in_rank=is_token_in_rank.data.ptr, num_tokens=num_tokens, topo=topo,
                                 send_pos=send_pos.data.ptr, node_pos=node_pos.data.ptr, node_list=node_list.data.ptr,
                                 counts=counts.data.ptr)
@@ -397,7 +400,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         num_rows, forward_pos, forward_capacity = handle.num_rows, None, 0
         plan_host = handle.plan_host
     else:
-        plan = cupy.empty(plan_layout.words, dtype=cupy.int32)
+        plan = front.empty((plan_layout.words,), np.int32)
         notify = kernels.NotifyArgs(rdma=ctx.rdma, layout=layout, topo=topo, num_experts=num_experts,
                                     expert_alignment=expert_alignment, plan=plan.data.ptr,
                                     plan_layout=plan_layout.mirror(), state=state, status=status,
@@ -408,18 +411,18 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             # Each source on this rank's rail sends it at most what one partition holds.
             forward_capacity = N * ctx.partition_rows(row_bytes)
         else:
-            plan_host = plan.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+            plan_host = _interop.to_cupy(plan).get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
             num_recv = num_rows = int(plan_host[0])
             forward_capacity = int(plan_host[1])
             per_expert = [int(c) for c in plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts]]
-        forward_pos = cupy.empty((forward_capacity, L), dtype=cupy.int32)
+        forward_pos = front.empty((forward_capacity, L), np.int32)
 
-    recv_x = cupy.empty((num_rows, x.shape[1]), dtype=x.dtype)
-    recv_scales = cupy.empty((num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
-    recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
-    recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
-    recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
+    recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
+    recv_scales = front.empty((num_rows, num_scales), np.float32) if scales is not None else None
+    recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
+    recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
+    recv_src_idx = front.empty((num_rows,), np.int32)
     pull = kernels.PullArgs(
         node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes, chunk_rows=chunk,
         hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
@@ -447,7 +450,6 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     Returns:
         ``(combined_x, combined_topk_weights)``.
     """
-    cupy = _deps.cupy()
     t = ctx.topology
     L, N, R = t.ranks_per_node, t.num_nodes, t.num_ranks
     hidden = x.shape[1]
@@ -469,8 +471,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
-    combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
-    combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
+    combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
+    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if num_topk else None
 
     ctx.barrier(stream)
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,

@@ -22,7 +22,8 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from .. import _deps
+from .. import _deps, _interop
+from .._front import Front
 from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
@@ -172,6 +173,7 @@ class Context:
         timeout_ns: the bound on every wait inside the kernels.
         barrier: ``barrier(stream)`` enqueues a device barrier of every rank on a CuPy stream.
         raise_if_failed: ``raise_if_failed()`` raises what the status words' host mirror recorded.
+        front: where the outputs come from (:mod:`cuep._front`).
     """
 
     library: Library
@@ -188,11 +190,12 @@ class Context:
     timeout_ns: int
     barrier: Callable[[Any], None]
     raise_if_failed: Callable[[], None]
+    front: Front
 
     @classmethod
     def create(cls, library: Library, memory: SymmetricMemory, status: StatusWords, rank: int, num_ranks: int,
                device_sms: int, timeout_s: float, barrier: Callable[[Any], None],
-               raise_if_failed: Callable[[], None]) -> "Context":
+               raise_if_failed: Callable[[], None], front: Front) -> "Context":
         """The context of a Buffer whose symmetric ``memory`` holds an NVL buffer (zeroed)."""
         cupy = _deps.cupy()
         bases = memory.peer_addresses(memory.regions.nvl_offset, num_ranks, rank)
@@ -201,7 +204,7 @@ class Context:
                    status=status.device, status_host_ptr=status.host_ptr,
                    next_row=cupy.zeros(num_ranks + 1, dtype=cupy.int32),
                    dispatch_state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64), device_sms=device_sms,
-                   timeout_ns=int(timeout_s * 1e9), barrier=barrier, raise_if_failed=raise_if_failed)
+                   timeout_ns=int(timeout_s * 1e9), barrier=barrier, raise_if_failed=raise_if_failed, front=front)
 
     def status_mirror(self) -> Status:
         """The kernels' ``Status`` member."""
@@ -271,7 +274,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     if handle is not None:
         recv_x, recv_scales = cached_dispatch(ctx, stream, x, scales, handle, num_sms)
         return recv_x, recv_scales, None, None, [], handle
-    cupy = _deps.cupy()
+    front = ctx.front
     num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
@@ -283,7 +286,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
     num_recv = num_copies = None
-    send_pos = cupy.empty((num_tokens, ctx.num_ranks), dtype=cupy.int32)
+    send_pos = front.empty((num_tokens, ctx.num_ranks), np.int32)
     stage = kernels.StageArgs(
         tokens=tokens, is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
         num_experts=num_experts, num_ranks=ctx.num_ranks, send_pos=send_pos.data.ptr,
@@ -292,10 +295,10 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     launch(ctx.library, stage.entry, stream, kernels.stage_grid(ctx.num_ranks, num_sms), kernels.NUM_THREADS, stage)
     ctx.barrier(stream)
     num_local_experts = num_experts // ctx.num_ranks
-    recv_info = cupy.empty(3 + ctx.num_ranks + num_local_experts, dtype=cupy.int32)
-    combine_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
-    send_offsets = cupy.empty(ctx.num_ranks, dtype=cupy.int32)
-    push_offsets = cupy.empty(2 * ctx.num_ranks, dtype=cupy.int32)
+    recv_info = front.empty((3 + ctx.num_ranks + num_local_experts,), np.int32)
+    combine_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
+    send_offsets = front.empty((ctx.num_ranks,), np.int32)
+    push_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
     notify = kernels.NotifyArgs(
         peer_bases=ctx.peer_bases.data.ptr, rank=ctx.rank, num_ranks=ctx.num_ranks, num_experts=num_experts,
         expert_alignment=expert_alignment, recv_info=recv_info.data.ptr, combine_offsets=combine_offsets.data.ptr,
@@ -304,16 +307,16 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     if num_worst_tokens > 0:
         num_rows = num_worst_tokens
     else:
-        info = recv_info.get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+        info = _interop.to_cupy(recv_info).get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
         ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
         num_recv, num_copies = int(info[0]), int(info[1])
         num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
 
-    recv_x = cupy.empty((num_rows, x.shape[1]), dtype=x.dtype)
-    recv_scales = cupy.empty((num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
-    recv_topk_idx = cupy.empty((num_rows, num_topk), dtype=cupy.int64) if topk_idx is not None else None
-    recv_topk_weights = cupy.empty((num_rows, num_topk), dtype=cupy.float32) if topk_weights is not None else None
-    recv_src_idx = cupy.empty(num_rows, dtype=cupy.int32)
+    recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
+    recv_scales = front.empty((num_rows, num_scales), np.float32) if scales is not None else None
+    recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
+    recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
+    recv_src_idx = front.empty((num_rows,), np.int32)
     pull = kernels.DispatchArgs(
         tokens=tokens, peer_bases=ctx.peer_bases.data.ptr, recv_info=recv_info.data.ptr, rank=ctx.rank,
         num_ranks=ctx.num_ranks, num_experts=num_experts, num_rows=num_rows,
@@ -340,14 +343,13 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
         handle: the non-cached dispatch's handle, whose routing this dispatch repeats.
         num_sms: blocks of the kernel (at most the GPU's SMs).
     """
-    cupy = _deps.cupy()
     hidden_bytes = x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
     row_bytes = push_row_bytes(hidden_bytes, num_scales)
     need_region_bytes("dispatch()", ctx, handle.num_rows * row_bytes,
                       f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
-    recv_x = cupy.empty((handle.num_rows, x.shape[1]), dtype=x.dtype)
-    recv_scales = cupy.empty((handle.num_rows, num_scales), dtype=cupy.float32) if scales is not None else None
+    recv_x = ctx.front.empty((handle.num_rows, x.shape[1]), x.dtype)
+    recv_scales = ctx.front.empty((handle.num_rows, num_scales), np.float32) if scales is not None else None
     push = kernels.PushArgs(
         rows=_token_rows(x, scales), num_tokens=x.shape[0], send_pos=handle.send_pos.data.ptr,
         push_offsets=handle.push_offsets.data.ptr, push_warps=pusher_warps(ctx.num_ranks), row_bytes=row_bytes,
@@ -373,15 +375,14 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         ``(combined_x, combined_topk_weights)``: `[num_tokens, hidden]` `bfloat16`, and
         `[num_tokens, num_topk]` `float32` or ``None``.
     """
-    cupy = _deps.cupy()
     hidden = x.shape[1]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     row_bytes = landing_row_bytes(hidden, num_topk)
     num_sms = min(num_sms, ctx.device_sms)
     copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
     need_region_bytes("combine()", ctx, copies * row_bytes, f"combining {handle.num_tokens} tokens")
-    combined_x = cupy.empty((handle.num_tokens, hidden), dtype=x.dtype)
-    combined_weights = cupy.empty((handle.num_tokens, num_topk), dtype=cupy.float32) if num_topk else None
+    combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
+    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if num_topk else None
     args = kernels.CombineArgs(
         peer_bases=ctx.peer_bases.data.ptr, recv_info=handle.recv_info.data.ptr,
         combine_offsets=handle.combine_offsets.data.ptr, send_pos=handle.send_pos.data.ptr,

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _deps, logfmt
+from .. import _deps, _interop, logfmt
 from .._checks import bf16_dtype
+from .._front import Front
 from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
@@ -137,6 +138,7 @@ class Context:
     """
 
     library: Library
+    front: Front                  # where the outputs come from (cuep._front)
     rank: int
     num_ranks: int
     region_ptr: int               # start of this rank's low-latency region (a symmetric address)
@@ -158,12 +160,12 @@ class Context:
     combine_buffers: dict = field(default_factory=dict)  # (half, shape) -> array, for zero-copy callers
 
     @classmethod
-    def create(cls, library: Library, region_ptr: int, region_bytes: int, rank: int, num_ranks: int, num_sms: int,
-               force_put: bool, timeout_s: float, trace: bool, shrink: bool = False) -> "Context":
+    def create(cls, library: Library, front: Front, region_ptr: int, region_bytes: int, rank: int, num_ranks: int,
+               num_sms: int, force_put: bool, timeout_s: float, trace: bool, shrink: bool = False) -> "Context":
         """The context of a Buffer's low-latency region (zeroed), with status words of its own."""
         cupy = _deps.cupy()
         status = StatusWords()
-        return cls(library=library, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
+        return cls(library=library, front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
@@ -186,7 +188,7 @@ class Context:
 
     def query_mask(self, out) -> None:
         """``out[r] = 1`` where rank ``r`` is masked here, else 0, in stream order."""
-        _deps.cupy().not_equal(self.mask, 0, out=out, casting="unsafe")
+        _deps.cupy().not_equal(self.mask, 0, out=_interop.to_cupy(out), casting="unsafe")
 
     def newest_call(self) -> int:
         """The number of the newest call this rank sent (waits for the device)."""
@@ -215,7 +217,7 @@ class Context:
         key = (self.half, shape)
         if key not in self.combine_buffers:
             self.combine_buffers = {k: v for k, v in self.combine_buffers.items() if k[1] == shape}
-            self.combine_buffers[key] = _deps.cupy().empty(shape, dtype=bf16_dtype())
+            self.combine_buffers[key] = self.front.empty(shape, bf16_dtype())
         return self.combine_buffers[key]
 
     def function(self, entry: str) -> int:
@@ -266,9 +268,9 @@ class View:
     offset: int
     strides: tuple[int, ...] | None = None
 
-    def of(self, cupy, storage):
-        """This region of ``storage`` (a ``cupy.cuda.MemoryPointer``) as an array."""
-        return cupy.ndarray(self.shape, dtype=self.dtype, memptr=storage + self.offset, strides=self.strides)
+    def of(self, front: Front, storage):
+        """This region of ``storage`` (from ``front.storage``) as an array of ``front``."""
+        return front.view(storage, self.shape, self.dtype, self.offset, self.strides)
 
 
 @dataclass
@@ -287,7 +289,7 @@ class Handle:
     num_experts: int
     num_tokens: int
     num_topk: int
-    storage: Any                  # the dispatch's one allocation, a MemoryPointer (its outputs are views of it too)
+    storage: Any                  # the dispatch's one allocation, from Front.storage (its outputs are views of it too)
     regions: dict                 # name -> View
 
     def address(self, name: str) -> int:
@@ -416,17 +418,17 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
         ``handle`` holds; ``recv_scales`` ``None`` without FP8) and the :class:`Launch`, its phases set to
         both (the caller sets ``launch.args.phases`` for a hook).
     """
-    cupy = _deps.cupy()
+    front = ctx.front
     num_tokens, hidden = x.shape
     num_topk = topk_idx.shape[1]
     key = ("dispatch", half, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
     plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
-    storage = cupy.cuda.alloc(plan.storage_bytes)  # a pool allocation, without an array object around it
+    storage = front.storage(plan.storage_bytes)
     regions = plan.regions
-    recv_x, recv_count = regions["recv_x"].of(cupy, storage), regions["recv_count"].of(cupy, storage)
-    recv_scales = regions["recv_scales"].of(cupy, storage) if use_fp8 else None
+    recv_x, recv_count = regions["recv_x"].of(front, storage), regions["recv_count"].of(front, storage)
+    recv_scales = regions["recv_scales"].of(front, storage) if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
     address = handle.address
     a = plan.arguments(DispatchArgs)

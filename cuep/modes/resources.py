@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import _deps, env
+from .._front import Front
 from .._status import StatusWords
 from .._streams import CallStreams
 from ..errors import CuepError
@@ -26,8 +27,8 @@ class Resources:
     the internode one (which needs the RDMA buffer too) when they span several; the low-latency
     context exists with ``low_latency_mode`` and an RDMA buffer."""
 
-    def __init__(self, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, force_put: bool,
-                 shrink: bool = False):
+    def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
+                 force_put: bool, shrink: bool = False, device_id: int | None = None):
         self.topology = discover_topology(group)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode
@@ -35,7 +36,7 @@ class Resources:
         if across_nodes:
             check_internode_sizes(self.topology, num_nvl_bytes, num_rdma_bytes)
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
-        self.device_id = nvshmem_world.choose_device(group, self.topology)
+        self.device_id = nvshmem_world.choose_device(group, self.topology, device_id)
         # Across nodes a low-latency Buffer has no normal mode (its RDMA buffer is the low-latency one).
         normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and low_latency_mode else num_nvl_bytes
         load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
@@ -48,7 +49,8 @@ class Resources:
         # Loaded before anything is allocated: a failed compile or load leaves no symmetric memory behind.
         libraries = load_kernels()
         self.layout_library, self._barrier_library = libraries["layout"], libraries["barrier"]
-        self.streams = CallStreams()
+        self.front = front
+        self.streams = CallStreams(front)
         self.status = StatusWords()
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self.memory = SymmetricMemory(self.regions)
@@ -57,14 +59,14 @@ class Resources:
         num_sms = self.device.attributes["MultiProcessorCount"]
         self.intranode = intranode.Context.create(
             libraries["intranode"], self.memory, self.status, self.rank, self.num_ranks, num_sms, timeout_s,
-            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed) \
+            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed, front) \
             if "intranode" in libraries else None
         self.internode = internode.Context.create(
             libraries["internode"], self.memory, self.status, self.topology, num_sms, timeout_s,
-            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed) \
+            lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed, front) \
             if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
-            libraries["low_latency"], self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
+            libraries["low_latency"], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
             force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
 
     def check_alive(self, call: str) -> None:

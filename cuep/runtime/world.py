@@ -127,11 +127,13 @@ def gpu_identity(device_id: int) -> bytes:
     return bytes(runtime.getDeviceProperties(device_id).get("uuid") or runtime.deviceGetPCIBusId(device_id).encode())
 
 
-def choose_device(group: Group, topology: Topology) -> int:
-    """Collective: this rank's GPU (:func:`pick_device`), after :func:`check_gpu_sharing` over ``group``."""
+def choose_device(group: Group, topology: Topology, device_id: int | None = None) -> int:
+    """Collective: this rank's GPU (``device_id`` if the caller chose one, else :func:`pick_device`), after
+    :func:`check_gpu_sharing` over ``group``."""
     if _world is not None and not _world.finalized:
         return _world.device_id
-    device_id = pick_device(topology.local_rank, visible_gpu_count())
+    if device_id is None:
+        device_id = pick_device(topology.local_rank, visible_gpu_count())
     ranks_per_gpu = check_gpu_sharing(group.allgather(gpu_identity(device_id), "GPU choice"),
                                       env.get("CUEP_SHARE_GPUS"))
     if ranks_per_gpu > 1 and topology.rank == 0:

@@ -1,0 +1,61 @@
+"""How a Buffer's front hands arrays out and finds its streams.
+
+The core allocates every output and asks for every current stream through a front, so ``cuep.Buffer``
+(:class:`CupyFront`: CuPy arrays from CuPy's pool, CuPy's current stream) and ``cuep.torch.Buffer``
+(torch tensors from torch's caching allocator, torch's current stream) share the checks, the modes and
+the launches. What a front hands out is a device array the core reads like any input (a CuPy array, or a
+:class:`~cuep._interop.TensorView`); :meth:`export` turns it into what the front's users get.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ContextManager, Protocol
+
+from . import _deps
+
+
+class Front(Protocol):
+    """The array library and stream convention of one Buffer's callers."""
+
+    def empty(self, shape: tuple[int, ...], dtype) -> Any:
+        """An uninitialised output array of ``shape`` and NumPy ``dtype``, allocated for the current stream."""
+
+    def storage(self, nbytes: int) -> Any:
+        """``nbytes`` of device memory for one call's outputs, with its address as ``.ptr``."""
+
+    def view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
+             strides: tuple[int, ...] | None = None) -> Any:
+        """An array of ``storage`` from byte ``offset`` (``strides`` in bytes; ``None``: C order)."""
+
+    def current_stream(self) -> Any:
+        """The callers' current stream, as a CuPy stream (the launches take CuPy streams)."""
+
+    def allocating_on(self, stream) -> ContextManager:
+        """A context in which :meth:`empty` and :meth:`storage` allocate for ``stream``."""
+
+    def export(self, array: Any) -> Any:
+        """What the callers get for a device array of this front (``None`` stays ``None``)."""
+
+
+class CupyFront:
+    """``cuep.Buffer``'s front: CuPy arrays from CuPy's memory pool, CuPy's current stream."""
+
+    def empty(self, shape: tuple[int, ...], dtype) -> Any:
+        return _deps.cupy().empty(shape, dtype=dtype)
+
+    def storage(self, nbytes: int) -> Any:
+        return _deps.cupy().cuda.alloc(nbytes)  # a pool allocation, without an array object around it
+
+    def view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
+             strides: tuple[int, ...] | None = None) -> Any:
+        return _deps.cupy().ndarray(shape, dtype=dtype, memptr=storage + offset, strides=strides)
+
+    def current_stream(self) -> Any:
+        return _deps.cupy().cuda.get_current_stream()
+
+    def allocating_on(self, stream) -> ContextManager:
+        return stream  # a CuPy stream is the context that makes it current, and CuPy's pool allocates for it
+
+    def export(self, array: Any) -> Any:
+        return getattr(array, "tensor", array)  # a caller's own torch tensor (given as ``out=``) goes back as it came
+
