@@ -73,6 +73,16 @@ def cross_node_copies(topk_idx: np.ndarray, num_experts: int, num_ranks: int, nu
     return int(in_node.sum())
 
 
+def rank_prefix_matrix(topk_idxs: list[np.ndarray], num_experts: int) -> np.ndarray:
+    """DeepEP's rank prefix matrix of a dispatch, the first item of its handle: `[R, R]` `int32`, entry
+    ``[i][j]`` the tokens that ranks ``0..i`` send to rank ``j`` (each token once per rank). Its column
+    ``j`` is receiver ``j``'s ``recv_gbl_rank_prefix_sum`` across nodes (item -4 of that handle)."""
+    num_ranks = len(topk_idxs)
+    sent = np.stack([get_dispatch_layout(np.asarray(t), num_experts, num_ranks).num_tokens_per_rank
+                     for t in topk_idxs])
+    return np.cumsum(sent, axis=0).astype(np.int32)
+
+
 class DispatchResult(NamedTuple):
     """What one receiving rank gets from ``Buffer.dispatch``."""
 
@@ -214,3 +224,16 @@ def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.nda
             out[t] += np.float64(weights[t, k]) * expert_outputs[r][e, row_of[(expert, s, int(t))]].astype(np.float64)
         combined.append(out.astype(np.float32))
     return combined
+
+
+def low_latency_handle_items(result: LowLatencyDispatchResult, num_ranks: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """DeepEP's first two low-latency handle items for one receiver, from its reference ``result``:
+    per local expert, the source token index of each received row (its first ``recv_count[e]`` rows; what
+    follows is unspecified), and `[L, R]` `int64` ``(first row << 32) | rows`` from each source rank."""
+    src_info = [pairs[:, 1].astype(np.int32) for pairs in result.recv_src]
+    layout_range = np.zeros((len(result.recv_src), num_ranks), np.int64)
+    for e, pairs in enumerate(result.recv_src):
+        counts = np.bincount(pairs[:, 0], minlength=num_ranks).astype(np.int64)
+        begins = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        layout_range[e] = (begins << 32) | counts
+    return src_info, layout_range

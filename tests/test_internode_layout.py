@@ -98,9 +98,11 @@ def test_handle_round_trips_through_its_flat_tuple():
         num_tokens=5, num_rows=7, num_recv_tokens=6, num_local_experts=4, plan=np.zeros(40, np.int32),
         plan_host=np.zeros(40, np.int32), send_pos=np.zeros((5, 4), np.int32), node_pos=np.zeros((5, 2), np.int32),
         node_list=np.zeros((2, 5), np.int32), counts=np.zeros(6, np.int32), forward_pos=np.zeros((3, 2), np.int32),
-        recv_src_idx=np.zeros(7, np.int32), is_token_in_rank=np.zeros((5, 4), np.bool_))
+        recv_gbl_rank_prefix_sum=np.arange(1, 5, dtype=np.int32), recv_src_idx=np.zeros(7, np.int32),
+        is_token_in_rank=np.zeros((5, 4), np.bool_))
     items = list(handle)
     assert len(items) == len(handle) == len(internode.HANDLE_ARRAYS)
+    assert items[-4] is handle.recv_gbl_rank_prefix_sum  # where DeepEP's users read it
     restored = internode.Handle.from_arrays(dict(zip(internode.HANDLE_ARRAYS, items)))
     assert (restored.num_tokens, restored.num_rows, restored.num_recv_tokens, restored.num_local_experts,
             restored.num_ranks) == (5, 7, 6, 4, 4)

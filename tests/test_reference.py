@@ -127,3 +127,24 @@ def test_low_latency_combine_weights_each_choice():
     outputs[0][1, 1] = 100.0
     (combined,) = reference.low_latency_combine(outputs, topk, weights, num_experts=2)
     assert combined[:, 0].tolist() == [0.5 * 1 + 2 * 10, 3 * 100]
+
+
+def test_rank_prefix_matrix_by_hand():
+    # 2 ranks, 4 experts (2 per rank). Rank 0: token 0 -> rank 0, token 1 -> ranks 0 and 1, token 2 -> none.
+    # Rank 1: token 0 -> rank 1 (twice, counted once), token 1 -> rank 0.
+    topk = [np.array([[0, 1], [1, 3], [-1, -1]]), np.array([[2, 3], [0, -1]])]
+    assert reference.rank_prefix_matrix(topk, 4).tolist() == [[2, 1], [3, 2]]
+    assert reference.rank_prefix_matrix(topk, 4).dtype == np.int32
+
+
+def test_low_latency_handle_items_by_hand():
+    # 2 ranks, 2 experts (1 per rank), 3 tokens per rank.
+    topk = [np.array([[0], [1], [0]]), np.array([[0], [0], [1]])]
+    xs = [np.zeros((3, 128), np.float32)] * 2
+    results = reference.low_latency_dispatch(xs, topk, num_experts=2, max_tokens=3, use_fp8=False)
+    src_info, layout_range = reference.low_latency_handle_items(results[0], num_ranks=2)
+    # Expert 0 receives rank 0's tokens 0 and 2, then rank 1's tokens 0 and 1.
+    assert src_info[0].tolist() == [0, 2, 0, 1]
+    assert layout_range.tolist() == [[(0 << 32) | 2, (2 << 32) | 2]]
+    src_info, layout_range = reference.low_latency_handle_items(results[1], num_ranks=2)
+    assert src_info[0].tolist() == [1, 2] and layout_range.tolist() == [[(0 << 32) | 1, (1 << 32) | 1]]

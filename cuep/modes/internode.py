@@ -171,7 +171,9 @@ class Handle(FlatHandle):
     token ``t`` among those sent to rank ``r`` (-1 if not sent); ``node_pos[t, n]`` the same per node, with
     ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node.
     ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows local rank
-    ``j`` received from its source (-1: none). ``recv_src_idx[i]``: source token of received row ``i``.
+    ``j`` received from its source (-1: none). ``recv_gbl_rank_prefix_sum[r]``: the rows received from
+    ranks ``0..r`` (a view of ``plan``; item -4 of the flat tuple, where DeepEP's users read it).
+    ``recv_src_idx[i]``: source token of received row ``i``.
 
     Like DeepEP's handle it iterates as a flat tuple of arrays (:data:`HANDLE_ARRAYS` in order: the GPU
     arrays, then ``scalars``, a host ``int64`` array ``[num_recv_tokens or -1, num_local_experts]``), so
@@ -189,6 +191,7 @@ class Handle(FlatHandle):
     node_list: Any
     counts: Any
     forward_pos: Any
+    recv_gbl_rank_prefix_sum: Any
     recv_src_idx: Any
     is_token_in_rank: Any
 
@@ -198,7 +201,8 @@ class Handle(FlatHandle):
 
     ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
         "plan": np.int32, "send_pos": np.int32, "node_pos": np.int32, "node_list": np.int32, "counts": np.int32,
-        "forward_pos": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
+        "forward_pos": np.int32, "recv_gbl_rank_prefix_sum": np.int32, "recv_src_idx": np.int32,
+        "is_token_in_rank": np.bool_}
 
     def scalars(self) -> list[int]:
         return [-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts]
@@ -435,10 +439,13 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     launch(ctx.library, pull.entry, stream, grid, NUM_THREADS, pull)
     if cached:
         return recv_x, recv_scales, None, None, [], handle
+    # DeepEP's recv_gbl_rank_prefix_sum: the plan's row prefix over source ranks, without its leading 0.
+    recv_gbl_rank_prefix_sum = front.view(plan.data, (R,), np.int32, (plan_layout.recv_prefix + 1) * 4)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
                     num_local_experts=num_local_experts, plan=plan, plan_host=plan_host, send_pos=send_pos,
                     node_pos=node_pos, node_list=node_list, counts=counts, forward_pos=forward_pos,
-                    recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
+                    recv_gbl_rank_prefix_sum=recv_gbl_rank_prefix_sum, recv_src_idx=recv_src_idx,
+                    is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
