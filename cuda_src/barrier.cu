@@ -20,7 +20,7 @@
 
 namespace cuep {
 
-// cuep_barrier's one argument, passed by value (mirror: BarrierArgs in cuep/kernels/barrier.py).
+// cuep::barrier::arrive_and_wait's one argument, passed by value (mirror: BarrierArgs in cuep/kernels/barrier.py).
 struct BarrierArgs {
     uint64_t* signals;             // [num_ranks] symmetric: signals[src] = newest epoch src announced here
     int rank, num_ranks;
@@ -40,7 +40,9 @@ __device__ void announce_and_wait(uint64_t* signals, int rank, int peer, uint64_
 
 }  // namespace cuep
 
-extern "C" __global__ void cuep_barrier(const cuep::BarrierArgs args) {
+namespace cuep::barrier {
+
+__global__ void arrive_and_wait(const BarrierArgs args) {
     __shared__ uint64_t epoch;
     if (threadIdx.x == 0)
         epoch = ++*args.epoch_counter;  // a single block runs this kernel
@@ -49,3 +51,5 @@ extern "C" __global__ void cuep_barrier(const cuep::BarrierArgs args) {
     for (int peer = threadIdx.x; peer < args.num_ranks; peer += blockDim.x)
         cuep::announce_and_wait(args.signals, args.rank, peer, epoch, deadline_ns, args.status);
 }
+
+}  // namespace cuep::barrier

@@ -337,12 +337,12 @@ static __device__ __forceinline__ int chunks_of(int rows, int chunk_rows) {
 
 }  // namespace cuep
 
-using namespace cuep;
+namespace cuep::internode {
 
 // ---------------------------------------------------------------------------------------------
 // Scan: block c < R scans column c of is_token_in_rank; block R + n scans node n (any of its ranks).
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_scan(const ScanArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) scan(const ScanArgs args) {
     __shared__ int warp_counts[kWarpsPerBlock + 1];
     const Topology& topo = args.topo;
     const int column = blockIdx.x, num_tokens = args.num_tokens;
@@ -377,6 +377,8 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_scan
     if (threadIdx.x == 0)
         args.counts[column] = running;
 }
+
+}  // namespace cuep::internode
 
 // ---------------------------------------------------------------------------------------------
 // Send: block 0's warps first put the count messages (non-cached dispatch); then every warp takes
@@ -430,7 +432,9 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
 
 }  // namespace cuep
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_send(const SendArgs args) {
+namespace cuep::internode {
+
+__global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
     const Topology& topo = args.topo;
     const uint64_t call = this_call(args.state);
@@ -478,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_send
 // ---------------------------------------------------------------------------------------------
 // Notify (one block): wait for every source's count message, then write this rank's plan.
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_notify(const NotifyArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) notify(const NotifyArgs args) {
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
     const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
@@ -539,6 +543,8 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_noti
     }
 }
 
+}  // namespace cuep::internode
+
 // ---------------------------------------------------------------------------------------------
 // Pull: every warp takes chunks (local forwarder i, source node m, chunk c) in turn, waits for the
 // chunk's signal at the forwarder, and copies the rows that name this rank.
@@ -571,7 +577,9 @@ static __device__ void copy_out(const PullArgs& args, const RowShape& shape, con
 
 }  // namespace cuep
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_dispatch(const PullArgs args) {
+namespace cuep::internode {
+
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
     __shared__ int32_t recv_prefix[kMaxRanks + 1];
     const Topology& topo = args.topo;
@@ -643,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_disp
 // into the landing rows of the forwarder it came through; the last block then raises this rank's
 // flag at each forwarder of the node.
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_combine_push(const PushArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
     __shared__ int32_t recv_prefix[kMaxRanks + 1];
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
@@ -686,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_comb
 // chunk c) of the rows this rank forwarded, sums each row's landed copies into the send partition m,
 // and puts the chunk back to the source (m, local) with the chunk's signal.
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_combine_forward(const ForwardArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
@@ -769,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_comb
 // Combine reduce: every warp takes this rank's tokens in turn, waits for the partial of each node the
 // token went to, and writes their FP32 sum plus the biases.
 
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_combine(const ReduceArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
     const Topology& topo = args.topo;
     const int N = topo.num_nodes;
     const uint64_t call = this_call(args.state);
@@ -820,3 +828,5 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_internode_comb
     }
     finish_call(args.state, call);
 }
+
+}  // namespace cuep::internode

@@ -23,16 +23,16 @@
 // the meta region, not in a region) is rewritten only once every receiver has finished the previous
 // dispatch (SenderControl::done).
 //
-// Non-cached dispatch: (1) stage (cuep_intranode_stage): copy tokens, scan is_token_in_rank into
+// Non-cached dispatch: (1) stage (cuep::intranode::stage): copy tokens, scan is_token_in_rank into
 // per-destination send lists; (2) barrier; (3) notify: each receiver reads every sender's meta and
 // builds its receive plan (rank prefix, per-expert counts, landing offsets); the host may wait for
-// the count here to size the outputs; (4) pull (cuep_intranode_dispatch). Every byte crosses
+// the count here to size the outputs; (4) pull (cuep::intranode::dispatch). Every byte crosses
 // NVLink once.
 //
-// Cached dispatch (one kernel, cuep_intranode_dispatch_push): the senders push each token into its
+// Cached dispatch (one kernel, cuep::intranode::dispatch_push): the senders push each token into its
 // receivers' landing rows and the receivers copy them out as they complete; see that kernel.
 //
-// Combine (push, one kernel, cuep_intranode_combine): each rank writes the rows it received back
+// Combine (push, one kernel, cuep::intranode::combine): each rank writes the rows it received back
 // into the landing region of their source, at the slot the dispatch plan assigned, counting every
 // row in the source's per-chunk arrival counters; meanwhile the source sums, in FP32, the copies of
 // each of its tokens as soon as they have landed, adds the optional biases, and writes the result.
@@ -553,30 +553,30 @@ __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ra
 
 }  // namespace cuep
 
-using namespace cuep;
-
 // The entries take their argument struct's fields as scalar parameters, in the struct's order
 // (parameter args_a_b is field args.a.b), and build the struct first: taken as one struct parameter,
 // its reads are scheduled otherwise by NVRTC and every kernel's hot loops compile to other code.
+
+namespace cuep::intranode {
 
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
 // copy rows. Block 0 also announces the call and publishes the header. is_token_in_rank:
 // `[num_tokens, num_ranks]`; send_pos: `[num_tokens, num_ranks]`, written (see scan_destination);
 // num_tokens_per_expert: `[num_experts]` or null.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
-                     const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
-                     int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
-                     const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
-                     int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
-                     int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
-                     int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
-                     const bool* args_is_token_in_rank, const int32_t* args_num_tokens_per_expert,
-                     int args_num_experts, int args_num_ranks, int32_t* args_send_pos,
-                     const uint64_t* args_peer_bases, int args_rank, int64_t args_region_bytes,
-                     const uint64_t* args_state, int32_t* args_status_device, int32_t* args_status_host,
-                     uint64_t args_timeout_ns) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
+      const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
+      int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
+      const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
+      int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
+      int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
+      int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
+      const bool* args_is_token_in_rank, const int32_t* args_num_tokens_per_expert,
+      int args_num_experts, int args_num_ranks, int32_t* args_send_pos,
+      const uint64_t* args_peer_bases, int args_rank, int64_t args_region_bytes,
+      const uint64_t* args_state, int32_t* args_status_device, int32_t* args_status_host,
+      uint64_t args_timeout_ns) {
     const StageArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
                            args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
                            args_tokens_rows_num_scales},
@@ -624,10 +624,10 @@ cuep_intranode_stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows
 //   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer),
 //   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
 //   destination's received rows, then each destination's received row count).
-extern "C" __global__ void __launch_bounds__(kNumThreads)
-cuep_intranode_notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int args_num_experts,
-                      int args_expert_alignment, int32_t* args_recv_info, int32_t* args_combine_offsets,
-                      int32_t* args_send_offsets, int32_t* args_push_offsets) {
+__global__ void __launch_bounds__(kNumThreads)
+notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int args_num_experts,
+       int args_expert_alignment, int32_t* args_recv_info, int32_t* args_combine_offsets,
+       int32_t* args_send_offsets, int32_t* args_push_offsets) {
     const NotifyArgs args{args_peer_bases, args_rank, args_num_ranks, args_num_experts, args_expert_alignment,
                           args_recv_info, args_combine_offsets, args_send_offsets, args_push_offsets};
     const auto [peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, combine_offsets, send_offsets,
@@ -684,19 +684,19 @@ cuep_intranode_notify(const uint64_t* args_peer_bases, int args_rank, int args_n
 // Non-cached dispatch, step 4: pull. One warp per received row, source tokens from the sources'
 // send lists; rows land in order of (source rank, source token). recv_info: the notify kernel's;
 // num_rows: the rows of the received arrays (the received count, or num_worst_tokens).
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
-                        const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
-                        int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
-                        const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
-                        int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
-                        int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
-                        int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
-                        const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
-                        int args_num_ranks, int args_num_experts, int args_num_rows, uint8_t* args_recv_x,
-                        float* args_recv_scales, int64_t* args_recv_topk_idx, float* args_recv_topk_weights,
-                        int32_t* args_recv_src_idx, uint64_t* args_state, int32_t* args_status_device,
-                        int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
+         const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
+         int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
+         const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
+         int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
+         int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
+         int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
+         const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+         int args_num_ranks, int args_num_experts, int args_num_rows, uint8_t* args_recv_x,
+         float* args_recv_scales, int64_t* args_recv_topk_idx, float* args_recv_topk_weights,
+         int32_t* args_recv_src_idx, uint64_t* args_state, int32_t* args_status_device,
+         int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
     const DispatchArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
                               args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
                               args_tokens_rows_num_scales},
@@ -756,8 +756,10 @@ cuep_intranode_dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_r
                     status);
 }
 
+}  // namespace cuep::intranode
+
 // ---------------------------------------------------------------------------------------------
-// Cached dispatch, push form (cuep_intranode_dispatch_push). Each receiver's buffer holds a landing
+// Cached dispatch, push form (cuep::intranode::dispatch_push). Each receiver's buffer holds a landing
 // region laid out like its received rows: row i of recv_x lands at row i, followed by its scales.
 // Pusher warps write each of this rank's tokens, one read of it for every receiver, into the
 // receivers' landing rows in this call's region (rows for this rank itself go straight into recv_x)
@@ -880,20 +882,22 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
 
 }  // namespace cuep
 
+namespace cuep::intranode {
+
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
 // kWarpsPerBlock - 1), the rest copy landed rows out from the start. send_pos: the handle's
 // `[num_tokens, num_ranks]`; push_offsets, recv_info: the notify kernel's; row_bytes: one landing row
 // (push_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the two regions (the
 // same on every rank); num_rows: the rows of recv_x.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
-                             int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,
-                             int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_push_offsets,
-                             int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
-                             const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
-                             int args_num_ranks, int64_t args_region_bytes, int args_num_rows, uint8_t* args_recv_x,
-                             float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
-                             int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
+              int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,
+              int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_push_offsets,
+              int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
+              const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+              int args_num_ranks, int64_t args_region_bytes, int args_num_rows, uint8_t* args_recv_x,
+              float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
+              int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
     const PushArgs args{{args_rows_x, args_rows_hidden_bytes, args_rows_scales, args_rows_scale_token_stride,
                          args_rows_scale_channel_stride, args_rows_num_scales},
                         args_send_pos, args_push_offsets, args_num_tokens, args_push_warps, args_row_bytes,
@@ -953,6 +957,8 @@ cuep_intranode_dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidde
     finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
                     status);
 }
+
+}  // namespace cuep::intranode
 
 // ---------------------------------------------------------------------------------------------
 // Combine: one kernel. Pusher warps write each received row (its hidden vector, then its top-k
@@ -1099,6 +1105,8 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 
 }  // namespace cuep
 
+namespace cuep::intranode {
+
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
 // counter of token slices. recv_info[1] is this rank's landing row count (copies of its tokens).
 // combine_offsets, send_offsets: see the notify kernel; send_pos: the handle's; x: `[num received
@@ -1106,16 +1114,16 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 // landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the
 // two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x: `[num_tokens, hidden]`;
 // combined_topk_weights: `[num_tokens, num_topk]` or null.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1)
-cuep_intranode_combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info,
-                       const int32_t* args_combine_offsets, const int32_t* args_send_pos,
-                       const int32_t* args_send_offsets, int args_rank, int args_num_ranks, int args_num_tokens,
-                       const uint8_t* args_x, int64_t args_hidden_bytes, const float* args_topk_weights,
-                       int args_num_topk, int64_t args_landing_row_bytes, int64_t args_region_bytes,
-                       const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
-                       __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
-                       int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
-                       uint64_t args_timeout_ns) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info,
+        const int32_t* args_combine_offsets, const int32_t* args_send_pos,
+        const int32_t* args_send_offsets, int args_rank, int args_num_ranks, int args_num_tokens,
+        const uint8_t* args_x, int64_t args_hidden_bytes, const float* args_topk_weights,
+        int args_num_topk, int64_t args_landing_row_bytes, int64_t args_region_bytes,
+        const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
+        __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
+        int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
+        uint64_t args_timeout_ns) {
     const CombineArgs args{args_peer_bases, args_recv_info, args_combine_offsets, args_send_pos, args_send_offsets,
                            args_rank, args_num_ranks, args_num_tokens, args_x, args_hidden_bytes, args_topk_weights,
                            args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0, args_bias1,
@@ -1181,3 +1189,5 @@ cuep_intranode_combine(const uint64_t* args_peer_bases, const int32_t* args_recv
         args.state[kStateCombineEpoch] = start.epoch;
     }
 }
+
+}  // namespace cuep::intranode

@@ -135,20 +135,26 @@ __device__ __forceinline__ void dispatch_layout(const LayoutArgs& a) {
 
 }  // namespace cuep
 
-extern "C" __global__ void __launch_bounds__(cuep::kNumThreads)
-cuep_dispatch_layout_i32(const cuep::int32_t* args_topk_idx, int args_num_tokens, int args_num_topk,
-                         int args_num_experts, int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
-                         int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
-    cuep::dispatch_layout<cuep::int32_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts,
-                                          args_num_ranks, args_num_nodes, args_num_tokens_per_expert,
-                                          args_num_tokens_per_rank, args_num_tokens_per_node, args_is_token_in_rank});
+namespace cuep::layout {
+
+// The entries, one per topk_idx type. (One __global__ template instantiated twice would name the
+// same code, but NVRTC then gives the family's internal symbols a different name on every compile.)
+__global__ void __launch_bounds__(kNumThreads)
+get_dispatch_layout_i32(const int32_t* args_topk_idx, int args_num_tokens, int args_num_topk, int args_num_experts,
+                        int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
+                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+    dispatch_layout<int32_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts, args_num_ranks,
+                              args_num_nodes, args_num_tokens_per_expert, args_num_tokens_per_rank,
+                              args_num_tokens_per_node, args_is_token_in_rank});
 }
 
-extern "C" __global__ void __launch_bounds__(cuep::kNumThreads)
-cuep_dispatch_layout_i64(const cuep::int64_t* args_topk_idx, int args_num_tokens, int args_num_topk,
-                         int args_num_experts, int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
-                         int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
-    cuep::dispatch_layout<cuep::int64_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts,
-                                          args_num_ranks, args_num_nodes, args_num_tokens_per_expert,
-                                          args_num_tokens_per_rank, args_num_tokens_per_node, args_is_token_in_rank});
+__global__ void __launch_bounds__(kNumThreads)
+get_dispatch_layout_i64(const int64_t* args_topk_idx, int args_num_tokens, int args_num_topk, int args_num_experts,
+                        int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
+                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+    dispatch_layout<int64_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts, args_num_ranks,
+                              args_num_nodes, args_num_tokens_per_expert, args_num_tokens_per_rank,
+                              args_num_tokens_per_node, args_is_token_in_rank});
 }
+
+}  // namespace cuep::layout

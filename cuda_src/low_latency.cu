@@ -472,7 +472,7 @@ __device__ __forceinline__ float power_of_two_at_least(float value) {
 // ---------------------------------------------------------------------------------------------
 // Dispatch
 
-// cuep_ll_dispatch's one argument, passed by value (mirror: DispatchArgs in cuep/kernels/low_latency.py).
+// cuep::low_latency::dispatch's one argument, passed by value (mirror: DispatchArgs in cuep/kernels/low_latency.py).
 struct DispatchArgs {
     int phases, half;
     const int4* x;                 // [num_tokens, hidden] bf16
@@ -1063,7 +1063,7 @@ static __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t de
 // ---------------------------------------------------------------------------------------------
 // Combine
 
-// cuep_ll_combine's one argument, passed by value (mirror: CombineArgs in cuep/kernels/low_latency.py).
+// cuep::low_latency::combine's one argument, passed by value (mirror: CombineArgs in cuep/kernels/low_latency.py).
 struct CombineArgs {
     int phases, half;
     const int4* x;                 // [L * num_ranks * max_tokens][hidden] bf16: the expert outputs
@@ -1341,7 +1341,9 @@ static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t
 
 }  // namespace cuep
 
-extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_dispatch(const cuep::DispatchArgs args) {
+namespace cuep::low_latency {
+
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
@@ -1353,7 +1355,8 @@ extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_dispa
     cuep::finish_launch(args, seq);
 }
 
-extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_combine(const cuep::CombineArgs args) {
+
+__global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs args) {
     const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
@@ -1370,3 +1373,5 @@ extern "C" __global__ void __launch_bounds__(cuep::kNumThreads, 1) cuep_ll_combi
     cuep::trace_block(args.trace, cuep::kTraceEnd);
     cuep::finish_launch(args, seq);
 }
+
+}  // namespace cuep::low_latency

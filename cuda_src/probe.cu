@@ -169,10 +169,10 @@ __device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* s
 
 }  // namespace cuep
 
-using namespace cuep;
+namespace cuep::probe {
 
 // The copies made by the warps' loads and stores (warp_copy, as the intranode kernels make them).
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_probe_copy(const ProbeArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) copy(const ProbeArgs args) {
     const uint64_t epoch = ld_volatile_global(args.state + kStateEpoch) + 1;
     probe_rows(args, [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, args.row_bytes, lane); });
     if (args.awaited) {
@@ -183,10 +183,14 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_probe_copy(con
     finish_launch(args, epoch);
 }
 
+}  // namespace cuep::probe
+
 #if CUEP_ENABLE_SM90_FEATURES
+namespace cuep::probe {
+
 // The same copies made by the Hopper bulk-copy unit (TMA): one lane per warp drives each row through
 // 2 KB of shared memory. Hopper builds only (cuep/kernels/probe.py refuses it elsewhere); never awaited.
-extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_probe_bulk_copy(const ProbeArgs args) {
+__global__ void __launch_bounds__(kNumThreads, 1) bulk_copy(const ProbeArgs args) {
     __shared__ alignas(128) uint8_t chunks[kWarpsPerBlock][kBulkStages][kBulkChunkBytes];
     __shared__ uint64_t landed[kWarpsPerBlock][kBulkStages];
     const uint64_t epoch = ld_volatile_global(args.state + kStateEpoch);  // not advanced: nothing waits on it
@@ -207,4 +211,6 @@ extern "C" __global__ void __launch_bounds__(kNumThreads, 1) cuep_probe_bulk_cop
         bulk_stores_done();
     finish_launch(args, epoch);
 }
+
+}  // namespace cuep::probe
 #endif

@@ -373,7 +373,7 @@ def bench_ceiling(args) -> None:
     rates from ``--mode normal``: the difference is what staging, flags and reduction cost. Pull is the
     normal dispatch's pattern, push the normal combine's and the low-latency kernels' (``--tokens 128``
     gives their volume); rows of BF16 and of FP8 with scales; on Hopper each also through the bulk-copy
-    unit (TMA, ``cuep_probe_bulk_copy``); each "synced", after a device barrier per launch, which is
+    unit (TMA, ``cuep::probe::bulk_copy``); each "synced", after a device barrier per launch, which is
     what one call that must first agree with its peers can reach; and the push "awaited", each launch
     ending only once its peers' rows have landed, the floor of any call that pushes and uses what it
     received (a combine with neither landing handshake nor reduction).

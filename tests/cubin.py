@@ -5,7 +5,7 @@ Two cubins can differ in bytes while their kernels are the same code: symbol tab
 number of unused constants, so every symbol index shifts. :func:`code_of` keeps what the GPU runs
 -- each function's instructions, and each relocation with its symbol by name -- and nothing that
 only counts or orders symbols. :func:`kernel_params` reads where each kernel's parameters sit, as
-the driver lays out a launch's parameter buffer.
+the driver lays out a launch's parameter buffer; :func:`entry_symbols` names the kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ _INFO_RECORD = struct.Struct("<BB")  # format, attribute: the head of each recor
 _INFO_VALUE = struct.Struct("<H")  # the payload's size (EIFMT_SVAL) or the value (EIFMT_HVAL)
 _KPARAM_INFO = struct.Struct("<IHHI")  # index, ordinal, offset, flags (the size in bits 18-31)
 _SHT_RELA, _SHT_NOBITS = 4, 8
+_STT_FUNC, _STO_CUDA_ENTRY = 2, 0x10  # a symbol's type (low bits of its info); an entry's mark in `other`
 _EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 1, 2, 3, 4  # a record's format: no value, u8, u16, sized
 _EIATTR_KPARAM_INFO = 0x17  # one kernel parameter (EIFMT_SVAL)
 _KERNEL_INFO = ".nv.info."  # a kernel's attributes: section .nv.info.<kernel>
@@ -53,6 +54,19 @@ def _symbol_names(all_sections: list[Section]) -> list[str]:
     strings = all_sections[symtab.link].body
     return [_c_string(strings, _SYMBOL.unpack_from(symtab.body, i)[0])
             for i in range(0, len(symtab.body), _SYMBOL.size)]
+
+
+def entry_symbols(cubin: bytes) -> set[str]:
+    """The symbols of the cubin's kernels (its entry functions), as the driver looks them up."""
+    all_sections = sections(cubin)
+    symtab = next(s for s in all_sections if s.name == ".symtab")
+    strings = all_sections[symtab.link].body
+    found = set()
+    for at in range(0, len(symtab.body), _SYMBOL.size):
+        name, info, other, *_ = _SYMBOL.unpack_from(symtab.body, at)
+        if info & 0xF == _STT_FUNC and other & _STO_CUDA_ENTRY:
+            found.add(_c_string(strings, name))
+    return found
 
 
 def code_of(cubin: bytes) -> dict[str, object]:

@@ -61,14 +61,17 @@ def test_fields_are_length_prefixed():
     assert cache.cache_key({"a": "bc"}) != cache.cache_key({"ab": "c"})
 
 
-def artifact(cubin=b"\x7fELF-fake"):
-    return cache.Artifact(cubin=cubin, source="// src", log="", seconds=0.1)
+SYMBOLS = {entry: f"_Z_symbol_of_{i}" for i, entry in enumerate(SPEC.entries)}
+
+
+def artifact(cubin=b"\x7fELF-fake", symbols=SYMBOLS):
+    return cache.Artifact(cubin=cubin, source="// src", log="", seconds=0.1, symbols=symbols)
 
 
 def test_store_then_load_round_trip(tmp_path):
     path = cache.store(tmp_path, SPEC, "k" * 64, {"schema": "1"}, artifact())
     assert path == cache.entry_dir(tmp_path, SPEC, "k" * 64)
-    assert cache.load(tmp_path, SPEC, "k" * 64) == b"\x7fELF-fake"
+    assert cache.load(tmp_path, SPEC, "k" * 64) == cache.Binary(b"\x7fELF-fake", SYMBOLS)
     assert json.loads((path / "meta.json").read_text())["spec"] == SPEC.name
     assert not any((tmp_path / "v1" / "tmp").iterdir()), "staging directory left behind"
 
@@ -77,16 +80,23 @@ def test_missing_entry_is_none(tmp_path):
     assert cache.load(tmp_path, SPEC, "0" * 64) is None
 
 
-@pytest.mark.parametrize("damage", ["drop_meta", "corrupt_cubin", "bad_json"])
+@pytest.mark.parametrize("damage", ["drop_meta", "corrupt_cubin", "bad_json", "no_symbols", "a_symbol_missing"])
 def test_damaged_entry_is_discarded(tmp_path, damage, caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("cuep.jit"), "propagate", True)  # let caplog see it
     path = cache.store(tmp_path, SPEC, "d" * 64, {}, artifact())
+    meta = json.loads((path / "meta.json").read_text())
     if damage == "drop_meta":
         (path / "meta.json").unlink()
     elif damage == "corrupt_cubin":
         (path / "kernel.cubin").write_bytes(b"garbage")
-    else:
+    elif damage == "bad_json":
         (path / "meta.json").write_text("{not json")
+    elif damage == "no_symbols":  # as an entry written before meta.json held them
+        del meta["symbols"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    else:
+        meta["symbols"].popitem()
+        (path / "meta.json").write_text(json.dumps(meta))
     assert cache.load(tmp_path, SPEC, "d" * 64) is None
     assert not path.exists()
     assert "rm -rf" in caplog.text
@@ -95,7 +105,24 @@ def test_damaged_entry_is_discarded(tmp_path, damage, caplog, monkeypatch):
 def test_race_loser_keeps_the_winner(tmp_path):
     first = cache.store(tmp_path, SPEC, "r" * 64, {}, artifact(b"winner"))
     second = cache.store(tmp_path, SPEC, "r" * 64, {}, artifact(b"loser"))
-    assert first == second and cache.load(tmp_path, SPEC, "r" * 64) == b"winner"
+    assert first == second and cache.load(tmp_path, SPEC, "r" * 64).cubin == b"winner"
+
+
+def test_a_build_keeps_each_entrys_symbol_with_its_cubin(cache_dir):
+    entry, _ = library.build(SPEC)
+    meta = json.loads((entry / "meta.json").read_text())
+    assert list(meta["symbols"]) == list(SPEC.entries)
+    assert all(symbol.startswith("_ZN4cuep6layout") for symbol in meta["symbols"].values())  # mangled, namespaced
+    assert cache.load(cache_dir, SPEC, meta["key"]) == cache.Binary((entry / "kernel.cubin").read_bytes(),
+                                                                    meta["symbols"])
+
+
+def test_the_entries_and_the_schema_are_in_the_key(sources, monkeypatch):
+    from dataclasses import replace
+    base = key_for(sources)
+    assert key_for(sources, replace(SPEC, entries=SPEC.entries[:1])) != base
+    monkeypatch.setattr(cache, "KEY_SCHEMA_VERSION", cache.KEY_SCHEMA_VERSION - 1)
+    assert key_for(sources) != base
 
 
 def test_unreadable_key_input_compiles_without_cache(cache_dir, monkeypatch, caplog):

@@ -45,7 +45,7 @@ def test_ranks_with_different_toolchains_are_refused(cache_dir):
 def test_leader_compiles_and_follower_loads_its_cubin(cache_dir):
     leader = obtain(SPEC, TwoRanks(0))
     follower = obtain(SPEC, TwoRanks(1, leader_status="ok"))
-    assert follower == leader and leader.startswith(b"\x7fELF")
+    assert follower == leader and leader.cubin.startswith(b"\x7fELF") and list(leader.symbols) == list(SPEC.entries)
 
 
 def test_follower_reports_the_leaders_failure(cache_dir):
@@ -60,7 +60,7 @@ def test_follower_without_the_leaders_cache_says_where_to_look(cache_dir):
 
 def test_cache_disabled_every_rank_compiles(cache_dir, monkeypatch):
     monkeypatch.setenv("CUEP_JIT_DISABLE_CACHE", "1")
-    assert obtain(SPEC, TwoRanks(1, leader_status=None)).startswith(b"\x7fELF")
+    assert obtain(SPEC, TwoRanks(1, leader_status=None)).cubin.startswith(b"\x7fELF")
     assert not cache_dir.exists()
 
 

@@ -6,35 +6,21 @@ import pytest
 from cuep.jit import build, compiler, toolchain
 from cuep.kernels import FAMILIES
 
+from .builds import VARIANTS, compiled
+from .cubin import entry_symbols
+
 ELF_MAGIC = b"\x7fELF"
-ENTRIES = {"layout": [b"cuep_dispatch_layout_i32", b"cuep_dispatch_layout_i64"], "barrier": [b"cuep_barrier"],
-           "intranode": [b"cuep_intranode_%s" % name
-                         for name in (b"stage", b"notify", b"dispatch", b"dispatch_push", b"combine")],
-           "internode": [b"cuep_internode_%s" % name for name in (b"scan", b"send", b"notify", b"dispatch",
-                                                                   b"combine_push", b"combine_forward", b"combine")],
-           "probe": [b"cuep_probe_copy"],  # and cuep_probe_bulk_copy on the Hopper path only (below)
-           "low_latency": [b"cuep_ll_dispatch", b"cuep_ll_combine"]}
-VARIANTS = {
-    "default": dict(force_fallback=False, aggressive_ptx=False),
-    "fallback": dict(force_fallback=True, aggressive_ptx=False),
-    "aggressive_ptx": dict(force_fallback=False, aggressive_ptx=True),
-}
-
-
-def compile_variant(family, arch, variant, keep_ptx=False):
-    spec = FAMILIES[family].spec(arch, **VARIANTS[variant])
-    nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
-    return spec, compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem, keep_ptx=keep_ptx)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_compiles(family, arch, variant):
-    spec, artifact = compile_variant(family, arch, variant)
+    spec, artifact = compiled(family, arch, variant)
     assert artifact.cubin.startswith(ELF_MAGIC), spec.name
-    for entry in ENTRIES[family]:
-        assert entry in artifact.cubin, (spec.name, entry)
+    # Every entry of the spec resolves to its own kernel, and the build has no kernel besides them.
+    assert spec.entries and list(artifact.symbols) == list(spec.entries), spec.name
+    assert entry_symbols(artifact.cubin) == set(artifact.symbols.values()), spec.name
     if spec.uses_nvshmem:  # linked: the NVSHMEM device state the host library initialises is present
         assert b"nvshmemi_device_state" in artifact.cubin, spec.name
 
@@ -50,8 +36,8 @@ def test_variants_resolve_per_arch():
 
 
 def test_aggressive_ptx_switch_changes_the_loads():
-    _, default = compile_variant("layout", "sm_90", "default", keep_ptx=True)
-    _, aggressive = compile_variant("layout", "sm_90", "aggressive_ptx", keep_ptx=True)
+    _, default = compiled("layout", "sm_90", "default", keep_ptx=True)
+    _, aggressive = compiled("layout", "sm_90", "aggressive_ptx", keep_ptx=True)
     assert "L1::no_allocate" in aggressive.ptx and "ld.volatile.global" not in aggressive.ptx
     assert "L1::no_allocate" not in default.ptx and "ld.volatile.global" in default.ptx
 
@@ -67,12 +53,13 @@ def test_bulk_copies_only_on_the_hopper_path():
 
     hopper = build_probe("sm_90", "default")
     assert "cp.async.bulk.shared::cluster.global" in hopper.ptx and "mbarrier.try_wait" in hopper.ptx
-    assert b"cuep_probe_bulk_copy" in hopper.cubin
+    assert list(hopper.symbols) == [probe.COPY_ENTRY, probe.BULK_ENTRY]
     for arch, variant in (("sm_90", "fallback"), ("sm_80", "default")):
         other = build_probe(arch, variant)
         assert "cp.async.bulk" not in other.ptx and "trap;" not in other.ptx, (arch, variant)
-        assert b"cuep_probe_bulk_copy" not in other.cubin and b"cuep_probe_copy" in other.cubin, (arch, variant)
-    _, intranode = compile_variant("intranode", "sm_90", "default", keep_ptx=True)
+        assert list(other.symbols) == [probe.COPY_ENTRY], (arch, variant)
+        assert entry_symbols(other.cubin) == {other.symbols[probe.COPY_ENTRY]}, (arch, variant)
+    _, intranode = compiled("intranode", "sm_90", "default", keep_ptx=True)
     assert "cp.async.bulk" not in intranode.ptx
 
 

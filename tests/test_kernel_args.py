@@ -24,7 +24,8 @@ from cuep.kernels.launcher import KernelArgs
 
 
 WITH_STRUCTS = sorted(family for family, module in FAMILIES.items() if hasattr(module, "ARGUMENT_STRUCTS"))
-# `extern "C" __global__ void [__launch_bounds__(...)] name(parameters)`
+# `__global__ void [__launch_bounds__(...)] name(parameters)`, in namespace cuep::<family> (as the entries are:
+# tests/test_kernel_names.py checks the compiled names)
 ENTRY = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)")
 STRUCT_PARAMETER = re.compile(r"const\s+(?:__grid_constant__\s+)?(?:cuep::)?(\w+)\s+\w+")
 
@@ -68,9 +69,11 @@ def test_a_mirror_that_drifted_fails_to_compile():
 
 
 def entries(family):
-    """``{name: [parameter declarations]}`` of every ``__global__`` function in ``cuda_src/<family>.cu``."""
+    """``{cuep::<family>::name: [parameter declarations]}`` of every ``__global__`` function in
+    ``cuda_src/<family>.cu``."""
     source = re.sub(r"//[^\n]*", "", (compiler.source_root() / f"{family}.cu").read_text())
-    return {name: [p.strip() for p in parameters.split(",") if p.strip()] for name, parameters in ENTRY.findall(source)}
+    return {f"cuep::{family}::{name}": [p.strip() for p in parameters.split(",") if p.strip()]
+            for name, parameters in ENTRY.findall(source)}
 
 
 def mirror_of(family, entry):

@@ -6,8 +6,9 @@ out exactly where the compiled entry reads them: one struct parameter at offset 
 mirror sets ``scalar_parameters``, one parameter per leaf field, nested structs flattened (an entry
 taking the fields as scalars, as the intranode and layout entries do; the launcher passes the mirror's
 bytes as the parameter buffer). Each family is compiled (NVRTC, sm_90, default variant) and every
-entry's parameter table is read from the cubin itself (:func:`tests.cubin.kernel_params`). A mirror
-names its entries with ``entry`` (one) or ``entries`` (several sharing its fields).
+entry's parameter table is read from the cubin itself (:func:`tests.cubin.kernel_params`), under the
+symbol the compile resolved the entry to. A mirror names its entries, by their qualified C++ names, with
+``entry`` (one) or ``entries`` (several sharing its fields).
 """
 
 import ctypes
@@ -15,13 +16,11 @@ import functools
 
 import pytest
 
-from cuep.jit import compiler, toolchain
 from cuep.kernels import FAMILIES
 from cuep.kernels.launcher import KernelArgs
 
-from .cubin import kernel_params
-
-KERNEL_PREFIX = "cuep_"  # the families' entries; NVSHMEM's and the compiler's functions are left out
+from .builds import compiled
+from .cubin import entry_symbols, kernel_params
 
 
 def named_entries(mirror) -> tuple[str, ...]:
@@ -41,11 +40,12 @@ def mirrors_by_entry(family) -> dict[str, type]:
 
 @functools.cache
 def compiled_params(family) -> dict[str, list[tuple[int, int]]]:
-    """``(offset, size)`` of each parameter of each entry of ``family``, compiled for sm_90."""
-    spec = FAMILIES[family].spec("sm_90", force_fallback=False, aggressive_ptx=False)
-    nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
-    cubin = compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem).cubin
-    return {name: params for name, params in kernel_params(cubin).items() if name.startswith(KERNEL_PREFIX)}
+    """``(offset, size)`` of each parameter of each kernel of ``family`` compiled for sm_90, under its entry
+    name where the compile resolved an entry to it, else (a kernel no entry names) its symbol."""
+    _, artifact = compiled(family)
+    params = kernel_params(artifact.cubin)
+    names = {symbol: entry for entry, symbol in artifact.symbols.items()}
+    return {names.get(symbol, symbol): params[symbol] for symbol in entry_symbols(artifact.cubin)}
 
 
 def leaf_params(mirror, base=0) -> list[tuple[int, int]]:
@@ -83,7 +83,8 @@ def check_mirror(entry, params, mirror):
 MIRRORED = [(family, entry, mirror) for family in sorted(FAMILIES) for entry, mirror in mirrors_by_entry(family).items()]
 
 
-@pytest.mark.parametrize("family, entry, mirror", MIRRORED, ids=[entry for _, entry, _ in MIRRORED])
+@pytest.mark.parametrize("family, entry, mirror", MIRRORED,
+                         ids=[entry.replace("::", ".") for _, entry, _ in MIRRORED])
 def test_mirror_matches_the_compiled_parameters(family, entry, mirror):
     params = compiled_params(family)
     assert entry in params, f"{mirror.__name__} names {entry}, which {family}'s sm_90 build does not have"
@@ -114,7 +115,7 @@ def test_a_mirror_with_two_fields_swapped_is_caught():
     assert ctypes.sizeof(Drifted) == ctypes.sizeof(combine_args)  # the size cannot tell; the offsets do
     params = compiled_params("intranode")[combine_args.entry]
     check_mirror(combine_args.entry, params, combine_args)
-    with pytest.raises(AssertionError, match=r"cuep_intranode_combine: its parameters .* \(first difference at "
+    with pytest.raises(AssertionError, match=r"cuep::intranode::combine: its parameters .* \(first difference at "
                                              r"parameter 7\)"):
         check_mirror(combine_args.entry, params, Drifted)
 
@@ -127,5 +128,5 @@ def test_a_mirror_passed_the_wrong_way_is_caught():
         entry = notify_args.entry
         _fields_ = notify_args._fields_
 
-    with pytest.raises(AssertionError, match=r"cuep_intranode_notify: .* as one struct by value"):
+    with pytest.raises(AssertionError, match=r"cuep::intranode::notify: .* as one struct by value"):
         check_mirror(notify_args.entry, compiled_params("intranode")[notify_args.entry], ByValue)

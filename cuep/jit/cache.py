@@ -5,10 +5,11 @@ into its neighbour and a new field changes every key. A key input that cannot be
 :class:`UncacheableError`; the caller then compiles without the cache rather than drop the field.
 
 Store: ``<root>/v1/<spec.name>.<key[:16]>/`` holding ``kernel.cubin``, ``source.cu`` (the exact
-text compiled), optionally ``kernel.ptx``, and ``meta.json`` written last as the commit marker. An
-entry is built in ``<root>/v1/tmp/<uuid>/`` and renamed into place; the loser of a race deletes
-its copy. :func:`load` never raises for a missing, partial or corrupt entry: it returns ``None``
-(after one warning and removal when the entry is corrupt) and the caller rebuilds.
+text compiled), optionally ``kernel.ptx``, and ``meta.json`` written last as the commit marker; it
+also holds the symbol of each of the spec's entries (:attr:`Binary.symbols`), which the cubin alone
+does not tell. An entry is built in ``<root>/v1/tmp/<uuid>/`` and renamed into place; the loser of
+a race deletes its copy. :func:`load` never raises for a missing, partial or corrupt entry: it
+returns ``None`` (after one warning and removal when the entry is corrupt) and the caller rebuilds.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
 from .spec import KernelSpec
 
-KEY_SCHEMA_VERSION = 1
+KEY_SCHEMA_VERSION = 2  # 2: meta.json holds the entries' symbols
 STORE_LAYOUT = "v1"
 _CUBIN, _SOURCE, _PTX, _META = "kernel.cubin", "source.cu", "kernel.ptx", "meta.json"
 
@@ -99,6 +100,16 @@ def cache_key(fields: dict[str, str]) -> str:
 
 
 @dataclass(frozen=True)
+class Binary:
+    """What a library is loaded from: the cubin, and the symbol in it of each entry of the spec (its
+    qualified C++ name -> the name NVRTC lowered it to, e.g. ``cuep::low_latency::dispatch`` ->
+    ``_ZN4cuep11low_latency8dispatchENS_12DispatchArgsE``)."""
+
+    cubin: bytes
+    symbols: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Artifact:
     """What a compile produces and the cache stores."""
 
@@ -107,6 +118,11 @@ class Artifact:
     log: str
     seconds: float
     ptx: str | None = None
+    symbols: dict[str, str] = field(default_factory=dict)  # as Binary.symbols
+
+    @property
+    def binary(self) -> Binary:
+        return Binary(self.cubin, self.symbols)
 
 
 def entry_dir(root: Path, spec: KernelSpec, key: str) -> Path:
@@ -119,8 +135,17 @@ def _discard(path: Path, reason: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def load(root: Path, spec: KernelSpec, key: str) -> bytes | None:
-    """The cached cubin for ``key``, or ``None`` when there is no complete, matching entry."""
+def _symbols(meta: dict, spec: KernelSpec) -> dict[str, str] | None:
+    """The entries' symbols that ``meta`` holds, or ``None`` unless it holds exactly the spec's, as text."""
+    symbols = meta.get("symbols")
+    if not isinstance(symbols, dict) or sorted(symbols) != sorted(spec.entries):
+        return None
+    return symbols if all(isinstance(s, str) and s for s in symbols.values()) else None
+
+
+def load(root: Path, spec: KernelSpec, key: str) -> Binary | None:
+    """The cached cubin for ``key`` with its entries' symbols, or ``None`` when there is no complete,
+    matching entry."""
     path = entry_dir(root, spec, key)
     if not path.is_dir():
         return None
@@ -136,7 +161,11 @@ def load(root: Path, spec: KernelSpec, key: str) -> bytes | None:
     if meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
         _discard(path, "its key or cubin digest disagrees with meta.json")
         return None
-    return cubin
+    symbols = _symbols(meta, spec)
+    if symbols is None:
+        _discard(path, "meta.json does not name the symbol of each of its entries")
+        return None
+    return Binary(cubin, symbols)
 
 
 def store(root: Path, spec: KernelSpec, key: str, fields: dict[str, str], artifact: Artifact) -> Path:
@@ -150,7 +179,7 @@ def store(root: Path, spec: KernelSpec, key: str, fields: dict[str, str], artifa
         if artifact.ptx is not None:
             (staging / _PTX).write_text(artifact.ptx)
         meta = {"key": key, "spec": spec.name, "fields": fields, "log": artifact.log,
-                "seconds": round(artifact.seconds, 3),
+                "seconds": round(artifact.seconds, 3), "symbols": artifact.symbols,
                 "cubin_sha256": hashlib.sha256(artifact.cubin).hexdigest()}
         (staging / _META).write_text(json.dumps(meta, indent=1, sort_keys=True))
         try:

@@ -1,6 +1,12 @@
 """KernelSpec -> cubin bytes: NVRTC through cuda.core ``Program``, then nvJitLink through ``Linker``
 when the family uses NVSHMEM. Nothing else: no cache, no loading, no GPU needed.
 
+Entries are C++ kernels in namespaces (``cuep::low_latency::dispatch``), so that a profiler shows
+qualified names. NVRTC lowers each of the spec's entries, given as a name expression, to its
+mangled symbol at compile time; the link keeps the symbols but cuda.core's ``Linker`` drops that
+mapping, so the compile reads it from the unlinked object and returns it with the cubin
+(:attr:`~cuep.jit.cache.Artifact.symbols`), for the cache to store beside it.
+
 NVSHMEM families compile with NVSHMEM's collective headers left out (see
 :meth:`~cuep.jit.toolchain.Nvshmem.collective_guards`): cuep calls point-to-point functions only, the
 generated code of every kernel stays the same, and NVRTC skips seconds of template instantiation.
@@ -111,14 +117,30 @@ def compile_spec(options: CompileOptions, nvshmem: Nvshmem | None, *, keep_ptx: 
     log = io.StringIO()
     ptx = _ptx(source, options) if keep_ptx else None
     try:
-        obj = program.compile("cubin", logs=log)
+        obj = program.compile("cubin", name_expressions=spec.entries, logs=log)
     except Exception as exc:  # cuda.core raises a generic error carrying the NVRTC log
         raise CompileError(f"NVRTC failed on {spec.name}:\n{exc}") from exc
+    symbols = _lowered_names(obj, spec)
     if spec.uses_nvshmem:
         assert nvshmem is not None, "an NVSHMEM family needs its NVSHMEM installation"
         obj = _link_with_nvshmem(obj, options, nvshmem)
     cubin = bytes(obj.code)
-    return Artifact(cubin=cubin, source=source, log=log.getvalue(), seconds=time.perf_counter() - started, ptx=ptx)
+    return Artifact(cubin=cubin, source=source, log=log.getvalue(), seconds=time.perf_counter() - started, ptx=ptx,
+                    symbols=symbols)
+
+
+def _lowered_names(obj, spec: KernelSpec) -> dict[str, str]:
+    """Each entry of ``spec`` -> the symbol NVRTC lowered it to in ``obj`` (compiled with the entries as
+    its name expressions)."""
+    lowered = obj.symbol_mapping
+    missing = [entry for entry in spec.entries if entry not in lowered]
+    if missing:  # NVRTC fails the compile for an expression naming nothing; this is a broken invariant
+        raise CompileError(f"NVRTC gave no symbol for {missing} in {spec.name}")
+    return {entry: _text(lowered[entry]) for entry in spec.entries}
+
+
+def _text(symbol: str | bytes) -> str:
+    return symbol.decode() if isinstance(symbol, bytes) else symbol
 
 
 def check_compiles(options: CompileOptions, appendix: str) -> None:

@@ -44,24 +44,34 @@ class CompileGroup(Protocol):
 class Library:
     """A loaded cubin and its kernels, registered with NVSHMEM when the family uses it."""
 
-    def __init__(self, spec: KernelSpec, cubin: bytes):
+    def __init__(self, spec: KernelSpec, binary: cache.Binary):
         core = _deps.cuda_core()
         self.spec = spec
-        self._object = core.ObjectCode.from_cubin(cubin, name=spec.name)
+        self.symbols = dict(binary.symbols)  # entry -> its symbol in the cubin (see cache.Binary)
+        self._object = core.ObjectCode.from_cubin(binary.cubin, name=spec.name)
         self._kernels: dict[str, Any] = {}
+        self._functions: dict[str, int] = {}
         if spec.uses_nvshmem:
             nvshmem_world.register_library(self._object, forget=lambda: _loaded.pop(spec, None))
 
     def kernel(self, name: str):
-        """The ``extern "C"`` entry ``name`` of this library, as a cuda.core ``Kernel``."""
-        if name not in self._kernels:
-            self._kernels[name] = self._object.get_kernel(name)
-        return self._kernels[name]
+        """The entry ``name`` (one of ``spec.entries``, e.g. ``cuep::low_latency::dispatch``) as a
+        cuda.core ``Kernel``; looked up once."""
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            symbol = self.symbols.get(name)
+            if symbol is None:
+                raise KeyError(f"{self.spec.name} has no entry {name!r}; its entries are {sorted(self.symbols)}")
+            kernel = self._kernels[name] = self._object.get_kernel(symbol)
+        return kernel
 
     def function(self, name: str) -> int:
         """The driver handle of entry ``name`` as an integer (a ``CUkernel``, which launches as a
-        ``CUfunction``), for :class:`cuep.kernels.launcher.Launch`."""
-        return int(self.kernel(name).handle)
+        ``CUfunction``), for :class:`cuep.kernels.launcher.Launch`; looked up once."""
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = int(self.kernel(name).handle)
+        return function
 
 
 _loaded: dict[KernelSpec, Library] = {}
@@ -142,18 +152,18 @@ def _compile(job: _Job, announce: bool) -> cache.Artifact:
     return artifact
 
 
-def _produce(job: _Job, announce: bool) -> bytes:
+def _produce(job: _Job, announce: bool) -> cache.Binary:
     """The cubin of ``job``: from the disk cache, else compiled (and stored when it can be cached)."""
     if job.keyed is None:
-        return _compile(job, announce).cubin
+        return _compile(job, announce).binary
     key, fields = job.keyed
-    cubin = cache.load(job.root, job.spec, key)
-    if cubin is not None:
+    binary = cache.load(job.root, job.spec, key)
+    if binary is not None:
         jit_logger().debug("cuep: cache hit %s", job.entry)
-        return cubin
+        return binary
     artifact = _compile(job, announce)
     cache.store(job.root, job.spec, key, fields, artifact)
-    return artifact.cubin
+    return artifact.binary
 
 
 def available_cores() -> int:
@@ -223,15 +233,15 @@ def _check_same_keys(group: CompileGroup, jobs: Sequence[_Job]) -> None:
         f"cuep, CUDA and NVSHMEM installation and the same CUEP_* settings")
 
 
-def _load_built(job: _Job, rank: int) -> bytes:
-    cubin = cache.load(job.root, job.spec, job.keyed[0])
-    if cubin is None:
+def _load_built(job: _Job, rank: int) -> cache.Binary:
+    binary = cache.load(job.root, job.spec, job.keyed[0])
+    if binary is None:
         raise CompileError(f"local rank 0 built {job.spec.name} into {job.entry}, but rank {rank} cannot read it "
                            f"there: CUEP_CACHE_DIR must be visible to every rank of a node")
-    return cubin
+    return binary
 
 
-def _start_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> Callable[[], list[bytes]]:
+def _start_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> Callable[[], list[cache.Binary]]:
     """Collective: compare the keys, start building what this rank builds on a background thread, and
     return ``finish()``, which (collectively) waits for the node's builds and returns the cubins.
 
@@ -249,7 +259,7 @@ def _start_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> Ca
     building = starter.submit(_run_concurrently, lambda job: _produce(job, announce), [jobs[i] for i in mine])
     starter.shutdown(wait=False)  # returns at once; the thread ends with the builds
 
-    def finish() -> list[bytes]:
+    def finish() -> list[cache.Binary]:
         phase = "compile of " + ", ".join(spec.name for spec in specs)
         try:
             built = dict(zip(mine, building.result()))
@@ -266,7 +276,7 @@ def _start_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> Ca
     return finish
 
 
-def _obtain_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> list[bytes]:
+def _obtain_cubins(specs: Sequence[KernelSpec], group: CompileGroup | None) -> list[cache.Binary]:
     return _start_cubins(specs, group)()
 
 
@@ -279,8 +289,8 @@ def start_libraries(specs: Sequence[KernelSpec], group: CompileGroup | None = No
     finish_cubins = _start_cubins(missing, group) if missing else list
 
     def finish() -> list[Library]:
-        for spec, cubin in zip(missing, finish_cubins()):
-            _loaded[spec] = Library(spec, cubin)
+        for spec, binary in zip(missing, finish_cubins()):
+            _loaded[spec] = Library(spec, binary)
         return [_loaded[spec] for spec in specs]
     return finish
 

@@ -58,6 +58,10 @@ class KernelSpec:
         software_fp8: convert FP8 in software.
         uses_nvshmem: the family calls NVSHMEM device functions, so it is compiled relocatable,
             linked with ``libnvshmem_device.a`` and registered with NVSHMEM when loaded.
+        entries: the family's entry kernels (those of this build) by their qualified C++ names, e.g.
+            ``cuep::low_latency::dispatch``, a template's with its arguments. Each is an NVRTC name
+            expression: the compile records the symbol it lowers to, and a loaded library finds the
+            kernel by this name (:meth:`cuep.jit.Library.kernel`).
     """
 
     family: str
@@ -68,11 +72,13 @@ class KernelSpec:
     aggressive_ptx: bool = False
     software_fp8: bool = False
     uses_nvshmem: bool = False
+    entries: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, family: str, arch: str, defines: dict[str, object] | None = None, *,
                constants: dict[str, object] | None = None, uses_nvshmem: bool = False,
-               force_fallback: bool | None = None, aggressive_ptx: bool | None = None) -> "KernelSpec":
+               entries: tuple[str, ...] = (), force_fallback: bool | None = None,
+               aggressive_ptx: bool | None = None) -> "KernelSpec":
         """Resolve features for ``arch``; unset options come from ``CUEP_FORCE_FALLBACK`` and
         ``CUEP_AGGRESSIVE_PTX``."""
         cc = parse_arch(arch)
@@ -83,7 +89,8 @@ class KernelSpec:
         full = cc == _FULL_FEATURE_CC and not force_fallback
         return cls(family=family, arch=f"sm_{cc}", defines=_pairs(defines), constants=_pairs(constants),
                    sm90_features=full, aggressive_ptx=full and bool(aggressive_ptx),
-                   software_fp8=force_fallback or cc < _HARDWARE_FP8_CC, uses_nvshmem=uses_nvshmem)
+                   software_fp8=force_fallback or cc < _HARDWARE_FP8_CC, uses_nvshmem=uses_nvshmem,
+                   entries=tuple(entries))
 
     @property
     def name(self) -> str:

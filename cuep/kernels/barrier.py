@@ -2,7 +2,7 @@
 
 C++ entry, taking one argument struct by value (mirrored below)::
 
-    cuep_barrier(const BarrierArgs)    one block, a thread per peer
+    cuep::barrier::arrive_and_wait(const BarrierArgs)    one block, a thread per peer
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from .._math import align_up
 from ..jit import KernelSpec, Library
 from . import launcher
 from .common import WARP_SIZE, family_constants
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 from .status import Status
 
 MAX_THREADS = 1024
 SIGNAL_BYTES = 8
-ENTRY = "cuep_barrier"
+ENTRY = "cuep::barrier::arrive_and_wait"
 
 
 class BarrierArgs(KernelArgs):
@@ -34,11 +34,13 @@ class BarrierArgs(KernelArgs):
 
 
 ARGUMENT_STRUCTS = (Status, BarrierArgs)
+ENTRIES = entries_of(ARGUMENT_STRUCTS)
 
 
 def spec(arch: str, **features) -> KernelSpec:
     """The family's spec (no compile-time parameters of its own)."""
-    return KernelSpec.create("barrier", arch, constants=family_constants(), uses_nvshmem=True, **features)
+    return KernelSpec.create("barrier", arch, constants=family_constants(), uses_nvshmem=True, entries=ENTRIES,
+                             **features)
 
 
 def signal_bytes(num_ranks: int) -> int:

@@ -3,16 +3,18 @@ spec, the values it shares with the kernels, and its argument structs.
 
 C++ entries, each taking one argument struct by value (mirrored below, field for field)::
 
-    cuep_internode_scan(const ScanArgs)              grid num_ranks + num_nodes (a block per column)
-    cuep_internode_send(const SendArgs)              grid num_sms
-    cuep_internode_notify(const NotifyArgs)          grid 1
-    cuep_internode_dispatch(const PullArgs)          grid num_sms
-    cuep_internode_combine_push(const PushArgs)      grid num_sms
-    cuep_internode_combine_forward(const ForwardArgs)  grid num_sms
-    cuep_internode_combine(const ReduceArgs)         grid num_sms
+    cuep::internode::scan(const ScanArgs)          grid num_ranks + num_nodes (a block per column)
+    cuep::internode::send(const SendArgs)          grid num_sms
+    cuep::internode::notify(const NotifyArgs)      grid 1
+    cuep::internode::dispatch(const PullArgs)      grid num_sms
+    cuep::internode::push(const PushArgs)          grid num_sms
+    cuep::internode::forward(const ForwardArgs)    grid num_sms
+    cuep::internode::combine(const ReduceArgs)     grid num_sms
 
 all with :data:`NUM_THREADS` threads a block. The call sequences, the buffers' layouts and the Handle
-are :mod:`cuep.modes.internode`'s.
+are :mod:`cuep.modes.internode`'s. A profile finds a call's main kernel by name, as with DeepEP's: of
+what a dispatch launches (barrier, scan, send, notify, dispatch) one name holds ``dispatch``, and of
+what a combine launches (barrier, push, forward, combine) one holds ``combine``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import ctypes
 
 from ..jit import KernelSpec
 from .common import family_constants
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 from .status import Status
 
 NUM_THREADS = 512
@@ -43,7 +45,8 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_
 
 def spec(arch: str, **features) -> KernelSpec:
     """The internode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("internode", arch, constants=family_constants(CONSTANTS), uses_nvshmem=True, **features)
+    return KernelSpec.create("internode", arch, constants=family_constants(CONSTANTS), uses_nvshmem=True,
+                             entries=ENTRIES, **features)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,19 +98,19 @@ class TokenRows(KernelArgs):
 
 
 class ScanArgs(KernelArgs):
-    """``cuep_internode_scan``: each token's position among those sent to each rank and each node."""
+    """``cuep::internode::scan``: each token's position among those sent to each rank and each node."""
 
     cxx_name = "ScanArgs"
-    entry = "cuep_internode_scan"
+    entry = "cuep::internode::scan"
     _fields_ = [("is_token_in_rank", _ptr), ("num_tokens", _i32), ("topo", Topology), ("send_pos", _ptr),
                 ("node_pos", _ptr), ("node_list", _ptr), ("counts", _ptr)]
 
 
 class SendArgs(KernelArgs):
-    """``cuep_internode_send``: the count messages (non-cached) and every token once per destination node."""
+    """``cuep::internode::send``: the count messages (non-cached) and every token once per destination node."""
 
     cxx_name = "SendArgs"
-    entry = "cuep_internode_send"
+    entry = "cuep::internode::send"
     _fields_ = [("tokens", TokenRows), ("send_pos", _ptr), ("node_list", _ptr), ("counts", _ptr),
                 ("num_tokens_per_expert", _ptr), ("num_experts", _i32), ("topo", Topology), ("rdma", _ptr),
                 ("layout", RdmaLayout), ("row_bytes", _i64), ("chunk_rows", _i32), ("state", _ptr),
@@ -115,10 +118,10 @@ class SendArgs(KernelArgs):
 
 
 class NotifyArgs(KernelArgs):
-    """``cuep_internode_notify``: every source's counts in, this rank's plan out."""
+    """``cuep::internode::notify``: every source's counts in, this rank's plan out."""
 
     cxx_name = "NotifyArgs"
-    entry = "cuep_internode_notify"
+    entry = "cuep::internode::notify"
     _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("num_experts", _i32),
                 ("expert_alignment", _i32), ("plan", _ptr), ("plan_layout", PlanLayout), ("state", _ptr),
                 ("status", Status), ("timeout_ns", _u64)]
@@ -133,10 +136,10 @@ class RecvArrays(KernelArgs):
 
 
 class PullArgs(KernelArgs):
-    """``cuep_internode_dispatch``: each rank pulls its rows from its node's forwarders over NVLink."""
+    """``cuep::internode::dispatch``: each rank pulls its rows from its node's forwarders over NVLink."""
 
     cxx_name = "PullArgs"
-    entry = "cuep_internode_dispatch"
+    entry = "cuep::internode::dispatch"
     _fields_ = [("node_rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("row_bytes", _i64),
                 ("chunk_rows", _i32), ("hidden_bytes", _i64), ("num_scales", _i32), ("num_topk", _i32),
                 ("num_experts", _i32), ("plan", _ptr), ("plan_layout", PlanLayout), ("recv", RecvArrays),
@@ -145,21 +148,22 @@ class PullArgs(KernelArgs):
 
 
 class PushArgs(KernelArgs):
-    """``cuep_internode_combine_push``: each rank pushes its rows to the forwarder they came through."""
+    """``cuep::internode::push`` (combine, first): each rank pushes its rows to the forwarder they came
+    through."""
 
     cxx_name = "PushArgs"
-    entry = "cuep_internode_combine_push"
+    entry = "cuep::internode::push"
     _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
                 ("plan_layout", PlanLayout), ("x", _ptr), ("hidden_bytes", _i64), ("topk_weights", _ptr),
                 ("num_topk", _i32), ("landing_row_bytes", _i64), ("state", _ptr), ("status", Status)]
 
 
 class ForwardArgs(KernelArgs):
-    """``cuep_internode_combine_forward``: each forwarder sums its node's copies and puts one partial
-    per (token, node) back to the token's source."""
+    """``cuep::internode::forward`` (combine, second): each forwarder sums its node's copies and puts one
+    partial per (token, node) back to the token's source."""
 
     cxx_name = "ForwardArgs"
-    entry = "cuep_internode_combine_forward"
+    entry = "cuep::internode::forward"
     _fields_ = [("nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
                 ("hidden_bytes", _i64), ("num_topk", _i32), ("landing_row_bytes", _i64), ("row_bytes", _i64),
@@ -168,10 +172,10 @@ class ForwardArgs(KernelArgs):
 
 
 class ReduceArgs(KernelArgs):
-    """``cuep_internode_combine``: each source sums the partials of its tokens' nodes, and the biases."""
+    """``cuep::internode::combine``: each source sums the partials of its tokens' nodes, and the biases."""
 
     cxx_name = "ReduceArgs"
-    entry = "cuep_internode_combine"
+    entry = "cuep::internode::combine"
     _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("node_pos", _ptr),
                 ("num_tokens", _i32), ("hidden_bytes", _i64), ("num_topk", _i32), ("row_bytes", _i64),
                 ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
@@ -181,3 +185,4 @@ class ReduceArgs(KernelArgs):
 #: Every struct this module mirrors, nested ones included (``tests/test_kernel_args.py`` checks them).
 ARGUMENT_STRUCTS = (Topology, RdmaLayout, NvlLayout, PlanLayout, TokenRows, ScanArgs, SendArgs, NotifyArgs,
                     RecvArrays, PullArgs, PushArgs, ForwardArgs, ReduceArgs)
+ENTRIES = entries_of(ARGUMENT_STRUCTS)

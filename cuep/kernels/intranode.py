@@ -4,11 +4,11 @@ constants this side shares with the CUDA side, the argument struct of each entry
 The call sequences that launch them (stage, barrier, notify, pull; cached push; combine) and the
 buffer layout they assume are :mod:`cuep.modes.intranode`'s. Each entry has an argument struct::
 
-    cuep_intranode_stage(StageArgs)           grid stage_grid(num_ranks, num_sms)
-    cuep_intranode_notify(NotifyArgs)         grid 1
-    cuep_intranode_dispatch(DispatchArgs)     grid num_sms (every block resident at once)
-    cuep_intranode_dispatch_push(PushArgs)    grid num_sms (every block resident at once)
-    cuep_intranode_combine(CombineArgs)       grid num_sms (every block resident at once)
+    cuep::intranode::stage(StageArgs)           grid stage_grid(num_ranks, num_sms)
+    cuep::intranode::notify(NotifyArgs)         grid 1
+    cuep::intranode::dispatch(DispatchArgs)     grid num_sms (every block resident at once)
+    cuep::intranode::dispatch_push(PushArgs)    grid num_sms (every block resident at once)
+    cuep::intranode::combine(CombineArgs)       grid num_sms (every block resident at once)
 
 all with :data:`NUM_THREADS` threads a block. An entry takes its struct's fields, nested ones
 included, as scalar parameters in order (a struct parameter changed the code NVRTC made of the hot
@@ -17,6 +17,10 @@ nested struct's tail padding, where the next parameter would not (``tests/test_k
 checks each mirror against its compiled entry's parameters). The fields of each struct are described
 beside the C++ struct and its kernel; pointers are device addresses, ``0`` where an optional array is
 absent.
+
+A profile finds a call's main kernel by name, as with DeepEP's: a dispatch launches one kernel whose
+name holds ``dispatch`` (``dispatch`` after stage, barrier and notify, or, cached, ``dispatch_push``
+alone) and a combine one with ``combine``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import ctypes
 
 from ..jit import KernelSpec
 from . import common
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 from .status import Status
 
 NUM_THREADS = 512
@@ -44,7 +48,8 @@ check that they fit together)."""
 
 def spec(arch: str, **features) -> KernelSpec:
     """The intranode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("intranode", arch, constants=common.family_constants(CONSTANTS), **features)
+    return KernelSpec.create("intranode", arch, constants=common.family_constants(CONSTANTS), entries=ENTRIES,
+                             **features)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,10 +102,10 @@ class SenderTokens(KernelArgs):
 
 
 class StageArgs(KernelArgs):
-    """``cuep_intranode_stage``: copy this rank's tokens into its buffer, scan its send lists."""
+    """``cuep::intranode::stage``: copy this rank's tokens into its buffer, scan its send lists."""
 
     cxx_name = "StageArgs"
-    entry = "cuep_intranode_stage"
+    entry = "cuep::intranode::stage"
     scalar_parameters = True
     _fields_ = [("tokens", SenderTokens), ("is_token_in_rank", _ptr), ("num_tokens_per_expert", _ptr),
                 ("num_experts", _i32), ("num_ranks", _i32), ("send_pos", _ptr), ("peer_bases", _ptr),
@@ -109,10 +114,10 @@ class StageArgs(KernelArgs):
 
 
 class NotifyArgs(KernelArgs):
-    """``cuep_intranode_notify``: read every sender's header, write this rank's receive plan."""
+    """``cuep::intranode::notify``: read every sender's header, write this rank's receive plan."""
 
     cxx_name = "NotifyArgs"
-    entry = "cuep_intranode_notify"
+    entry = "cuep::intranode::notify"
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_experts", _i32),
                 ("expert_alignment", _i32), ("recv_info", _ptr), ("combine_offsets", _ptr), ("send_offsets", _ptr),
@@ -127,10 +132,10 @@ class RecvArrays(KernelArgs):
 
 
 class DispatchArgs(KernelArgs):
-    """``cuep_intranode_dispatch``: pull the rows this rank receives from the senders' staging."""
+    """``cuep::intranode::dispatch``: pull the rows this rank receives from the senders' staging."""
 
     cxx_name = "DispatchArgs"
-    entry = "cuep_intranode_dispatch"
+    entry = "cuep::intranode::dispatch"
     scalar_parameters = True
     _fields_ = [("tokens", SenderTokens), ("peer_bases", _ptr), ("recv_info", _ptr), ("rank", _i32),
                 ("num_ranks", _i32), ("num_experts", _i32), ("num_rows", _i32), ("recv", RecvArrays),
@@ -138,10 +143,10 @@ class DispatchArgs(KernelArgs):
 
 
 class PushArgs(KernelArgs):
-    """``cuep_intranode_dispatch_push``: a cached dispatch, pushed into the receivers' landing rows."""
+    """``cuep::intranode::dispatch_push``: a cached dispatch, pushed into the receivers' landing rows."""
 
     cxx_name = "PushArgs"
-    entry = "cuep_intranode_dispatch_push"
+    entry = "cuep::intranode::dispatch_push"
     scalar_parameters = True
     _fields_ = [("rows", TokenRows), ("send_pos", _ptr), ("push_offsets", _ptr), ("num_tokens", _i32),
                 ("push_warps", _i32), ("row_bytes", _i64), ("peer_bases", _ptr), ("recv_info", _ptr),
@@ -151,10 +156,10 @@ class PushArgs(KernelArgs):
 
 
 class CombineArgs(KernelArgs):
-    """``cuep_intranode_combine``: push received rows back to their sources, which sum them."""
+    """``cuep::intranode::combine``: push received rows back to their sources, which sum them."""
 
     cxx_name = "CombineArgs"
-    entry = "cuep_intranode_combine"
+    entry = "cuep::intranode::combine"
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("recv_info", _ptr), ("combine_offsets", _ptr), ("send_pos", _ptr),
                 ("send_offsets", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32), ("x", _ptr),
@@ -168,3 +173,4 @@ class CombineArgs(KernelArgs):
 #: :class:`~cuep.kernels.status.Status` is checked with its own module).
 ARGUMENT_STRUCTS = (TokenRows, SenderTokens, StageArgs, NotifyArgs, RecvArrays, DispatchArgs, PushArgs,
                     CombineArgs)
+ENTRIES = entries_of(ARGUMENT_STRUCTS)

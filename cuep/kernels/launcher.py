@@ -32,7 +32,9 @@ _PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 
 class KernelArgs(ctypes.Structure):
     """Base of every argument mirror: a subclass lists the parameters of an entry, or the fields of the
-    C++ struct ``cxx_name`` that the entry takes by value."""
+    C++ struct ``cxx_name`` that the entry takes by value. The mirror of an entry's arguments names that
+    entry, by its qualified C++ name, in ``entry`` (or several sharing its fields in ``entries``); the
+    Python side refers to the entry by that name alone (:func:`entries_of`)."""
 
     cxx_name: ClassVar[str]
     #: The entry takes this struct's fields as scalar parameters rather than the struct by value.
@@ -49,6 +51,16 @@ class KernelArgs(ctypes.Structure):
             lines.append(f'static_assert(__builtin_offsetof({name}, {field_name}) == {offset}, "{name}::{field_name}: '
                          f'offset differs from its Python mirror");')
         return "\n".join(lines) + "\n"
+
+
+def entries_of(mirrors) -> tuple[str, ...]:
+    """Every entry that ``mirrors`` name (each one's ``entry``, then its ``entries``), in order: what a
+    family's spec passes as :attr:`cuep.jit.KernelSpec.entries`."""
+    names: list[str] = []
+    for mirror in mirrors:
+        names += ([mirror.entry] if hasattr(mirror, "entry") else []) + list(getattr(mirror, "entries", ()))
+    assert len(set(names)) == len(names), f"an entry is named twice: {names}"
+    return tuple(names)
 
 
 class Functions(Protocol):

@@ -6,7 +6,8 @@ parameters (``args_topk_idx, args_num_tokens, ...``; as one struct parameter the
 compiled to other code). :class:`LayoutArgs` mirrors them; the launcher passes its bytes as the
 entry's parameters::
 
-    cuep_dispatch_layout_i32(LayoutArgs fields) / cuep_dispatch_layout_i64(LayoutArgs fields)
+    cuep::layout::get_dispatch_layout_i32(LayoutArgs fields)
+    cuep::layout::get_dispatch_layout_i64(LayoutArgs fields)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .._math import ceil_div
 from ..jit import KernelSpec, Library
 from . import launcher
 from .common import family_constants
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 
 NUM_THREADS = 256
 # Counters per block live in registers; 8 keeps the block count near the SM count for 256 experts.
@@ -33,7 +34,7 @@ class LayoutArgs(KernelArgs):
 
     cxx_name = "LayoutArgs"
     scalar_parameters = True
-    entries = ("cuep_dispatch_layout_i32", "cuep_dispatch_layout_i64")
+    entries = ("cuep::layout::get_dispatch_layout_i32", "cuep::layout::get_dispatch_layout_i64")
     _fields_ = [("topk_idx", ctypes.c_void_p),
                 ("num_tokens", ctypes.c_int), ("num_topk", ctypes.c_int), ("num_experts", ctypes.c_int),
                 ("num_ranks", ctypes.c_int), ("num_nodes", ctypes.c_int),
@@ -42,12 +43,13 @@ class LayoutArgs(KernelArgs):
 
 
 ARGUMENT_STRUCTS = (LayoutArgs,)
-_ENTRIES = dict(zip((np.dtype(np.int32), np.dtype(np.int64)), LayoutArgs.entries))  # by topk_idx dtype
+ENTRIES = entries_of(ARGUMENT_STRUCTS)
+_ENTRY_BY_DTYPE = dict(zip((np.dtype(np.int32), np.dtype(np.int64)), LayoutArgs.entries))  # by topk_idx dtype
 
 
 def spec(arch: str, **features) -> KernelSpec:
     """The family's spec: its block shape is a constant (kept out of the spec's name)."""
-    return KernelSpec.create("layout", arch, constants=family_constants(CONSTANTS), **features)
+    return KernelSpec.create("layout", arch, constants=family_constants(CONSTANTS), entries=ENTRIES, **features)
 
 
 def num_blocks(num_experts: int, num_ranks: int, num_nodes: int) -> int:
@@ -74,5 +76,5 @@ def launch(library: Library, stream, topk_idx, num_experts: int, num_ranks: int,
                       num_tokens_per_rank=num_tokens_per_rank.data.ptr,
                       num_tokens_per_node=num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0,
                       is_token_in_rank=is_token_in_rank.data.ptr)
-    launcher.launch(library, _ENTRIES[topk_idx.dtype], stream, num_blocks(num_experts, num_ranks, num_nodes),
+    launcher.launch(library, _ENTRY_BY_DTYPE[topk_idx.dtype], stream, num_blocks(num_experts, num_ranks, num_nodes),
                     NUM_THREADS, args)

@@ -3,8 +3,12 @@ spec, the values it shares with the kernels, its argument structs and its launch
 
 C++ entries, each taking one argument struct by value (mirrored below, field for field)::
 
-    cuep_ll_dispatch(const DispatchArgs)   phases: SEND_PHASE, RECV_PHASE or both
-    cuep_ll_combine(const CombineArgs)
+    cuep::low_latency::dispatch(const DispatchArgs)   phases: SEND_PHASE, RECV_PHASE or both
+    cuep::low_latency::combine(const CombineArgs)
+
+One kernel each, launched once per call or, with a receive hook, twice (send, then receive phase): a
+profile shows one kernel whose name holds ``dispatch`` and one with ``combine``, and a trace tells the
+two launches of a hooked call apart by time, as DeepEP's tests expect.
 
 The host side of the protocol (the buffer's layout, the call plans, the Handle) is
 :mod:`cuep.modes.low_latency`.
@@ -18,7 +22,7 @@ from .. import env, logfmt
 from .._math import ceil_div
 from ..jit import KernelSpec
 from .common import UE8M0_SCALES_PER_WORD, WARP_SIZE, family_constants
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 from .status import MaskedStatus
 
 NUM_THREADS = 512               # threads per block; the kernels' registers are budgeted for it
@@ -81,15 +85,15 @@ def spec(arch: str, **features) -> KernelSpec:
     """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace)."""
     defines = {"trace": 1} if env.get("CUEP_TRACE") else None
     return KernelSpec.create("low_latency", arch, defines, constants=family_constants(CONSTANTS), uses_nvshmem=True,
-                             **features)
+                             entries=ENTRIES, **features)
 
 
 class DispatchArgs(KernelArgs):
-    """Mirror of ``cuep::DispatchArgs``, the one argument of ``cuep_ll_dispatch``; the C++ struct
-    says what each field holds."""
+    """Mirror of ``cuep::DispatchArgs``, the one argument of ``cuep::low_latency::dispatch``; the C++
+    struct says what each field holds."""
 
     cxx_name = "DispatchArgs"
-    entry = "cuep_ll_dispatch"
+    entry = "cuep::low_latency::dispatch"
     _fields_ = [
         ("phases", ctypes.c_int), ("half", ctypes.c_int),
         ("x", ctypes.c_void_p),
@@ -113,10 +117,10 @@ class DispatchArgs(KernelArgs):
 
 
 class CombineArgs(KernelArgs):
-    """Mirror of ``cuep::CombineArgs``, the one argument of ``cuep_ll_combine``."""
+    """Mirror of ``cuep::CombineArgs``, the one argument of ``cuep::low_latency::combine``."""
 
     cxx_name = "CombineArgs"
-    entry = "cuep_ll_combine"
+    entry = "cuep::low_latency::combine"
     _fields_ = [
         ("phases", ctypes.c_int), ("half", ctypes.c_int),
         ("x", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("ids_are_int64", ctypes.c_int),
@@ -138,6 +142,7 @@ class CombineArgs(KernelArgs):
 ARGUMENT_STRUCTS = (MaskedStatus, DispatchArgs, CombineArgs)
 """Every struct the entries take, with the ones nested in them (tests/test_kernel_args.py checks each)."""
 
+ENTRIES = entries_of(ARGUMENT_STRUCTS)
 DISPATCH_ENTRY, COMBINE_ENTRY = DispatchArgs.entry, CombineArgs.entry
 
 

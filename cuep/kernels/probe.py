@@ -4,8 +4,8 @@ its spec, the constants this side shares with the CUDA side, its argument struct
 A benchmark-only family: no :class:`cuep.Buffer` compiles or launches it (it is not in
 :func:`cuep.kernels.buffer_specs`). Its entries take one :class:`ProbeArgs` by value::
 
-    cuep_probe_copy(ProbeArgs)         the warps' loads and stores
-    cuep_probe_bulk_copy(ProbeArgs)    the Hopper bulk-copy unit (TMA); Hopper builds only
+    cuep::probe::copy(ProbeArgs)         the warps' loads and stores
+    cuep::probe::bulk_copy(ProbeArgs)    the Hopper bulk-copy unit (TMA); Hopper builds only
 
 both with :data:`NUM_THREADS` threads a block, every block resident at once.
 """
@@ -13,17 +13,18 @@ both with :data:`NUM_THREADS` threads a block, every block resident at once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from ..jit import KernelSpec, Library
 from . import common, intranode, launcher
-from .launcher import KernelArgs
+from .launcher import KernelArgs, entries_of
 from .status import Status
 
 NUM_THREADS = intranode.NUM_THREADS  # the probe copies as the intranode kernels' blocks do
 MAX_RANKS = intranode.MAX_RANKS
 HEADER_BYTES = 4096   # the probe's flags (ProbeFlags) at the start of its buffer; rows start on a page
 STATE_WORDS = 2       # uint64 device state: finished launches, blocks done of the running one
-COPY_ENTRY, BULK_ENTRY = "cuep_probe_copy", "cuep_probe_bulk_copy"
+COPY_ENTRY, BULK_ENTRY = "cuep::probe::copy", "cuep::probe::bulk_copy"
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "header_bytes": HEADER_BYTES,
              "state_words": STATE_WORDS}
@@ -31,8 +32,11 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "header_bytes":
 
 
 def spec(arch: str, **features) -> KernelSpec:
-    """The probe family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("probe", arch, constants=common.family_constants(CONSTANTS), **features)
+    """The probe family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``. The bulk-copy
+    entry exists in Hopper-path builds only."""
+    built = KernelSpec.create("probe", arch, constants=common.family_constants(CONSTANTS), entries=(COPY_ENTRY,),
+                              **features)
+    return dataclasses.replace(built, entries=ENTRIES) if built.sm90_features else built
 
 
 def buffer_bytes(num_ranks: int, max_rows: int, row_bytes: int) -> int:
@@ -54,6 +58,7 @@ class ProbeArgs(KernelArgs):
 
 #: The structs this module mirrors (``tests/test_kernel_args.py`` checks their layouts).
 ARGUMENT_STRUCTS = (ProbeArgs,)
+ENTRIES = entries_of(ARGUMENT_STRUCTS)
 
 
 def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_per_rank: int,
