@@ -231,6 +231,7 @@ struct NotifyArgs {
     int32_t* combine_offsets;
     int32_t* send_offsets;
     int32_t* push_offsets;
+    int32_t* rank_prefix_matrix;
 };
 
 struct DispatchArgs {
@@ -623,15 +624,18 @@ stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
 //   landing row count: the copies of its tokens that the dispatch sent),
 //   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer),
 //   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
-//   destination's received rows, then each destination's received row count).
+//   destination's received rows, then each destination's received row count),
+//   rank_prefix_matrix[num_ranks][num_ranks] (DeepEP's, the handle's first item: [s][d] is what
+//   senders 0..s send to d).
 __global__ void __launch_bounds__(kNumThreads)
 notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int args_num_experts,
        int args_expert_alignment, int32_t* args_recv_info, int32_t* args_combine_offsets,
-       int32_t* args_send_offsets, int32_t* args_push_offsets) {
+       int32_t* args_send_offsets, int32_t* args_push_offsets, int32_t* args_rank_prefix_matrix) {
     const NotifyArgs args{args_peer_bases, args_rank, args_num_ranks, args_num_experts, args_expert_alignment,
-                          args_recv_info, args_combine_offsets, args_send_offsets, args_push_offsets};
+                          args_recv_info, args_combine_offsets, args_send_offsets, args_push_offsets,
+                          args_rank_prefix_matrix};
     const auto [peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, combine_offsets, send_offsets,
-                push_offsets] = args;
+                push_offsets, rank_prefix_matrix] = args;
     __shared__ int32_t recv_from[kMaxRanks];
     const int num_local_experts = num_experts / num_ranks;
     if (static_cast<int>(threadIdx.x) < num_ranks) {
@@ -652,6 +656,7 @@ notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int a
             const int32_t count = reinterpret_cast<const volatile SenderMeta*>(peer_bases[s])->send_count[dst];
             before_this_rank += s < rank ? count : 0;
             total += count;
+            rank_prefix_matrix[s * num_ranks + dst] = total;
         }
         push_offsets[dst] = before_this_rank;
         push_offsets[num_ranks + dst] = total;

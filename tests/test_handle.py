@@ -9,6 +9,7 @@ from cuep.modes.intranode import HANDLE_ARRAYS, Handle
 
 def make_handle(num_recv=5, num_copies=7, num_tokens=4, num_ranks=2, num_rows=6):
     return Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
+                  rank_prefix_matrix=np.ones((num_ranks, num_ranks), np.int32),
                   recv_info=np.arange(3 + num_ranks + 3, dtype=np.int32),
                   combine_offsets=np.zeros(2 * num_ranks, np.int32), send_offsets=np.zeros(num_ranks, np.int32),
                   push_offsets=np.ones(2 * num_ranks, np.int32),
@@ -22,6 +23,7 @@ def test_handle_round_trips_through_its_tuple(counts):
     handle = make_handle(*counts)
     items = tuple(handle)
     assert len(items) == len(handle) == len(HANDLE_ARRAYS)
+    assert items[0] is handle.rank_prefix_matrix  # where DeepEP's users read it
     assert items[-1].dtype == np.int64 and list(items[-1]) == [-1 if c is None else c for c in counts]
     restored = Handle.from_arrays(dict(zip(HANDLE_ARRAYS, items)))
     assert (restored.num_tokens, restored.num_rows) == (handle.num_tokens, handle.num_rows)
@@ -39,7 +41,7 @@ def test_handle_arrays_that_do_not_fit_are_refused():
 
 
 def test_handle_must_be_a_handle_or_its_tuple():
-    with pytest.raises(TypeError, match="handle must be a dispatch\\(\\)'s handle or the 8-item tuple"):
+    with pytest.raises(TypeError, match="handle must be a dispatch\\(\\)'s handle or the 9-item tuple"):
         _checks.normal_handle("combine()", (1, 2), 2)
 
 

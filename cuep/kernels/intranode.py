@@ -121,7 +121,7 @@ class NotifyArgs(KernelArgs):
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_experts", _i32),
                 ("expert_alignment", _i32), ("recv_info", _ptr), ("combine_offsets", _ptr), ("send_offsets", _ptr),
-                ("push_offsets", _ptr)]
+                ("push_offsets", _ptr), ("rank_prefix_matrix", _ptr)]
 
 
 class RecvArrays(KernelArgs):

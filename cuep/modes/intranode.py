@@ -100,6 +100,8 @@ def landing_row_bytes(hidden: int, num_weights: int) -> int:
 class Handle(FlatHandle):
     """What a dispatch leaves for combine and for cached dispatch.
 
+    ``rank_prefix_matrix``: DeepEP's, `[R, R]` (``[s][d]``: the tokens senders ``0..s`` send to ``d``), the
+    flat tuple's first item, where DeepEP's users read it.
     ``recv_info``: ``[num_recv, num_send_copies, rank_prefix[R + 1], per-expert counts]`` on the GPU.
     ``send_pos[t, r]``: row of token ``t`` among those sent to rank ``r`` (-1 if not sent).
     ``recv_src_idx[i]``: source token index of received row ``i``.
@@ -115,6 +117,7 @@ class Handle(FlatHandle):
     num_rows: int
     num_recv_tokens: int | None
     num_send_copies: int | None
+    rank_prefix_matrix: Any
     recv_info: Any
     combine_offsets: Any
     send_offsets: Any
@@ -124,7 +127,7 @@ class Handle(FlatHandle):
     is_token_in_rank: Any
 
     ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
-        "recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32, "push_offsets": np.int32,
+        "rank_prefix_matrix": np.int32, "recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32, "push_offsets": np.int32,
         "send_pos": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
 
     def scalars(self) -> list[int]:
@@ -139,6 +142,7 @@ class Handle(FlatHandle):
         num_ranks = send_pos.shape[1] if send_pos.ndim == 2 else -1
         cls.check_dtypes(arrays)
         if (num_ranks < 1 or arrays["push_offsets"].shape != (2 * num_ranks,) or recv_src_idx.ndim != 1
+                or arrays["rank_prefix_matrix"].shape != (num_ranks, num_ranks)
                 or arrays["is_token_in_rank"].shape != send_pos.shape or scalars.shape != (2,)):
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
         num_recv, num_copies = (int(c) if c >= 0 else None for c in scalars)
@@ -299,10 +303,12 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     combine_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
     send_offsets = front.empty((ctx.num_ranks,), np.int32)
     push_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
+    rank_prefix_matrix = front.empty((ctx.num_ranks, ctx.num_ranks), np.int32)
     notify = kernels.NotifyArgs(
         peer_bases=ctx.peer_bases.data.ptr, rank=ctx.rank, num_ranks=ctx.num_ranks, num_experts=num_experts,
         expert_alignment=expert_alignment, recv_info=recv_info.data.ptr, combine_offsets=combine_offsets.data.ptr,
-        send_offsets=send_offsets.data.ptr, push_offsets=push_offsets.data.ptr)
+        send_offsets=send_offsets.data.ptr, push_offsets=push_offsets.data.ptr,
+        rank_prefix_matrix=rank_prefix_matrix.data.ptr)
     launch(ctx.library, notify.entry, stream, 1, kernels.NUM_THREADS, notify)
     if num_worst_tokens > 0:
         num_rows = num_worst_tokens
@@ -325,7 +331,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         state=ctx.dispatch_state.data.ptr, status=status, next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
     launch(ctx.library, pull.entry, stream, num_sms, kernels.NUM_THREADS, pull)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
-                    recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
+                    rank_prefix_matrix=rank_prefix_matrix, recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
                     push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
                     is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
