@@ -636,11 +636,14 @@ def bench_low_latency(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuep.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["normal", "low_latency", "ceiling", "overlap"], default="normal",
+    parser.add_argument("--mode", choices=["normal", "low_latency", "ceiling", "overlap", "host"], default="normal",
                         help="ceiling: the intranode row copies alone, on the normal mode's routing; overlap: "
-                             "dispatch + combine beside a GEMM on the compute stream, each one's slowdown")
+                             "dispatch + combine beside a GEMM on the compute stream, each one's slowdown; host: "
+                             "host time per eager call, CuPy API beside cuep.torch (cuep.bench_host)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per rank (default 4096 normal, 128 low latency)")
+    parser.add_argument("--low-latency-tokens", type=int, default=128,
+                        help="--mode host: tokens per rank of the low-latency calls")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
@@ -664,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
     args.iters = args.iters or (1000 if low_latency else 30)
     if args.tune:
         args.sms, args.progress = TUNE_SMS, True
+    if args.mode == "host":
+        from .bench_host import bench_host
+        bench_host(args, lambda rank, tokens: _workload(rank, tokens, args.hidden, args.experts, args.topk))
+        return 0
     {"normal": bench_normal, "low_latency": bench_low_latency, "ceiling": bench_ceiling,
      "overlap": bench_overlap}[args.mode](args)
     return 0
