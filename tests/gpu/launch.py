@@ -76,3 +76,38 @@ def run_or_skip(script: str, num_ranks: int, *args: str, env: dict[str, str] | N
     expect = f"passed on {num_ranks} ranks" if expect is None else expect
     assert expect in output, output
     return output
+
+
+# ------------------------------------------------------------------------------------------------------
+# Scripts that start their own ranks (torch.multiprocessing and a gloo group: no mpirun)
+
+
+def torch_skip_reason() -> str | None:
+    """Why GPU tests that start their ranks with torch cannot run here, or ``None`` when they can."""
+    for module, package in (("torch", "torch"), ("cupy", "cupy-cuda13x"), ("nvshmem", "nvshmem4py-cu13")):
+        if importlib.util.find_spec(module) is None:
+            return f"{package} is not installed"
+    if gpu_count() == 0:
+        return "no CUDA GPU (or no driver) on this machine"
+    import torch
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return None
+
+
+def run_python(args: list[str], *, env: dict[str, str] | None = None, timeout_s: int = WORKER_TIMEOUT_S,
+               expect_failure: bool = False) -> str:
+    """Run ``python args...`` from the repository root, with the repository on ``PYTHONPATH``; return its
+    output, or fail the test with it (also when it exits with 0 and ``expect_failure`` is set)."""
+    command = [sys.executable, *args]
+    environment = {**os.environ, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=environment,
+                              cwd=REPO_ROOT, check=False)  # the exit status is checked below, with the output
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{shlex.join(command)} did not finish in {timeout_s} s:\n"
+                             f"{exc.stdout or ''}{exc.stderr or ''}") from None
+    output = done.stdout + done.stderr
+    assert (done.returncode != 0) == expect_failure, f"{shlex.join(command)} exited with {done.returncode}:\n{output}"
+    return output
