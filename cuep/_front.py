@@ -25,7 +25,9 @@ class Front(Protocol):
 
     def view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
              strides: tuple[int, ...] | None = None) -> Any:
-        """An array of ``storage`` from byte ``offset`` (``strides`` in bytes; ``None``: C order)."""
+        """An array of ``storage`` (from :meth:`storage`, or the ``.data`` of an array from :meth:`empty`) from
+        byte ``offset`` (``strides`` in bytes; ``None``: C order), of the callers' kind: the core hands it out
+        and never reads it."""
 
     def current_stream(self) -> Any:
         """The callers' current stream, as a CuPy stream (the launches take CuPy streams)."""

@@ -521,24 +521,42 @@ class Buffer:
         return self._resources.low_latency_ready("get_low_latency_trace()").trace
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: zero the low-latency buffer (every rank, with nothing in flight).
+        """Collective: bring the low-latency buffer to a clean state (every live rank, nothing in flight).
 
         cuep's flags and table words carry call numbers that only grow, at offsets that do not move with
         the shapes, so its kernels never need this, even when the shapes change between calls; it exists
-        for DeepEP compatibility and to start from a clean state. In shrink mode it also unmasks every rank
-        and re-synchronises the call numbers, as :meth:`low_latency_clean_mask_buffer` does.
+        for DeepEP compatibility. Without shrink mode it zeroes the buffer, collectively over every rank.
+        In shrink mode, as DeepEP's, only the live ranks take part: they run one empty low-latency round
+        (a dispatch and a combine of no tokens) on the device, which masks any rank that does not arrive
+        within ``CUEP_TIMEOUT_S``, and the masks stay (:meth:`low_latency_clean_mask_buffer` lifts them).
         The arguments are checked against the buffer's capacity.
         """
         call = "clean_low_latency_buffer()"
         ctx = self._resources.low_latency_ready(call)
         low_latency.check_fits(call, ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if ctx.shrink:
+            self._empty_low_latency_round(ctx, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            return
         self._resources.device.synchronize()
         self.group.wait_for_all(call)
         _deps.cupy().cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
         self._resources.device.synchronize()
         self.group.wait_for_all(call)
-        if ctx.shrink:  # the masks were in the region: every rank is back, at the same call
-            self._resume_together(call, ctx)
+
+    def _empty_low_latency_round(self, ctx: low_latency.Context, max_tokens: int, hidden: int,
+                                 num_experts: int) -> None:
+        """A dispatch and a combine of no tokens, waited for: the live ranks meet on the device, and the
+        waits mask the ranks that do not come. No row is read or written, so no array needs its full shape."""
+        front, bf16 = self._front, _checks.bf16_dtype()
+        x, out = front.empty((0, hidden), bf16), front.empty((0, hidden), bf16)
+        topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
+        stream = front.current_stream()
+        *_, handle, dispatch = low_latency.dispatch(ctx, ctx.next_half(), x, topk_idx, max_tokens, num_experts, None,
+                                                    None, False, False, False)
+        dispatch(stream)
+        low_latency.combine(ctx, ctx.next_half(), x, topk_idx, weights, handle, out)(stream)
+        stream.synchronize()
+        self._resources.raise_if_failed()
 
     # ----------------------------------------------------------------------------------------------
     # Shrink mode (low latency)

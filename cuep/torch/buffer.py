@@ -308,9 +308,9 @@ class Buffer:
         return handle  # None, or a rebuilt tuple the core checks item by item
 
     def _low_latency_handle(self, core_handle: low_latency.Handle) -> LowLatencyHandle:
-        export, front = self._front.export, self._front
         regions, storage = core_handle.regions, core_handle.storage
-        src_info, layout_range = (export(regions[name].of(front, storage)) for name in ("recv_src_info", "layout_range"))
+        src_info = regions["recv_src_info"].of(self._front, storage)
+        layout_range = regions["layout_range"].of(self._front, storage)
         handle = LowLatencyHandle((src_info, layout_range, core_handle.num_max_dispatch_tokens_per_rank,
                                    core_handle.hidden, core_handle.num_experts))
         handle.core, handle.buffer = core_handle, self

@@ -18,6 +18,9 @@ from .._checks import bf16_dtype
 from .._interop import TensorView
 
 
+_MAX_VIEWS = 256  # regions remembered; a decode loop uses a handful
+
+
 class TorchFront:
     """Outputs as torch tensors on GPU ``device_index``; streams are torch's current ones."""
 
@@ -28,6 +31,7 @@ class TorchFront:
         self._raw_current_stream = torch._C._cuda_getCurrentRawStream
         self._cupy_streams: dict[int, Any] = {}    # raw stream -> cupy.cuda.ExternalStream
         self._torch_streams: dict[int, Any] = {}   # raw stream -> torch.cuda.ExternalStream
+        self._views: dict[tuple, tuple] = {}        # (shape, dtype, byte offset, byte strides) -> _element_view
         pairs = [(np.int32, torch.int32), (np.int64, torch.int64), (np.float32, torch.float32),
                  (np.uint8, torch.uint8), (np.bool_, torch.bool), (np.float16, torch.float16),
                  (np.int8, torch.int8), (np.float64, torch.float64)]
@@ -44,24 +48,35 @@ class TorchFront:
         tensor = self._torch.empty(shape, dtype=self._torch_dtypes[dtype], device=self.device)
         return TensorView(tensor, np.dtype(dtype))
 
-    def storage(self, nbytes: int) -> TensorView:
-        return TensorView(self._torch.empty(nbytes, dtype=self._uint8, device=self.device), np.dtype(np.uint8))
+    def storage(self, nbytes: int) -> "Storage":
+        return Storage(self._torch.empty(nbytes, dtype=self._uint8, device=self.device))
 
-    def view(self, storage: TensorView, shape: tuple[int, ...], dtype, offset: int,
-             strides: tuple[int, ...] | None = None) -> TensorView:
-        dtype = np.dtype(dtype)
-        item = dtype.itemsize
-        base = storage.tensor
-        if base.dtype != self._uint8:
-            base = base.view(self._uint8)
+    def view(self, storage, shape: tuple[int, ...], dtype, offset: int, strides: tuple[int, ...] | None = None):
+        """A torch tensor of ``storage`` (a :class:`Storage`, or an array from :meth:`empty`) from byte ``offset``."""
+        key = (shape, dtype, offset, strides)
+        found = self._views.get(key)
+        if found is None:  # a call's regions repeat call after call: worked out once
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            found = self._views[key] = self._element_view(shape, dtype, offset, strides)
+        torch_dtype, element_strides, element_offset = found
+        if isinstance(storage, Storage):
+            return storage.typed(torch_dtype).as_strided(shape, element_strides, element_offset)
+        typed = storage.tensor.view(torch_dtype)
+        return typed.as_strided(shape, element_strides, typed.storage_offset() + element_offset)
+
+    def _element_view(self, shape, dtype, offset: int, strides) -> tuple[Any, tuple[int, ...], int]:
+        """``(torch dtype, strides, offset)`` in elements of a view given in bytes (``strides`` ``None``: C order)."""
+        item = np.dtype(dtype).itemsize
         if strides is None:
-            count = 1
-            for n in shape:
-                count *= n
-            tensor = base[offset:offset + count * item].view(self._torch_dtypes[dtype]).view(shape)
+            element_strides, step = [], 1
+            for n in reversed(shape):
+                element_strides.append(step)
+                step *= n
+            element_strides.reverse()
         else:
-            tensor = base[offset:].view(self._torch_dtypes[dtype]).as_strided(shape, [s // item for s in strides])
-        return TensorView(tensor, dtype)
+            element_strides = [s // item for s in strides]
+        return self._torch_dtypes[dtype], tuple(element_strides), offset // item
 
     def current_stream(self):
         raw = self._raw_current_stream(self.device_index)
@@ -83,8 +98,25 @@ class TorchFront:
         return self._torch.cuda.stream(self.torch_stream(stream))
 
     def export(self, array: Any) -> Any:
+        if type(array) is TensorView:
+            return array.tensor
         if array is None or isinstance(array, self._torch.Tensor):
             return array
-        if isinstance(array, TensorView):
-            return array.tensor
         return self._torch.from_dlpack(array)  # a CuPy array the core made itself
+
+
+class Storage:
+    """One call's outputs in one ``uint8`` tensor (``.ptr`` its address), and its typed views, made once each:
+    every torch op costs host time, so a region is one ``as_strided`` of its dtype's view."""
+
+    __slots__ = ("tensor", "ptr", "_typed")
+
+    def __init__(self, tensor):
+        self.tensor, self.ptr, self._typed = tensor, tensor.data_ptr(), {tensor.dtype: tensor}
+
+    def typed(self, torch_dtype):
+        """The whole storage as ``torch_dtype`` elements."""
+        view = self._typed.get(torch_dtype)
+        if view is None:
+            view = self._typed[torch_dtype] = self.tensor.view(torch_dtype)
+        return view
