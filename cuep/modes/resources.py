@@ -29,6 +29,7 @@ class Resources:
 
     def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  force_put: bool, shrink: bool = False, device_id: int | None = None):
+        nvshmem_world.check_group(group)  # before anything else is collective over a group that cannot work
         self.topology = discover_topology(group)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode

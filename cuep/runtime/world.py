@@ -142,14 +142,20 @@ def choose_device(group: Group, topology: Topology, device_id: int | None = None
     return device_id
 
 
+def check_group(group: Group) -> None:
+    """Raises ``ValueError`` unless ``group`` may use this process's NVSHMEM world: there is none yet, or it
+    was made over the same ranks, in the same order (NVSHMEM allows one world per process)."""
+    if _world is not None and not _world.finalized and not group.same_ranks(_world.group):
+        raise ValueError("Buffer(): the group must contain the same ranks as the first Buffer's, in the same "
+                         "order: NVSHMEM allows one world per process")
+
+
 def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int) -> World:
     """Collective: bootstrap NVSHMEM over ``group`` on ``device_id`` (from :func:`choose_device`) once per
     process; later calls return the world."""
     global _world
     if _world is not None and not _world.finalized:
-        if not group.same_ranks(_world.group):
-            raise ValueError("Buffer(): the group must contain the same ranks as the first Buffer's, in the same "
-                             "order: NVSHMEM allows one world per process")
+        check_group(group)
         return _world
     if _world is not None:
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
