@@ -1,0 +1,86 @@
+"""Where the host time of a low-latency call goes, CuPy API against cuep.torch, piece by piece.
+
+    mpirun -np 1 python benchmarks/torch_front_breakdown.py      # from the repository root, PYTHONPATH=.
+
+``python -m cuep.bench --mode host`` gives each eager call's host time through both APIs; this splits the
+low-latency dispatch and combine further: the CuPy API on CuPy arrays and on torch tensors (what reading a
+torch tensor in place costs), cuep.torch's core call (its outputs from torch's allocator) and its front
+(DeepEP's return values), then the single operations each path is made of. Each figure is the median over
+9 bursts of the host microseconds per call in a burst without a sync (as ``--mode host``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import cupy
+import torch
+from mpi4py import MPI
+
+import cuep
+import cuep.torch as deep_ep
+from cuep import _interop
+from cuep.bench import _workload
+from cuep.torch.event import wrap
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
+
+
+def host_us(call, burst: int = 20, bursts: int = 9) -> float:
+    device = cupy.cuda.Device()
+    call()
+    device.synchronize()
+    samples = []
+    for _ in range(bursts):
+        started = time.perf_counter()
+        for _ in range(burst):
+            call()
+        samples.append((time.perf_counter() - started) / burst * 1e6)
+        device.synchronize()
+    return sorted(samples)[bursts // 2]
+
+
+def main() -> None:
+    comm = MPI.COMM_WORLD
+    num_ranks = comm.Get_size()
+    x, topk_idx, weights = _workload(comm.Get_rank(), TOKENS, HIDDEN, EXPERTS, TOPK)
+    hint = cuep.Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, num_ranks, EXPERTS)
+    cupy_buffer = cuep.Buffer(comm, 0, hint, low_latency_mode=True)
+    torch_buffer = deep_ep.Buffer(None, 0, hint, low_latency_mode=True, comm=comm)
+    tx, ttopk, tweights = (torch.from_dlpack(a) for a in (x, topk_idx, weights))
+    local, rows = EXPERTS // num_ranks, num_ranks * TOKENS
+    cupy_out = cupy.zeros((local, rows, HIDDEN), dtype=x.dtype)
+    torch_out = torch.zeros((local, rows, HIDDEN), dtype=torch.bfloat16, device=tx.device)
+    cupy_handle = cupy_buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS)[2]
+    torch_handle = torch_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[2]
+    recv, _, core_handle, event, _ = torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)
+    storage = core_handle.storage
+    calls = {
+        "dispatch: CuPy API, CuPy arrays": lambda: cupy_buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS),
+        "dispatch: CuPy API, torch tensors": lambda: cupy_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
+        "dispatch: cuep.torch core": lambda: torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
+        "dispatch: cuep.torch": lambda: torch_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
+        "combine: CuPy API, CuPy arrays": lambda: cupy_buffer.low_latency_combine(cupy_out, topk_idx, weights,
+                                                                                  cupy_handle),
+        "combine: CuPy API, torch tensors": lambda: cupy_buffer.low_latency_combine(torch_out, ttopk, tweights,
+                                                                                    cupy_handle),
+        "combine: cuep.torch": lambda: torch_buffer.low_latency_combine(torch_out, ttopk, tweights, torch_handle),
+    }
+    pieces = {
+        "torch.empty on the GPU": lambda: torch.empty(1 << 20, dtype=torch.uint8, device=tx.device),
+        "cupy.cuda.alloc": lambda: cupy.cuda.alloc(1 << 20),
+        "one region view (cuep.torch)": lambda: torch_buffer._front.view(storage, (local, rows), cupy.int32, 4096),
+        "raw Tensor.as_strided": lambda: storage.tensor.as_strided((local, rows), (rows, 1), 4096),
+        "a torch tensor read in place (TensorView)": lambda: _interop.as_array(tx),
+        "FP8 view of the received rows": lambda: recv[0].view(torch.float8_e4m3fn),
+        "DeepEP's low-latency handle": lambda: torch_buffer._low_latency_handle(core_handle),
+        "EventOverlap of a call": lambda: wrap(event),
+    }
+    for name, call in calls.items():
+        print(f"{name:45s} {host_us(call):8.1f} us", flush=True)
+    for name, call in pieces.items():
+        print(f"{name:45s} {host_us(call, burst=200):8.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
