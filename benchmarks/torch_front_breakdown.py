@@ -11,33 +11,23 @@ torch tensor in place costs), cuep.torch's core call (its outputs from torch's a
 
 from __future__ import annotations
 
-import time
-
 import cupy
 import torch
 from mpi4py import MPI
 
 import cuep
 import cuep.torch as deep_ep
-from cuep import _interop
+from cuep import _interop, bench_host
 from cuep.bench import _workload
+from cuep.bench_host import BURST
 from cuep.torch.event import wrap
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
 
-def host_us(call, burst: int = 20, bursts: int = 9) -> float:
+def host_us(call, burst: int = BURST) -> float:
     device = cupy.cuda.Device()
-    call()
-    device.synchronize()
-    samples = []
-    for _ in range(bursts):
-        started = time.perf_counter()
-        for _ in range(burst):
-            call()
-        samples.append((time.perf_counter() - started) / burst * 1e6)
-        device.synchronize()
-    return sorted(samples)[bursts // 2]
+    return bench_host.host_us(call, device.synchronize, bursts=9, burst=burst)
 
 
 def main() -> None:

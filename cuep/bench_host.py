@@ -3,7 +3,7 @@ API (``cuep.Buffer``) and through ``cuep.torch`` (when torch is installed), besi
 same run: an empty kernel launched from Python, and a one-element torch op.
 
 Each call runs in bursts of :data:`BURST` with no synchronisation inside a burst; its host time is the
-burst's wall time over :data:`BURST`, the median of :data:`BURSTS` bursts. A burst queues at most
+burst's wall time over :data:`BURST`, the median of :data:`BURSTS` bursts, the two APIs' bursts taken in turn. A burst queues at most
 :data:`BURST` calls' kernels, far below the driver's launch queue, so a launch never waits for the GPU to
 drain (the GPU finishing late does not count: the device is synchronised between bursts, outside the
 timing). Every rank reports; rank 0 prints each rank's figure.
@@ -23,62 +23,46 @@ BURSTS = 7
 _EMPTY_KERNEL = 'extern "C" __global__ void cuep_bench_empty() {}'
 
 
-def host_us(call: Callable[[], object], synchronize: Callable[[], None], bursts: int = BURSTS) -> float:
-    """Median over ``bursts`` of the host microseconds per call of ``call`` in a burst of :data:`BURST`."""
-    call()  # warm: plans, compiled kernels and pools are ready before timing
+def host_us(call: Callable[[], object], synchronize: Callable[[], None], bursts: int = BURSTS,
+            burst: int = BURST) -> float:
+    """Median over ``bursts`` of the host microseconds per call of ``call`` in a burst of ``burst`` calls."""
+    return interleaved_us({"": call}, synchronize, bursts, burst)[""]
+
+
+def interleaved_us(calls: dict[str, Callable[[], object]], synchronize: Callable[[], None], bursts: int = BURSTS,
+                   burst: int = BURST) -> dict[str, float]:
+    """:func:`host_us` of each of ``calls``, their bursts taken in turn (so a slow spell of the host weighs
+    on every one alike, not on whichever ran then)."""
+    for call in calls.values():
+        call()  # warm: plans, compiled kernels and pools are ready before timing
     synchronize()
-    samples = []
+    samples: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(bursts):
-        started = time.perf_counter()
-        for _ in range(BURST):
-            call()
-        samples.append((time.perf_counter() - started) / BURST * 1e6)
-        synchronize()
-    return float(np.median(samples))
+        for key, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(burst):
+                call()
+            samples[key].append((time.perf_counter() - started) / burst * 1e6)
+            synchronize()
+    return {key: float(np.median(values)) for key, values in samples.items()}
 
 
-def _cupy_calls(cupy, comm, args, workload) -> dict[str, Callable[[], object]]:
-    import cuep
+def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], args, num_ranks: int,
+           workload: tuple) -> dict[str, Callable[[], object]]:
+    """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
+    low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it; ``workload`` holds its arrays."""
+    from .buffer import Buffer
     from .config import Config
-    num_ranks = comm.Get_size()
     x, topk_idx, weights, ll_x, ll_topk_idx, ll_weights = workload
-    normal = cuep.Buffer(comm, Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, args.tokens))
+    normal = make_buffer(Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, args.tokens), 0, False)
     layout = normal.get_dispatch_layout(topk_idx, args.experts)
     recv_x, _, _, _, handle, _ = normal.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                                                  num_tokens_per_expert=layout[2])
     ll_tokens = ll_x.shape[0]
-    low_latency = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
-                                                                                   args.experts),
-                              low_latency_mode=True)
-    _, _, ll_handle, _, _ = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)
-    expert_out = cupy.zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden), dtype=ll_x.dtype)
-    return {
-        "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts),
-        "cached dispatch BF16": lambda: normal.dispatch(x, handle=handle),
-        "combine": lambda: normal.combine(recv_x, handle),
-        "low-latency dispatch FP8": lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens,
-                                                                             args.experts),
-        "low-latency combine BF16": lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights,
-                                                                            ll_handle),
-    }
-
-
-def _torch_calls(torch, comm, args, workload) -> dict[str, Callable[[], object]]:
-    import cuep.torch as deep_ep
-    num_ranks = comm.Get_size()
-    x, topk_idx, weights, ll_x, ll_topk_idx, ll_weights = (torch.from_dlpack(a) for a in workload)
-    normal = deep_ep.Buffer(None, deep_ep.Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, args.tokens),
-                            comm=comm)
-    layout = normal.get_dispatch_layout(topk_idx, args.experts)
-    recv_x, _, _, _, handle, _ = normal.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                                                 num_tokens_per_expert=layout[2])
-    ll_tokens = ll_x.shape[0]
-    low_latency = deep_ep.Buffer(None, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden,
-                                                                                        num_ranks, args.experts),
-                                 low_latency_mode=True, comm=comm)
-    _, _, ll_handle, _, _ = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)
-    expert_out = torch.zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden), dtype=torch.bfloat16,
-                             device=ll_x.device)
+    low_latency = make_buffer(0, Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
+                                                                       args.experts), True)
+    ll_handle = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)[2]
+    expert_out = zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden))
     return {
         "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts),
         "cached dispatch BF16": lambda: normal.dispatch(x, handle=handle),
@@ -105,20 +89,24 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
 
     empty = cupy.RawKernel(_EMPTY_KERNEL, "cuep_bench_empty")
     rows["floor: empty kernel launch"] = {"CuPy": host_us(lambda: empty((1,), (1,), ()), device.synchronize)}
-    for name, call in _cupy_calls(cupy, comm, args, workload).items():
-        barrier_and_sync()
-        rows.setdefault(name, {})["CuPy"] = host_us(call, barrier_and_sync)
+    import cuep
+    apis = {"CuPy": _calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
+                           lambda shape: cupy.zeros(shape, dtype=workload[0].dtype), args, num_ranks, workload)}
     try:
         torch = _deps.torch()
     except ImportError:
         torch = None
     if torch is not None:
+        import cuep.torch as deep_ep
         torch.cuda.set_device(device.id)
         one = torch.zeros(1, device="cuda")
         rows["floor: one-element torch op"] = {"torch": host_us(lambda: one.add_(1), torch.cuda.synchronize)}
-        for name, call in _torch_calls(torch, comm, args, workload).items():
-            barrier_and_sync()
-            rows.setdefault(name, {})["torch"] = host_us(call, barrier_and_sync)
+        apis["torch"] = _calls(lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
+                               lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"), args,
+                               num_ranks, tuple(torch.from_dlpack(a) for a in workload))
+    for name in apis["CuPy"]:
+        barrier_and_sync()
+        rows[name] = interleaved_us({api: calls[name] for api, calls in apis.items()}, barrier_and_sync)
     every_rank = comm.gather(rows, root=0)
     if rank != 0:
         return

@@ -467,6 +467,23 @@ def thousand_calls_hold_no_memory(buffer):
     assert_no_memory_growth(step)
 
 
+def local_buffer_tensor_views_the_buffer(buffer):
+    """get_local_buffer_tensor: torch views of the NVL buffer (on this rank's GPU, any dtype, FP8 as
+    float8_e4m3fn), two of them over the same bytes. The staging the views touch is rewritten by the next
+    dispatch before any kernel reads it; every rank synchronises before going on."""
+    words = buffer.get_local_buffer_tensor(torch.int32, torch.Size([4, 32]), offset=buffer.num_nvl_bytes - 1024)
+    assert_tensor(words, torch.int32, (4, 32), "get_local_buffer_tensor(int32)")
+    assert words.device == torch.device("cuda", torch.cuda.current_device()), words.device
+    raw = buffer.get_local_buffer_tensor(torch.float8_e4m3fn, 512, offset=buffer.num_nvl_bytes - 1024)
+    assert_tensor(raw, torch.float8_e4m3fn, (512,), "get_local_buffer_tensor(float8_e4m3fn)")
+    words.copy_(torch.arange(128, dtype=torch.int32, device=words.device).view(4, 32))
+    torch.cuda.synchronize()
+    assert raw.view(torch.uint8)[:8].tolist() == [0, 0, 0, 0, 1, 0, 0, 0], raw.view(torch.uint8)[:8]
+    whole = buffer.get_local_buffer_tensor(torch.bfloat16)
+    assert whole.numel() == buffer.num_nvl_bytes // 2 and whole.dtype == torch.bfloat16, (whole.numel(), whole.dtype)
+    dist.barrier(group=GROUP)
+
+
 def normal_suite():
     Normal.experts = 16 * num_ranks
     Normal.ranks_per_node = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks)
@@ -480,7 +497,8 @@ def normal_suite():
              cached_dispatch_and_combine_with_one_and_two_biases, without_topk,
              async_previous_event_comm_stream_on_a_torch_side_stream, num_worst_tokens_without_cpu_wait,
              zero_tokens_on_rank_1, autograd_layer_forward_and_gradient, bad_inputs_raise_before_any_kernel,
-             a_group_that_is_not_the_nvshmem_world_raises, thousand_calls_hold_no_memory]
+             a_group_that_is_not_the_nvshmem_world_raises, local_buffer_tensor_views_the_buffer,
+             thousand_calls_hold_no_memory]
     layout = (f"{num_ranks // Normal.ranks_per_node} nodes x {Normal.ranks_per_node}" if Normal.across_nodes
               else "one node")
     return [functools.partial(case, buffer) for case in cases], buffer.destroy, layout
