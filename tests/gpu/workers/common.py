@@ -15,6 +15,8 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
+from cuep.fp8 import dequantize
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -199,3 +201,29 @@ def run_cases(comm, cases) -> None:
             comm.Abort(1)
         if rank == 0:
             print(f"[rank 0] ok {name}", flush=True)
+
+
+def expert_outputs(expected, num_experts: int) -> list[np.ndarray]:
+    """What every rank's experts output: its received rows (dequantised) scaled per expert, in BF16;
+    zeros in the rows past each expert's count. Only the received rows are computed: at 8 ranks the
+    full arrays are ~0.5 GB per rank, and every rank builds every rank's."""
+    outputs = []
+    for r, result in enumerate(expected):
+        rows = result.recv_x
+        out = np.zeros(rows.shape, dtype=BF16)
+        for e, n in enumerate(result.recv_count):
+            values = (dequantize(rows[e, :n], result.recv_scales[e, :n]) if rows.dtype == np.uint8
+                      else rows[e, :n].astype(np.float32))
+            out[e, :n] = (values * np.float32(1 + e / 8 + r)).astype(BF16)
+        outputs.append(out)
+    return outputs
+
+
+class AbsoluteRows:
+    """``|output|`` in float32, worked out only for the rows the reference combine reads."""
+
+    def __init__(self, output):
+        self.output, self.shape = output, output.shape
+
+    def __getitem__(self, key):
+        return np.abs(self.output[key].astype(np.float32))

@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 from common import (
     BF16,
+    AbsoluteRows,
     AllInputs,
     SeededInputs,
     assert_no_memory_growth,
@@ -27,6 +28,7 @@ from common import (
     environment,
     expect_error,
     expect_peer_timeout,
+    expert_outputs,
     run_cases,
 )
 from mpi4py import MPI
@@ -76,32 +78,6 @@ def dispatch_and_check(buffer, inputs: AllInputs, num_experts, use_fp8=True, rou
                                               round_scale, use_ue8m0)
     check_received(received, recv_count, expected[rank], use_fp8)
     return handle, expected
-
-
-def expert_outputs(expected, num_experts):
-    """What every rank's experts output: its received rows (dequantised) scaled per expert, in BF16;
-    zeros in the rows past each expert's count. Only the received rows are computed: at 8 ranks the
-    full arrays are ~0.5 GB per rank, and every rank builds every rank's."""
-    outputs = []
-    for r, result in enumerate(expected):
-        rows = result.recv_x
-        out = np.zeros(rows.shape, dtype=BF16)
-        for e, n in enumerate(result.recv_count):
-            values = (fp8.dequantize(rows[e, :n], result.recv_scales[e, :n]) if rows.dtype == np.uint8
-                      else rows[e, :n].astype(np.float32))
-            out[e, :n] = (values * np.float32(1 + e / 8 + r)).astype(BF16)
-        outputs.append(out)
-    return outputs
-
-
-class AbsoluteRows:
-    """``|output|`` in float32, worked out only for the rows the reference combine reads."""
-
-    def __init__(self, output):
-        self.output, self.shape = output, output.shape
-
-    def __getitem__(self, key):
-        return np.abs(self.output[key].astype(np.float32))
 
 
 def check_combined(combined, inputs: AllInputs, outputs, num_experts):

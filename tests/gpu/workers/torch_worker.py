@@ -30,11 +30,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import BF16, AllInputs, RankInputs, SeededInputs, bits, environment, expect_error
+from common import (BF16, AbsoluteRows, AllInputs, RankInputs, SeededInputs, bits, environment, expect_error,
+                    expert_outputs)
 
 import cuep
 import cuep.torch as deep_ep
-from cuep import fp8, logfmt, reference
+from cuep import logfmt, reference
 
 # Set in each rank by ``run_rank`` (this module is imported again in every spawned rank).
 rank: int = -1
@@ -583,31 +584,6 @@ def ll_dispatch_and_check(buffer, inputs: AllInputs, num_experts: int, use_fp8=T
     check_low_latency_received(received, recv_count, handle, expected[rank], num_experts, mine.x.shape[1], use_fp8,
                                use_ue8m0)
     return handle, expected
-
-
-def expert_outputs(expected, num_experts: int) -> list[np.ndarray]:
-    """Every rank's expert outputs: its received rows (dequantised) times (1 + e / 8 + r), in BF16, zero
-    past each expert's count."""
-    outputs = []
-    for r, result in enumerate(expected):
-        out = np.zeros(result.recv_x.shape, dtype=BF16)
-        for e, n in enumerate(result.recv_count):
-            rows = result.recv_x[e, :n]
-            values = fp8.dequantize(rows, result.recv_scales[e, :n]) if rows.dtype == np.uint8 \
-                else rows.astype(np.float32)
-            out[e, :n] = (values * np.float32(1 + e / 8 + r)).astype(BF16)
-        outputs.append(out)
-    return outputs
-
-
-class AbsoluteRows:
-    """``|output|`` in float32, worked out only for the rows the reference combine reads."""
-
-    def __init__(self, output):
-        self.output, self.shape = output, output.shape
-
-    def __getitem__(self, key):
-        return np.abs(self.output[key].astype(np.float32))
 
 
 def check_combined(combined, inputs: AllInputs, outputs, num_experts: int, relative: float = 2.0 ** -7) -> None:
