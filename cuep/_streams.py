@@ -29,11 +29,17 @@ class CallStreams:
         # (stream pointer, EventOverlap after it) of the last layout, dispatch or combine
         self._last_call: tuple[int, EventOverlap] | None = None
 
-    def keep_alive(self, event, arrays: tuple) -> None:
-        """Hold ``arrays`` until ``event`` completes: the stream may still read or write them after the
-        caller drops its references."""
+    def keep_alive(self, stream, arrays: tuple) -> None:
+        """Hold ``arrays`` until the work enqueued on ``stream`` so far completes: the stream may still read
+        or write them after the caller drops its references.
+
+        Nothing is held for a stream being captured into a CUDA graph: its kernels run when the graph is
+        replayed, and the graph's owner keeps their arrays (DeepEP's rule); and querying events while a
+        capture runs would invalidate it."""
+        if stream.is_capturing():
+            return
         self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
-        self._in_flight.append((event, arrays))
+        self._in_flight.append((record_event(stream), arrays))
 
     def release(self) -> None:
         """Forget every held array (after a device synchronisation)."""
@@ -70,7 +76,7 @@ class CallStreams:
             outputs, inputs = enqueue(comm_stream)
         done = record_event(comm_stream)
         if async_finish:
-            self.keep_alive(done, (*inputs, *outputs))
+            self.keep_alive(comm_stream, (*inputs, *outputs))
         else:
             compute_stream.wait_event(done)
         if not capturing:  # a captured call runs when its graph is replayed, ordered by the replay's stream
@@ -96,9 +102,8 @@ class CallStreams:
             comm_stream = self.comm_stream
             comm_stream.wait_event(record_event(self.front.current_stream()))
             launch(comm_stream, phases)
-            done = record_event(comm_stream)
-            self.keep_alive(done, keep)
-            event = EventOverlap(done, extra_arrays=keep)
+            self.keep_alive(comm_stream, keep)
+            event = EventOverlap(record_event(comm_stream), extra_arrays=keep)
         else:
             launch(self.front.current_stream(), phases)
         if not return_recv_hook:
@@ -113,5 +118,5 @@ class CallStreams:
             stream = self.front.current_stream()
             pending.pop()(stream, receive)
             # The receive reads the call's arrays (top-k ids, handle) now, long after the call returned.
-            self.keep_alive(record_event(stream), keep)
+            self.keep_alive(stream, keep)
         return event, hook

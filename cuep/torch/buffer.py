@@ -175,7 +175,10 @@ class Buffer:
         per_rank, per_node, per_expert, in_rank, event = self._core.get_dispatch_layout(
             topk_idx, num_experts, core_event(call, previous_event), async_finish, allocate_on_comm_stream)
         export = self._front.export
-        return export(per_rank), export(per_node), export(per_expert), export(in_rank), wrap(event)
+        outputs = export(per_rank), export(per_node), export(per_expert), export(in_rank)
+        if allocate_on_comm_stream:
+            self._record_on_current_stream(outputs)
+        return (*outputs, wrap(event))
 
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -203,7 +206,11 @@ class Buffer:
             recv_x = export(recv_x)
         if handle is None or not isinstance(handle, DispatchHandle):
             handle = self._dispatch_handle(core_handle)
-        return recv_x, export(recv_topk_idx), export(recv_topk_weights), per_expert, handle, wrap(event)
+        recv_topk_idx, recv_topk_weights = export(recv_topk_idx), export(recv_topk_weights)
+        if allocate_on_comm_stream:
+            self._record_on_current_stream((*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_topk_idx,
+                                            recv_topk_weights, *handle))
+        return recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle, wrap(event)
 
     def combine(self, x, handle: tuple, topk_weights=None, bias=None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
@@ -218,7 +225,10 @@ class Buffer:
             x, self._core_handle(call, handle), topk_weights, bias, config, core_event(call, previous_event),
             async_finish, allocate_on_comm_stream)
         export = self._front.export
-        return export(combined_x), export(combined_weights), wrap(event)
+        combined_x, combined_weights = export(combined_x), export(combined_weights)
+        if allocate_on_comm_stream:
+            self._record_on_current_stream((combined_x, combined_weights))
+        return combined_x, combined_weights, wrap(event)
 
     # DeepEP's Buffer.dispatch forwards to these across nodes; cuep's dispatch and combine serve both.
     internode_dispatch = dispatch
@@ -291,7 +301,15 @@ class Buffer:
         return None if trace is None else self._torch.from_dlpack(trace)
 
     # ----------------------------------------------------------------------------------------------
-    # Handles
+    # Outputs and handles
+    def _record_on_current_stream(self, tensors) -> None:
+        """Outputs allocated on the comm stream are used on the current one: tell torch's allocator, as DeepEP
+        does, so that their memory is not handed out again before the current stream is done with them."""
+        stream = self._torch.cuda.current_stream()
+        for tensor in tensors:
+            if isinstance(tensor, self._torch.Tensor) and tensor.is_cuda:
+                tensor.record_stream(stream)
+
     def _dispatch_handle(self, core_handle) -> DispatchHandle:
         torch = self._torch
         items = [torch.from_numpy(item) if not isinstance(item, torch.Tensor) else item for item in core_handle]
