@@ -54,10 +54,10 @@ class TensorView:
     bytes, ``flags.c_contiguous``), read from the tensor, which it keeps alive. FP8 tensors read as
     ``uint8``. :func:`to_cupy` gives a CuPy array over the same memory where the core needs one."""
 
-    __slots__ = ("tensor", "shape", "dtype", "ptr", "device_id", "c_contiguous")
+    __slots__ = ("tensor", "shape", "dtype", "itemsize", "ptr", "device_id", "c_contiguous")
 
     def __init__(self, tensor, dtype: np.dtype):
-        self.tensor, self.shape, self.dtype = tensor, tensor.shape, dtype
+        self.tensor, self.shape, self.dtype, self.itemsize = tensor, tensor.shape, dtype, dtype.itemsize
         self.ptr, self.device_id, self.c_contiguous = tensor.data_ptr(), tensor.get_device(), tensor.is_contiguous()
 
     @property
@@ -77,12 +77,8 @@ class TensorView:
         return self.tensor.numel()
 
     @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
     def strides(self) -> tuple[int, ...]:
-        return tuple(s * self.dtype.itemsize for s in self.tensor.stride())
+        return tuple(s * self.itemsize for s in self.tensor.stride())
 
 
 @functools.cache
