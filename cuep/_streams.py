@@ -29,9 +29,9 @@ class CallStreams:
         # (stream pointer, EventOverlap after it) of the last layout, dispatch or combine
         self._last_call: tuple[int, EventOverlap] | None = None
 
-    def keep_alive(self, stream, arrays: tuple) -> None:
-        """Hold ``arrays`` until the work enqueued on ``stream`` so far completes: the stream may still read
-        or write them after the caller drops its references.
+    def keep_alive(self, stream, arrays: tuple, event=None) -> None:
+        """Hold ``arrays`` until the work enqueued on ``stream`` so far completes (``event``, recorded there
+        now when not given): the stream may still read or write them after the caller drops its references.
 
         Nothing is held for a stream being captured into a CUDA graph: its kernels run when the graph is
         replayed, and the graph's owner keeps their arrays (DeepEP's rule); and querying events while a
@@ -39,7 +39,7 @@ class CallStreams:
         if stream.is_capturing():
             return
         self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
-        self._in_flight.append((record_event(stream), arrays))
+        self._in_flight.append((event or record_event(stream), arrays))
 
     def release(self) -> None:
         """Forget every held array (after a device synchronisation)."""
@@ -76,7 +76,7 @@ class CallStreams:
             outputs, inputs = enqueue(comm_stream)
         done = record_event(comm_stream)
         if async_finish:
-            self.keep_alive(comm_stream, (*inputs, *outputs))
+            self.keep_alive(comm_stream, (*inputs, *outputs), done)
         else:
             compute_stream.wait_event(done)
         if not capturing:  # a captured call runs when its graph is replayed, ordered by the replay's stream
@@ -102,8 +102,9 @@ class CallStreams:
             comm_stream = self.comm_stream
             comm_stream.wait_event(record_event(self.front.current_stream()))
             launch(comm_stream, phases)
-            self.keep_alive(comm_stream, keep)
-            event = EventOverlap(record_event(comm_stream), extra_arrays=keep)
+            done = record_event(comm_stream)
+            self.keep_alive(comm_stream, keep, done)
+            event = EventOverlap(done, extra_arrays=keep)
         else:
             launch(self.front.current_stream(), phases)
         if not return_recv_hook:

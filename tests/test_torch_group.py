@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from cuep.errors import PeerTimeoutError  # noqa: E402
+from cuep.errors import CuepError, PeerTimeoutError  # noqa: E402
 from cuep.runtime import as_group, discover_topology  # noqa: E402
 from cuep.runtime.torch_group import TorchGroup  # noqa: E402
 
@@ -41,8 +41,12 @@ def _init_then(rank: int, worker, num_ranks: int, port: int, *args) -> None:
 def _collectives(rank: int, num_ranks: int) -> None:
     group = as_group("test", dist.group.WORLD)
     assert isinstance(group, TorchGroup) and (group.rank, group.num_ranks) == (rank, num_ranks)
+    store = dist.distributed_c10d._get_default_store()
+    group.wait_for_all("warm up")
+    keys_before = store.num_keys()
     for round_ in range(5):  # keys of earlier rounds are deleted as later ones complete
         assert group.allgather((rank, round_, "x" * rank), "allgather") == [(r, round_, "x" * r) for r in range(num_ranks)]
+    assert store.num_keys() <= keys_before + num_ranks, (keys_before, store.num_keys())  # one pending key per rank
     assert group.broadcast(b"uid" if rank == 1 else None, "broadcast", root=1) == b"uid"
     group.wait_for_all("barrier")
     # A second group object over the same ranks shares the sequence (a second Buffer on the same group).
@@ -70,8 +74,21 @@ def _one_rank_never_comes(rank: int, num_ranks: int, missing: int) -> None:
     group.wait_for_all("end", timeout_s=30.0)
 
 
+def _ranks_out_of_step(rank: int, num_ranks: int) -> None:
+    group = as_group("test", dist.group.WORLD)
+    phase = "dispatch" if rank == 0 else "combine"
+    stray = "combine" if rank == 0 else "dispatch"
+    with pytest.raises(CuepError, match=f"rank {rank} reached '{phase}' while rank {1 if rank == 0 else 0} reached "
+                                        f"'{stray}'"):
+        group.allgather(rank, phase)
+
+
 def test_collectives_over_gloo():
     _run(_collectives, NUM_RANKS)
+
+
+def test_ranks_in_different_collectives_raise():
+    _run(_ranks_out_of_step, NUM_RANKS)
 
 
 def test_a_rank_that_never_joins_is_named():
@@ -87,6 +104,5 @@ def test_a_group_must_be_mpi_or_torch():
 def test_an_uninitialised_torch_distributed_is_named():
     if dist.is_initialized():
         pytest.skip("torch.distributed is initialised in this process")
-    from cuep.errors import CuepError
     with pytest.raises(CuepError, match="torch.distributed is not initialised"):
         TorchGroup("Buffer()", None)

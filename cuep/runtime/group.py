@@ -9,10 +9,26 @@ hanging. Nothing here touches a GPU.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from .. import _deps, env
+from ..errors import PeerTimeoutError
+
+FIRST_POLL_S, MAX_POLL_S = 1e-4, 0.05
+
+
+def poll_until(ready: Callable[[], bool], rank: int, phase: str, timeout_s: float,
+               missing_rank: Callable[[], int]) -> None:
+    """Poll ``ready()``, backing off, until it holds; past ``timeout_s`` raise
+    :class:`~cuep.errors.PeerTimeoutError` for ``rank`` naming ``missing_rank()`` (-1: unknown)."""
+    deadline, pause = time.monotonic() + timeout_s, FIRST_POLL_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(rank, missing_rank(), phase, timeout_s)
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_POLL_S)
 
 
 class Group(ABC):
@@ -81,7 +97,7 @@ def as_group(call: str, comm: Any) -> Group:
         comm = mpi.COMM_WORLD if comm is None else comm
         if isinstance(comm, mpi.Comm):
             return MpiGroup(comm)
-    elif kind.__module__.startswith("torch"):
+    elif kind.__module__.startswith("torch") and isinstance(comm, _deps.torch_distributed().ProcessGroup):
         from .torch_group import TorchGroup
         return TorchGroup(call, comm)
     raise TypeError(f"{call}: the group must be an mpi4py communicator or a torch.distributed ProcessGroup, got "

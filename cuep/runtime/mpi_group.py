@@ -7,14 +7,10 @@ collective that follows cannot stall. MPI cannot tell which rank is missing, so 
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from .. import _deps
-from ..errors import PeerTimeoutError
-from .group import Group
-
-FIRST_POLL_S, MAX_POLL_S = 1e-4, 0.05
+from .group import Group, poll_until
 
 
 class MpiGroup(Group):
@@ -25,14 +21,8 @@ class MpiGroup(Group):
         self.rank, self.num_ranks = comm.Get_rank(), comm.Get_size()
 
     def wait_for_all(self, phase: str, timeout_s: float | None = None) -> None:
-        timeout_s = self.timeout(timeout_s)
         request = self.comm.Ibarrier()
-        deadline, pause = time.monotonic() + timeout_s, FIRST_POLL_S
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(self.rank, -1, phase, timeout_s)
-            time.sleep(pause)
-            pause = min(pause * 2, MAX_POLL_S)
+        poll_until(request.Test, self.rank, phase, self.timeout(timeout_s), lambda: -1)
 
     def allgather(self, value: Any, phase: str, timeout_s: float | None = None) -> list[Any]:
         self.wait_for_all(phase, timeout_s)

@@ -5,32 +5,31 @@ Its collectives go through the job's key-value store (the TCPStore every process
 from), not through the process group's backend: they then work the same for gloo CPU groups (as vLLM
 passes them) and NCCL groups, touch no GPU, and can poll with a deadline. Each rank writes its value
 under a key of the collective's sequence number and polls until every rank's key exists; a rank whose
-key never appears is named in the :class:`~cuep.errors.PeerTimeoutError`.
+key never appears is named in the :class:`~cuep.errors.PeerTimeoutError`. Each value travels with its
+collective's phase, so ranks that went out of step raise instead of reading each other's values.
 
 Keys live under a namespace of the group's global ranks, and the sequence numbers are shared by every
 TorchGroup of one process over the same ranks (every rank makes its Buffers in the same order, so the
-numbers agree). A rank deletes its key of a collective once the next one completes: by then every rank
-has read it.
+numbers agree). A rank deletes its keys of earlier collectives once a later one completes: by then every
+rank has read them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-import time
 from typing import Any, ClassVar
 
 from .. import _deps
-from ..errors import CuepError, PeerTimeoutError
-from .group import Group
-from .mpi_group import FIRST_POLL_S, MAX_POLL_S
+from ..errors import CuepError
+from .group import Group, poll_until
 
 
 class TorchGroup(Group):
     """The ranks of the torch ``ProcessGroup`` ``process_group`` (of any backend)."""
 
-    # namespace -> (the next collective's sequence number, this process's key of the last one)
-    _sequences: ClassVar[dict[str, tuple[int, str | None]]] = {}
+    # namespace -> (the next collective's sequence number, this process's keys not deleted yet)
+    _sequences: ClassVar[dict[str, tuple[int, list[str]]]] = {}
 
     def __init__(self, call: str, process_group):
         dist = _deps.torch_distributed()
@@ -48,15 +47,21 @@ class TorchGroup(Group):
 
     def allgather(self, value: Any, phase: str, timeout_s: float | None = None) -> list[Any]:
         store, namespace = self._store, self._namespace
-        sequence, previous_key = self._sequences.get(namespace, (0, None))
-        self._sequences[namespace] = (sequence + 1, f"{namespace}/{sequence}/{self.rank}")
+        sequence, undeleted = self._sequences.get(namespace, (0, []))
         keys = [f"{namespace}/{sequence}/{rank}" for rank in range(self.num_ranks)]
-        store.set(keys[self.rank], pickle.dumps(value))
+        self._sequences[namespace] = (sequence + 1, [*undeleted, keys[self.rank]])
+        store.set(keys[self.rank], pickle.dumps((phase, value)))
         self._wait(keys, phase, self.timeout(timeout_s))
-        values = _get_all(store, keys)
-        if previous_key is not None:  # every rank wrote this collective's key, so all have read the last one
-            store.delete_key(previous_key)
-        return [pickle.loads(v) for v in values]
+        phases_and_values = [pickle.loads(v) for v in _get_all(store, keys)]
+        for key in undeleted:  # every rank wrote this collective's key, so all have read the earlier ones
+            store.delete_key(key)
+        self._sequences[namespace] = (sequence + 1, [keys[self.rank]])
+        strays = [rank for rank, (theirs, _) in enumerate(phases_and_values) if theirs != phase]
+        if strays:
+            raise CuepError(f"rank {self.rank} reached '{phase}' while rank {strays[0]} reached "
+                            f"'{phases_and_values[strays[0]][0]}': every rank must make the same cuep calls in "
+                            f"the same order")
+        return [value for _, value in phases_and_values]
 
     def wait_for_all(self, phase: str, timeout_s: float | None = None) -> None:
         self.allgather(None, phase, timeout_s)
@@ -68,13 +73,9 @@ class TorchGroup(Group):
         return _deps.torch_distributed().is_initialized()
 
     def _wait(self, keys: list[str], phase: str, timeout_s: float) -> None:
-        deadline, pause = time.monotonic() + timeout_s, FIRST_POLL_S
-        while not self._store.check(keys):
-            if time.monotonic() > deadline:
-                missing = [rank for rank, key in enumerate(keys) if not self._store.check([key])]
-                raise PeerTimeoutError(self.rank, missing[0] if missing else -1, phase, timeout_s)
-            time.sleep(pause)
-            pause = min(pause * 2, MAX_POLL_S)
+        def missing_rank() -> int:
+            return next((rank for rank, key in enumerate(keys) if not self._store.check([key])), -1)
+        poll_until(lambda: self._store.check(keys), self.rank, phase, timeout_s, missing_rank)
 
 
 def _default_store(call: str, dist):
@@ -82,7 +83,7 @@ def _default_store(call: str, dist):
     get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get_store is None:
         raise CuepError(f"{call}: this torch has no torch.distributed.distributed_c10d._get_default_store(), which "
-                        f"cuep bootstraps through; use torch >= 2.1")
+                        f"cuep bootstraps through; use torch >= 2.4")
     return get_store()
 
 
