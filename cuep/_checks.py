@@ -17,7 +17,8 @@ def as_device_array(call: str, name: str, value: Any):
     """``value`` (CuPy, torch, JAX, anything exporting DLPack or ``__cuda_array_interface__``) as a device
     array the core reads (:func:`cuep._interop.as_array`: a CuPy array or a torch tensor's
     :class:`~cuep._interop.TensorView`) on the current device, without a copy; FP8 e4m3 arrays read as
-    ``uint8``."""
+    ``uint8``. A torch tensor is read in place, with no DLPack stream handshake: it must be ready on the
+    stream the call runs on (``cuep.torch``'s calls run on torch's current stream)."""
     cupy = _deps.cupy()
     try:
         array = _interop.as_array(value)
@@ -221,7 +222,8 @@ def _host_array(value: Any) -> np.ndarray:
 
 
 class DispatchArguments(NamedTuple):
-    """A normal-mode dispatch's arguments, checked: CuPy arrays, the routing as ``int64``."""
+    """A normal-mode dispatch's arguments, checked: device arrays (:func:`as_device_array`), the routing ids
+    ``int32`` or ``int64`` as given (:func:`widened_ids` makes them ``int64`` on the call's stream)."""
 
     x: Any
     scales: Any                   # FP8 scales, or None for BF16
@@ -278,7 +280,7 @@ def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int,
                      num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
                      topk_idx, topk_weights) -> tuple[Any, Any, int, Any, Any]:
     """A non-cached dispatch's layout and routing; returns ``(is_token_in_rank, num_tokens_per_expert,
-    num_experts, topk_idx as int64 or None, topk_weights or None)``."""
+    num_experts, topk_idx (int32 or int64) or None, topk_weights or None)``."""
     if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
         raise ValueError(f"{call}: without a handle, pass num_tokens_per_rank, is_token_in_rank and "
                          f"num_tokens_per_expert from get_dispatch_layout()")
@@ -303,8 +305,7 @@ def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int,
     if topk_idx is not None:
         topk_idx = as_device_array(call, "topk_idx", topk_idx)
         check_topk_idx(call, topk_idx, num_experts, num_tokens)
-        if topk_idx.dtype != np.int64:
-            topk_idx = _interop.to_cupy(topk_idx).astype(np.int64)
+        # int32 ids are widened by the caller, on the stream the call runs on
         topk_weights = as_device_array(call, "topk_weights", topk_weights)
         check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
     return is_token_in_rank, num_tokens_per_expert, num_experts, topk_idx, topk_weights
@@ -388,3 +389,12 @@ def same_on_every_rank(call: str, group: Any, **values: Any) -> None:
     if len(seen) > 1:
         raise ValueError(f"{call}: {' and '.join(values)} must be the same on every rank, got "
                          f"({', '.join(values)}) pairs {seen}")
+
+
+def widened_ids(topk_idx, stream):
+    """``topk_idx`` as ``int64`` (the normal-mode kernels' ids), converted on ``stream`` when it is ``int32``;
+    ``None`` stays ``None``."""
+    if topk_idx is None or topk_idx.dtype == np.int64:
+        return topk_idx
+    with stream:
+        return _interop.to_cupy(topk_idx).astype(np.int64)

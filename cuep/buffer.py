@@ -52,6 +52,9 @@ class Buffer:
         enable_shrink: low-latency shrink mode: a peer that does not answer within ``CUEP_TIMEOUT_S`` is
             masked instead of failing the call (:meth:`low_latency_query_mask_buffer`); the call completes
             on every live rank without it, and later calls skip it without waiting.
+        front: for a front over this core (``cuep.torch``): where outputs come from and which stream is
+            current (:mod:`cuep._front`); default CuPy's.
+        device_id: the GPU, chosen by such a front; default the host's local rank's.
 
     Differs from DeepEP: takes an mpi4py communicator as well as a torch process group (``cuep.torch``
     is DeepEP's own module, on torch tensors); intranode and internode memory are one NVSHMEM mechanism;
@@ -309,18 +312,19 @@ class Buffer:
         config = config or self.get_dispatch_config(self.group_size)
 
         def enqueue(stream):
+            topk_idx = _checks.widened_ids(a.topk_idx, stream)
             if across_nodes:
                 recv_x, recv_scales, *received = internode.dispatch(
-                    ctx, stream, a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
+                    ctx, stream, a.x, a.scales, topk_idx, a.topk_weights, a.is_token_in_rank,
                     a.num_tokens_per_expert, a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens,
                     config.num_sms, config.num_max_rdma_chunked_send_tokens)
             else:
                 recv_x, recv_scales, *received = intranode.dispatch(
-                    ctx, stream, a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
+                    ctx, stream, a.x, a.scales, topk_idx, a.topk_weights, a.is_token_in_rank,
                     a.num_tokens_per_expert, a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens,
                     config.num_sms)
             recv_x = (recv_x, recv_scales) if a.scales is not None else recv_x
-            return (recv_x, *received), (a.x, a.scales, a.topk_idx, a.topk_weights, a.is_token_in_rank,
+            return (recv_x, *received), (a.x, a.scales, topk_idx, a.topk_weights, a.is_token_in_rank,
                                          a.num_tokens_per_expert, a.handle)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)
@@ -598,7 +602,8 @@ class Buffer:
         if mask and rank_to_mask == self.rank:
             raise ValueError(f"{call}: rank {self.rank} cannot mask itself; leave the calls instead, and the others "
                              f"mask it when they time out")
-        ctx.set_mask(int(rank_to_mask), bool(mask))
+        with self._front.current_stream():  # in the callers' stream order
+            ctx.set_mask(int(rank_to_mask), bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Write this rank's mask into ``mask_status``, `[num_ranks]` `int32` (1: masked), in stream order
@@ -609,7 +614,8 @@ class Buffer:
         out = _checks.optional_vector(call, "mask_status", mask_status, np.int32, self.group_size)
         if out is None:
             raise ValueError(f"{call}: mask_status must be a [{self.group_size}] int32 device array")
-        ctx.query_mask(out)
+        with self._front.current_stream():
+            ctx.query_mask(out)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Collective over every rank of the Buffer, a masked rank that is back included: unmask every

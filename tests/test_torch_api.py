@@ -92,6 +92,7 @@ def test_buffer_without_a_group_names_the_arguments(deep_ep):
 def test_previous_event_must_be_an_event(deep_ep):
     from cuep.torch.event import core_event
     assert core_event("dispatch()", None) is None
+    assert core_event("dispatch()", deep_ep.EventOverlap()) is None  # an EventOverlap of no work, as DeepEP
     with pytest.raises(TypeError, match="dispatch\\(\\): previous_event must be an EventOverlap"):
         core_event("dispatch()", "yesterday")
 

@@ -69,6 +69,8 @@ class Resources:
         self.low_latency = low_latency.Context.create(
             libraries["low_latency"], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
             force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
+        # The state above was zeroed on CuPy's stream; the kernels run on the front's, which may not wait for it.
+        self.device.synchronize()
 
     def check_alive(self, call: str) -> None:
         """Raise if the Buffer was destroyed, or what an earlier kernel recorded."""

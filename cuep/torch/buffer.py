@@ -82,6 +82,10 @@ class Buffer:
         self._core = CoreBuffer(ranks, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                                 allow_nvlink_for_low_latency_mode, explicitly_destroy, enable_shrink,
                                 front=self._front, device_id=device_index)
+        if self._core.device_id != device_index:
+            raise ValueError(f"Buffer(): torch's current device is cuda:{device_index}, but this process's first "
+                             f"Buffer runs on cuda:{self._core.device_id} (one NVSHMEM world per process); call "
+                             f"torch.cuda.set_device({self._core.device_id}) first")
         self.group, self.comm = group, comm
         self.rank, self.group_size = self._core.rank, self._core.group_size
         self.num_nvl_bytes, self.num_rdma_bytes = self._core.num_nvl_bytes, self._core.num_rdma_bytes
@@ -91,10 +95,9 @@ class Buffer:
         self._fp8 = torch.float8_e4m3fn
         self._torch = torch
 
-    @property
-    def num_sms(self) -> int | None:
-        """SMs of the high-throughput kernels when no Config is given (``None``: the tuned defaults)."""
-        return CoreBuffer.num_sms
+    #: SMs of the high-throughput kernels when no Config is given (``None``: the tuned defaults); set it
+    #: with :meth:`set_num_sms`.
+    num_sms: int | None = None
 
     # ----------------------------------------------------------------------------------------------
     # Setup, sizes, streams
@@ -111,6 +114,7 @@ class Buffer:
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SMs the high-throughput kernels use when no Config is passed (every Buffer)."""
         CoreBuffer.set_num_sms(new_num_sms)
+        Buffer.num_sms = CoreBuffer.num_sms
 
     @staticmethod
     def capture() -> EventOverlap:

@@ -80,11 +80,11 @@ def core_event(call: str, event: Any) -> CoreEventOverlap | None:
     """The core's :class:`cuep.EventOverlap` of a ``previous_event`` given to ``call``."""
     if event is None or isinstance(event, CoreEventOverlap):
         return event
-    if isinstance(event, EventOverlap) and event.event is not None:
-        return event.event.overlap
+    if isinstance(event, EventOverlap):  # one of no work waits for nothing, as DeepEP reads it
+        return event.event.overlap if event.event is not None else None
     if isinstance(event, EventHandle):
         return event.overlap
-    raise TypeError(f"{call}: previous_event must be an EventOverlap holding an event (Buffer.capture() makes one), "
+    raise TypeError(f"{call}: previous_event must be an EventOverlap (Buffer.capture() makes one), "
                     f"got {type(event).__name__}")
 
 
