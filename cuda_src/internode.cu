@@ -12,7 +12,7 @@
 //           rank of its node, and per expert), then each token once per destination node n, with its
 //           routing and its position at every rank of n, into partition m of rank (n, i)'s receive
 //           region (the forwarder), at slot node_pos. Rows go in chunks of consecutive slots, each
-//           chunk and its signal as one put-with-signal, so a chunk is complete when its signal is.
+//           chunk then its signal (put, fence, signal), so a chunk is complete when its signal is.
 //   notify: each rank waits for every count message and lays out its plan (rank prefix, per-expert
 //           counts, where the combine lands rows); the host may wait for the received count here.
 //   pull:   each rank reads, over NVLink, the chunks that reached its node's forwarders (their
@@ -27,7 +27,7 @@
 //            region (chunks with signals, as the dispatch).
 //   reduce:  each source sums the partials of every node its token went to, and the biases.
 //
-// Only NVSHMEM's portable device API crosses nodes (put-with-signal, signal waits, quiet), so any
+// Only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits, quiet), so any
 // transport serves; data is never inferred from the arrival of a later write. Ranks of one node
 // read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl).
 //
@@ -39,14 +39,14 @@
 // The constants come from cuep/kernels/internode.py (CUEP_* macros), which mirrors the argument
 // structs below field for field; cuep/modes/internode.py lays out the buffers and sequences calls.
 
-// See low_latency.cu: put-with-signal needs the transfer code compiled in.
-#define NVSHMEM_ENABLE_ALL_DEVICE_INLINING
+// Network puts link NVSHMEM's transfer code and go as put, fence, signal (cuep/network.cuh).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
 #include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
 #include <cuep/copy.cuh>
+#include <cuep/network.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
 
@@ -322,12 +322,12 @@ static __device__ __forceinline__ int block_exclusive_count(bool flag, int* warp
 }
 
 // Put `bytes` at `src` (this rank's symmetric memory) to `dst` on `pe` and set `signal` there to
-// `value` once they have landed: one put-with-signal from the calling warp, behind the warp's stores.
+// `value` once they have landed: put, fence, signal from the calling warp, behind the warp's stores.
 static __device__ __forceinline__ void put_with_signal(void* dst, const void* src, size_t bytes, uint64_t* signal,
                                                        uint64_t value, int pe) {
     __syncwarp();
     __threadfence_system();  // the NIC (or a peer's copy engine) reads what the warp's lanes just wrote
-    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe);
+    put_then_signal_warp(dst, src, bytes, signal, value, pe);
 }
 
 // Chunks of `rows` rows, `chunk_rows` each.

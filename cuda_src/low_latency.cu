@@ -18,8 +18,8 @@
 //         BF16 partial into slot (r, t) of s's buffer, so each (token, rank) pair crosses once.
 //   recv: s adds, in FP32, the partials of every rank that held one of its token's experts.
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;
-// other peers, or every peer when the put path is forced, get an NVSHMEM put-with-signal from a
-// staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
+// other peers, or every peer when the put path is forced, get an NVSHMEM put then its signal
+// (cuep/network.cuh) from a staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
 // 64-bit word carries a tag of its call number beside the value, so it shows itself when it lands.
 //
 // The device helpers are static: this family is compiled relocatable (it links NVSHMEM), and there an
@@ -40,10 +40,8 @@
 // sequence state's size) are defined once in cuep/kernels/low_latency.py and arrive as CUEP_* macros;
 // the argument structs are mirrored there field for field (tests/test_kernel_args.py checks them).
 
-// libnvshmem_device.a (3.8) does not export nvshmemi_transfer_put_signal_dispatch<scope>, which the
-// put-with-signal calls reach; with this switch the headers compile the transfer code in here
-// (network puts then go through NVSHMEM's proxy under NVRTC, which has no IBGDA).
-#define NVSHMEM_ENABLE_ALL_DEVICE_INLINING
+// Network puts link NVSHMEM's transfer code (IBGDA or a proxy transport, chosen at run time) and go
+// as put, fence, signal (cuep/network.cuh).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -52,6 +50,7 @@
 #include <cuep/copy.cuh>
 #include <cuep/fp8.cuh>
 #include <cuep/logfmt.cuh>
+#include <cuep/network.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
 #include <cuep/trace.cuh>
@@ -406,8 +405,7 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
             st_relaxed_sys_global(direct_address(flag, pe, rank, false), seq);
     } else {
         if (team.thread() < kWarpSize)
-            nvshmemx_putmem_signal_nbi_warp(table, staging, static_cast<size_t>(count) * sizeof(uint64_t), flag, seq,
-                                            NVSHMEM_SIGNAL_SET, pe);
+            put_then_signal_warp(table, staging, static_cast<size_t>(count) * sizeof(uint64_t), flag, seq, pe);
         team.sync();
     }
 }
@@ -441,7 +439,7 @@ struct Destinations {
 // A direct destination's flag is a release store from one lane of the team's last warp: a release
 // waits until the message's stores have landed, and only that warp waits, while the rest of the team
 // goes on (so callers alternate two `dst` buffers: the next message's lookup must not overwrite what
-// that warp still reads). Put destinations get a put-with-signal from the team's first warp.
+// that warp still reads). Put destinations get a put then its signal from the team's first warp.
 // `trace`: stamps kTraceFlagsReleased once a release returned (on current GPUs a release waits, as a
 // fence does, for the message's stores to land; put destinations are not stamped).
 static __device__ void raise_message_flags(const Team& team, const Destinations& dst, uint8_t* slot, const uint8_t* staged,
@@ -456,7 +454,7 @@ static __device__ void raise_message_flags(const Team& team, const Destinations&
         if (team.thread() < kWarpSize)
             for (int d = 0; d < dst.count; ++d)
                 if (dst.direct[d] == nullptr)
-                    nvshmemx_putmem_signal_nbi_warp(slot, staged, bytes, flag, seq, NVSHMEM_SIGNAL_SET, dst.pe[d]);
+                    put_then_signal_warp(slot, staged, bytes, flag, seq, dst.pe[d]);
         team.sync();  // every thread read `dst` before the buffer comes round again
     }
 }
@@ -1228,7 +1226,7 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
         const int bytes = !a.use_logfmt  ? a.hidden * 2
                           : pair.fell_back ? logfmt.message_bytes
                                            : logfmt.encoded_bytes;
-        nvshmemx_putmem_signal_nbi_warp(slot, staged, static_cast<size_t>(bytes), flag, seq, NVSHMEM_SIGNAL_SET, s);
+        put_then_signal_warp(slot, staged, static_cast<size_t>(bytes), flag, seq, s);
     }
     if (thread == 0)
         trace_latest(a.trace, kTracePartialFlagged);

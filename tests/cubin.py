@@ -5,7 +5,8 @@ Two cubins can differ in bytes while their kernels are the same code: symbol tab
 number of unused constants, so every symbol index shifts. :func:`code_of` keeps what the GPU runs
 -- each function's instructions, and each relocation with its symbol by name -- and nothing that
 only counts or orders symbols. :func:`kernel_params` reads where each kernel's parameters sit, as
-the driver lays out a launch's parameter buffer; :func:`entry_symbols` names the kernels.
+the driver lays out a launch's parameter buffer; :func:`entry_symbols` names the kernels and
+:func:`symbol_names` every symbol.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _symbol_names(all_sections: list[Section]) -> list[str]:
     strings = all_sections[symtab.link].body
     return [_c_string(strings, _SYMBOL.unpack_from(symtab.body, i)[0])
             for i in range(0, len(symtab.body), _SYMBOL.size)]
+
+
+def symbol_names(cubin: bytes) -> set[str]:
+    """Every symbol the cubin's symbol table names (functions, device variables, sections)."""
+    return set(_symbol_names(sections(cubin))) - {""}
 
 
 def entry_symbols(cubin: bytes) -> set[str]:
