@@ -45,7 +45,9 @@ class Buffer:
         num_nvl_bytes: bytes of the intranode (NVLink) buffer, used by normal-mode dispatch/combine.
         num_rdma_bytes: bytes of the internode buffer, used by the internode and low-latency modes.
         low_latency_mode: whether this Buffer serves the low-latency (decode) kernels.
-        num_qps_per_rank: accepted for DeepEP compatibility; NVSHMEM manages its own transport.
+        num_qps_per_rank: IBGDA's queue pairs (reliable connections) per peer, as in DeepEP: it sets
+            ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` unless that is set; only the process's first Buffer's counts
+            (NVSHMEM starts once per process).
         allow_nvlink_for_low_latency_mode: let low-latency kernels store over NVLink to peers
             NVSHMEM can reach directly.
         explicitly_destroy: resources are released only by :meth:`destroy` (or at exit).
@@ -84,7 +86,8 @@ class Buffer:
         self._front = front = front or CupyFront()
         self._resources = r = Resources(self.group, front, self.num_nvl_bytes, self.num_rdma_bytes,
                                         self.low_latency_mode, force_put=not self.allow_nvlink_for_low_latency_mode,
-                                        shrink=self.enable_shrink, device_id=device_id)
+                                        shrink=self.enable_shrink, device_id=device_id,
+                                        num_qps_per_rank=self.num_qps_per_rank)
         self.topology, self.rank, self.group_size, self.device_id = r.topology, r.rank, r.num_ranks, r.device_id
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()

@@ -1,5 +1,6 @@
-"""Command line: ``python -m cuep info``, ``python -m cuep compile --arch sm_80,sm_90`` and
-``python -m cuep gpus --at-least 2`` (a rank count for ``mpirun -np``)."""
+"""Command line: ``python -m cuep info``, ``python -m cuep compile --arch sm_80,sm_90``,
+``python -m cuep gpus --at-least 2`` (a rank count for ``mpirun -np``) and
+``python -m cuep doctor [--transport ibgda]`` (can NVSHMEM's network transports work on this host)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 
 from . import __version__, env
+from .doctor.checks import TRANSPORTS
 from .errors import MissingDependencyError
 
 _DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cuda-core", "cuda-bindings", "nvshmem4py-cu13",
@@ -100,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--aggressive-ptx", action="store_true", help="also build the aggressive-PTX variant")
     gpus = commands.add_parser("gpus", help="print how many GPUs this machine shows (for mpirun -np)")
     gpus.add_argument("--at-least", type=int, default=0, help="print at least this many (ranks then share GPUs)")
+    doctor = commands.add_parser("doctor", help="check this host for what NVSHMEM's network transports need")
+    doctor.add_argument("--transport", choices=TRANSPORTS, help="check this transport only (default: every one)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "doctor":
+        from . import doctor
+        return doctor.main(args.transport)
     if args.command == "gpus":
         from .runtime.world import visible_gpu_count
         print(max(visible_gpu_count(), args.at_least))

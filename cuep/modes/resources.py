@@ -28,7 +28,8 @@ class Resources:
     context exists with ``low_latency_mode`` and an RDMA buffer."""
 
     def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
-                 force_put: bool, shrink: bool = False, device_id: int | None = None):
+                 force_put: bool, shrink: bool = False, device_id: int | None = None,
+                 num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK):
         nvshmem_world.check_group(group)  # before anything else is collective over a group that cannot work
         self.topology = discover_topology(group)
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
@@ -43,7 +44,7 @@ class Resources:
         load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
                                      self.device_id, normal_nvl_bytes,
                                      num_rdma_bytes if low_latency_mode else 0, across_nodes)
-        nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id)
+        nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id, num_qps_per_rank)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
         self.device.use()

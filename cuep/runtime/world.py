@@ -46,6 +46,10 @@ _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 #    default in 3.8), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
 #    the number of its predefined teams to that number, so 1 means "the predefined teams only".
 NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1"}
+# DeepEP's default queue pairs per peer; as in DeepEP, a Buffer's num_qps_per_rank becomes IBGDA's
+# reliable connections per peer (the first Buffer's, since NVSHMEM starts once per process).
+DEFAULT_QPS_PER_RANK = 24
+IBGDA_QPS_VARIABLE = "NVSHMEM_IBGDA_NUM_RC_PER_PE"
 
 
 def parse_heap_size(text: str) -> int | None:
@@ -150,9 +154,12 @@ def check_group(group: Group) -> None:
                          "order: NVSHMEM allows one world per process")
 
 
-def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int) -> World:
+def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int,
+               num_qps_per_rank: int = DEFAULT_QPS_PER_RANK) -> World:
     """Collective: bootstrap NVSHMEM over ``group`` on ``device_id`` (from :func:`choose_device`) once per
-    process; later calls return the world."""
+    process; later calls return the world. ``num_qps_per_rank`` sets IBGDA's connections per peer unless
+    ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` is set. A failed start raises :class:`CuepError` naming the transport
+    asked for and what :mod:`cuep.doctor` finds against it."""
     global _world
     if _world is not None and not _world.finalized:
         check_group(group)
@@ -161,23 +168,28 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
     cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
     heap_bytes = _size_heap(data_bytes)
-    apply_nvshmem_defaults(os.environ)
+    apply_nvshmem_defaults(os.environ, num_qps_per_rank)
     device = core.Device(device_id)
     device.set_current()
     cupy.cuda.Device(device_id).use()
     uid = nvshmem.get_unique_id(empty=topology.rank != 0)
     uid_bytes = uid._data.view(np.int8)
     uid_bytes[:] = np.frombuffer(group.broadcast(uid_bytes.tobytes(), "NVSHMEM bootstrap"), dtype=np.int8)
-    nvshmem.init(device=device, uid=uid, rank=topology.rank, nranks=topology.num_ranks,
-                 initializer_method="uid")
+    try:
+        nvshmem.init(device=device, uid=uid, rank=topology.rank, nranks=topology.num_ranks,
+                     initializer_method="uid")
+    except Exception as exc:  # nvshmem4py raises NvshmemError; a transport plugin may fail otherwise
+        from .. import doctor
+        raise CuepError(doctor.start_error_message(topology.rank, exc, os.environ)) from exc
     _world = World(group=group, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)
     return _world
 
 
-def apply_nvshmem_defaults(environ) -> None:
-    """Set each of :data:`NVSHMEM_DEFAULTS` in ``environ`` that the user has not set."""
-    for name, value in NVSHMEM_DEFAULTS.items():
+def apply_nvshmem_defaults(environ, num_qps_per_rank: int = DEFAULT_QPS_PER_RANK) -> None:
+    """Set each of :data:`NVSHMEM_DEFAULTS`, and IBGDA's connections per peer (``num_qps_per_rank``), in
+    ``environ`` where the user has not set them."""
+    for name, value in {**NVSHMEM_DEFAULTS, IBGDA_QPS_VARIABLE: str(num_qps_per_rank)}.items():
         environ.setdefault(name, value)
 
 

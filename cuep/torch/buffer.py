@@ -56,7 +56,8 @@ class Buffer:
         num_nvl_bytes: bytes of the intranode (NVLink) buffer, used by normal-mode dispatch and combine.
         num_rdma_bytes: bytes of the internode buffer, used by the internode and low-latency modes.
         low_latency_mode: whether this Buffer serves the low-latency (decode) kernels.
-        num_qps_per_rank: accepted for DeepEP compatibility (NVSHMEM manages its transport).
+        num_qps_per_rank: IBGDA's queue pairs per peer: sets ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` unless that
+            is set (the process's first Buffer's value counts: NVSHMEM starts once per process).
         allow_nvlink_for_low_latency_mode: let low-latency kernels store over NVLink to peers NVSHMEM can
             reach directly (``False`` forces NVSHMEM puts).
         allow_mnnvl, use_fabric: accepted for DeepEP compatibility (NVSHMEM picks multi-node NVLink and

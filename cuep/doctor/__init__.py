@@ -1,0 +1,88 @@
+"""``python -m cuep doctor [--transport ibgda|ibrc|ucx|libfabric]``: can NVSHMEM's transports work here?
+
+Checks this host for what a transport needs (every transport when none is named): the NVIDIA driver and
+its parameters, GPUDirect RDMA (nvidia_peermem or dma-buf), the RDMA NICs and their ports, GDRCopy and
+the memlock limit, the installed NVSHMEM and the transports it ships, GPU-NIC affinity and GPU peer
+access, and the ``NVSHMEM_*`` and ``CUEP_*`` variables in force. One line per check: ok, warn, fail or
+unchecked, what it found, and what to change. Needs no GPU.
+
+The same checks explain a failed NVSHMEM start (:func:`start_error_message`), so every rank's
+:class:`~cuep.errors.CuepError` names the likely causes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .checks import (FAIL, NO_TRANSPORT, TRANSPORTS, UNCHECKED, WARN, Check, can_work, explicit_transport,
+                     host_checks, requested_transport, transport_checks, transport_settings)
+from .host import HostFacts, read_host
+
+_MARKS = {"ok": "ok", WARN: "warn", FAIL: "FAIL", UNCHECKED: "??"}
+
+
+def _line(check: Check) -> str:
+    text = f"  [{_MARKS[check.verdict]:>4s}] {check.name}: {check.found}"
+    return text + (f"\n         -> {check.change}" if check.change and check.verdict != "ok" else "")
+
+
+def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, str]) -> tuple[str, int]:
+    """The doctor's report on ``transports`` and its exit status: 1 when the host cannot start NVSHMEM, or
+    when a transport cannot work here that was named (``--transport``) or, with none named, that the
+    environment asks for (``NVSHMEM_REMOTE_TRANSPORT``, ``NVSHMEM_IB_ENABLE_IBGDA``); else 0."""
+    asked = transports[0] if len(transports) == 1 else explicit_transport(environ)
+    lines = ["host (every job):"]
+    host = host_checks(facts)
+    lines += [_line(check) for check in host]
+    failed = not can_work(host)
+    verdicts = []
+    for transport in transports:
+        checks = transport_checks(facts, transport)
+        works = can_work(checks)
+        lines.append(f"{transport} (across hosts):")
+        lines += [_line(check) for check in checks]
+        verdicts.append(f"{transport}: {'can work here' if works else 'cannot work here'}")
+        failed |= transport == asked and not works
+    lines.append(f"transport asked for: {transport_settings(environ)} -> {requested_transport(environ)}")
+    lines.append("verdict: " + "; ".join(["one host: " + ("can work" if can_work(host) else "cannot work"),
+                                          *verdicts]))
+    unchecked = [check.name for check in host if check.verdict == UNCHECKED]
+    if unchecked:
+        lines.append(f"not checked here: {', '.join(unchecked)}")
+    return "\n".join(lines), int(failed)
+
+
+def start_error_message(rank: int, error: BaseException, environ: Mapping[str, str],
+                        facts: HostFacts | None = None) -> str:
+    """What a rank says when NVSHMEM fails to start: the error, the transport asked for, and the failing
+    (then the warning) checks of that transport on this host, with ``python -m cuep doctor`` to run."""
+    transport = requested_transport(environ)
+    facts = read_host(environ=environ) if facts is None else facts
+    checks = host_checks(facts)
+    if transport in TRANSPORTS:
+        checks += transport_checks(facts, transport)
+    causes = [c for c in checks if c.verdict == FAIL] or [c for c in checks if c.verdict == WARN]
+    if causes:
+        found = "; ".join(f"{c.name}: {c.found}" + (f" ({c.change})" if c.change else "") for c in causes)
+        likely = f"Likely causes on this host: {found}."
+    else:
+        likely = ("The doctor finds nothing wrong with this host for it; NVSHMEM_DEBUG=INFO prints NVSHMEM's "
+                  "own reason.")
+    doctor = "python -m cuep doctor" + (f" --transport {transport}" if transport in TRANSPORTS else "")
+    single_host = "" if transport == NO_TRANSPORT else \
+        " A job on a single host needs no NIC: NVSHMEM_REMOTE_TRANSPORT=none."
+    return (f"rank {rank}: NVSHMEM could not start ({type(error).__name__}: {error}) with {transport_settings(environ)}, "
+            f"so NVSHMEM tried the {transport} transport. {likely} Run `{doctor}` for every check.{single_host}")
+
+
+def main(transport: str | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Print the report (on ``transport``, or on every transport) and return the exit status."""
+    import os
+    environ = os.environ if environ is None else environ
+    text, status = report(read_host(environ=environ), (transport,) if transport else TRANSPORTS, environ)
+    print(text)
+    return status
+
+
+__all__ = ["Check", "HostFacts", "TRANSPORTS", "main", "read_host", "report", "requested_transport",
+           "start_error_message"]
