@@ -1,7 +1,9 @@
 // Dispatch layout: from each token's top-k expert ids to the counts that dispatch needs.
 //
 // Input:  topk_idx [num_tokens, num_topk], int32 or int64 (one entry kernel each); -1 means no
-//         expert, and any id outside [0, num_experts) counts nowhere.
+//         expert, and any id outside [0, num_experts) counts nowhere. An id outside [-1, num_experts)
+//         is recorded in the status words (block 0 checks every entry), and the host's next call
+//         raises it: a check on the host would cost a sync per call.
 // Output: num_tokens_per_expert [num_experts]   entries routed to each expert,
 //         num_tokens_per_rank   [num_ranks]     tokens with at least one expert on each rank,
 //         num_tokens_per_node   [num_nodes]     the same per node (only when num_nodes > 1),
@@ -15,6 +17,7 @@
 // topk_idx (from L2 after the first); counts live in registers and are summed once per block.
 #include <cuep/common.cuh>
 #include <cuep/ptx.cuh>
+#include <cuep/sync.cuh>
 
 namespace cuep {
 
@@ -47,13 +50,17 @@ __device__ void sum_over_block_and_store(int (&counts)[kNumCounters], int first,
     }
 }
 
+// check_ids: also record the first id outside [-1, num_experts) in `status` (one block does).
 template <typename TopkIdx>
 __device__ void count_experts(const TopkIdx* topk_idx, int num_tokens, int num_topk, int num_experts,
-                              int first_expert, int* num_tokens_per_expert) {
+                              int first_expert, int* num_tokens_per_expert, bool check_ids, const Status& status) {
     int counts[kExpertsPerBlock] = {};
     const int64_t num_entries = static_cast<int64_t>(num_tokens) * num_topk;
     for (int64_t i = threadIdx.x; i < num_entries; i += kNumThreads) {
-        const int64_t slot = static_cast<int64_t>(ld_nc_global(topk_idx + i)) - first_expert;
+        const int64_t id = static_cast<int64_t>(ld_nc_global(topk_idx + i));
+        if (check_ids && (id < -1 || id >= num_experts))
+            status.record_bad_expert_id(id, num_experts, kBadIdsLayout);
+        const int64_t slot = id - first_expert;
 #pragma unroll
         for (int j = 0; j < kExpertsPerBlock; ++j)
             counts[j] += slot == j;
@@ -92,13 +99,15 @@ __device__ void count_groups(const TopkIdx* topk_idx, int num_tokens, int num_to
 template <typename TopkIdx>
 __device__ void dispatch_layout(const TopkIdx* topk_idx, int num_tokens, int num_topk, int num_experts,
                                 int num_ranks, int num_nodes, int* num_tokens_per_expert,
-                                int* num_tokens_per_rank, int* num_tokens_per_node, bool* is_token_in_rank) {
+                                int* num_tokens_per_rank, int* num_tokens_per_node, bool* is_token_in_rank,
+                                const Status& status) {
     const int num_expert_blocks = (num_experts + kExpertsPerBlock - 1) / kExpertsPerBlock;
     const int num_rank_blocks = (num_ranks + kGroupsPerBlock - 1) / kGroupsPerBlock;
     const int experts_per_rank = num_experts / num_ranks;
     int block = blockIdx.x;
     if (block < num_expert_blocks) {
-        count_experts(topk_idx, num_tokens, num_topk, num_experts, block * kExpertsPerBlock, num_tokens_per_expert);
+        count_experts(topk_idx, num_tokens, num_topk, num_experts, block * kExpertsPerBlock, num_tokens_per_expert,
+                      block == 0, status);
         return;
     }
     block -= num_expert_blocks;
@@ -124,13 +133,15 @@ struct LayoutArgs {
     int* num_tokens_per_rank;      // [num_ranks]
     int* num_tokens_per_node;      // [num_nodes], or nullptr with one node
     bool* is_token_in_rank;        // [num_tokens, num_ranks]
+    int32_t* status_device;        // the Buffer's status words (a Status, as two fields)
+    int32_t* status_host;
 };
 
 template <typename TopkIdx>
 __device__ __forceinline__ void dispatch_layout(const LayoutArgs& a) {
     dispatch_layout(static_cast<const TopkIdx*>(a.topk_idx), a.num_tokens, a.num_topk, a.num_experts, a.num_ranks,
                     a.num_nodes, a.num_tokens_per_expert, a.num_tokens_per_rank, a.num_tokens_per_node,
-                    a.is_token_in_rank);
+                    a.is_token_in_rank, Status{a.status_device, a.status_host});
 }
 
 }  // namespace cuep
@@ -142,19 +153,23 @@ namespace cuep::layout {
 __global__ void __launch_bounds__(kNumThreads)
 get_dispatch_layout_i32(const int32_t* args_topk_idx, int args_num_tokens, int args_num_topk, int args_num_experts,
                         int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
-                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank,
+                        int32_t* args_status_device, int32_t* args_status_host) {
     dispatch_layout<int32_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts, args_num_ranks,
                               args_num_nodes, args_num_tokens_per_expert, args_num_tokens_per_rank,
-                              args_num_tokens_per_node, args_is_token_in_rank});
+                              args_num_tokens_per_node, args_is_token_in_rank, args_status_device,
+                              args_status_host});
 }
 
 __global__ void __launch_bounds__(kNumThreads)
 get_dispatch_layout_i64(const int64_t* args_topk_idx, int args_num_tokens, int args_num_topk, int args_num_experts,
                         int args_num_ranks, int args_num_nodes, int* args_num_tokens_per_expert,
-                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank) {
+                        int* args_num_tokens_per_rank, int* args_num_tokens_per_node, bool* args_is_token_in_rank,
+                        int32_t* args_status_device, int32_t* args_status_host) {
     dispatch_layout<int64_t>({args_topk_idx, args_num_tokens, args_num_topk, args_num_experts, args_num_ranks,
                               args_num_nodes, args_num_tokens_per_expert, args_num_tokens_per_rank,
-                              args_num_tokens_per_node, args_is_token_in_rank});
+                              args_num_tokens_per_node, args_is_token_in_rank, args_status_device,
+                              args_status_host});
 }
 
 }  // namespace cuep::layout

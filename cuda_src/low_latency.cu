@@ -150,7 +150,9 @@ struct MaskedStatus {
 
     __device__ Status plain() const { return Status{device, host}; }
     __device__ void record(int word, int32_t value) const { plain().record(word, value); }
-    __device__ void record_bad_expert_id() const { plain().record_bad_expert_id(); }
+    __device__ void record_bad_expert_id(int64_t id, int num_experts) const {
+        plain().record_bad_expert_id(id, num_experts, kBadIdsLowLatency);
+    }
 
     __device__ bool is_masked(int peer) const { return masked != nullptr && ld_volatile_global(masked + peer) != 0; }
 
@@ -341,7 +343,7 @@ __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are
     const int64_t id =
         ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
     if (id < -1 || id >= num_experts) {
-        status.record_bad_expert_id();
+        status.record_bad_expert_id(id, num_experts);
         return -1;
     }
     return static_cast<int>(id);

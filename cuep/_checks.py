@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _deps, _interop, env
+from . import _deps, _interop
 from .kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
@@ -53,33 +53,6 @@ def check_num_experts(call: str, num_experts: Any, num_ranks: int) -> None:
         raise TypeError(f"{call}: num_experts must be an int, got {type(num_experts).__name__}")
     if num_experts <= 0 or num_experts % num_ranks:
         raise ValueError(f"{call}: num_experts must be a positive multiple of the {num_ranks} ranks, got {num_experts}")
-
-
-def check_expert_ids(call: str, topk_idx, num_experts: int, stream) -> None:
-    """Every id in ``topk_idx`` is -1 or in ``[0, num_experts)``.
-
-    Reads the values on the GPU and waits for them (one small reduction), so it is skipped while
-    ``stream`` is being captured into a CUDA graph and when ``CUEP_SKIP_VALUE_CHECKS`` is set.
-    """
-    if topk_idx.size == 0 or env.get("CUEP_SKIP_VALUE_CHECKS") or stream.is_capturing():
-        return
-    cupy = _deps.cupy()
-    ids = _interop.to_cupy(topk_idx)
-    with stream:
-        low, high = (int(v) for v in cupy.stack([ids.min(), ids.max()]).get())
-    problem = expert_id_range_problem(low, high, num_experts)
-    if problem:
-        raise ValueError(f"{call}: {problem}")
-
-
-def expert_id_range_problem(low: int, high: int, num_experts: int) -> str | None:
-    """What is wrong with expert ids spanning ``[low, high]``, or ``None``."""
-    if low < -1:
-        return f"topk_idx holds {low}; entries must be -1 (no expert) or expert ids in [0, {num_experts})"
-    if high >= num_experts:
-        return (f"topk_idx holds expert id {high}, but num_experts={num_experts} "
-                f"(valid ids: -1 for none, 0..{num_experts - 1})")
-    return None
 
 
 def check_nonnegative_int(call: str, name: str, value: Any) -> int:

@@ -193,8 +193,7 @@ class Buffer:
 
         Requirements:
             ``num_experts`` divisible by the number of ranks; rank ``r`` holds experts
-            ``[r * E / R, (r + 1) * E / R)``. Unless ``CUEP_SKIP_VALUE_CHECKS`` is set or the stream
-            is being captured, expert ids are range-checked first (one small GPU reduction and a sync).
+            ``[r * E / R, (r + 1) * E / R)``.
 
         Arguments:
             topk_idx: `[num_tokens, num_topk]` with `int64` (or `int32`), the experts each token is
@@ -215,8 +214,9 @@ class Buffer:
                 and ``allocate_on_comm_stream`` the kernel runs on the current stream and the event is
                 recorded only when first used (DeepEP returns none then).
 
-        Differs from DeepEP: `int32` ``topk_idx`` is accepted too; ids outside `[-1, num_experts)`
-        raise ``ValueError`` instead of corrupting memory.
+        Differs from DeepEP: `int32` ``topk_idx`` is accepted too; ids outside `[-1, num_experts)` count
+        nowhere (as `-1`) instead of corrupting memory, and this Buffer's next call raises ``ValueError``
+        naming the id (the kernel checks them: a check on the host would cost a sync per call).
         """
         call = "get_dispatch_layout()"
         self._check_alive(call)
@@ -225,7 +225,6 @@ class Buffer:
         _checks.check_topk_idx(call, topk_idx, num_experts)
         _checks.check_num_experts(call, num_experts, self.group_size)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        _checks.check_expert_ids(call, topk_idx, int(num_experts), front.current_stream())
         num_tokens, num_nodes = topk_idx.shape[0], self.topology.num_nodes
 
         def enqueue(stream):
@@ -234,7 +233,7 @@ class Buffer:
             per_expert = front.empty((int(num_experts),), np.int32)
             in_rank = front.empty((num_tokens, self.group_size), np.bool_)
             layout_kernel.launch(self._resources.layout_library, stream, topk_idx, int(num_experts), self.group_size,
-                                 num_nodes, per_expert, per_rank, per_node, in_rank)
+                                 num_nodes, per_expert, per_rank, per_node, in_rank, self._resources.status)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)

@@ -160,11 +160,38 @@ class LowLatencyDispatchResult(NamedTuple):
     recv_src: list[np.ndarray]  # per local expert, [count, 2]: (source rank, source token) of each row
 
 
-def _expert_rows(topk_idxs: list[np.ndarray], expert: int) -> np.ndarray:
-    """(source rank, source token) pairs that chose ``expert``, in (rank, token) order."""
-    pairs = [np.stack([np.full(len(t), s), t], axis=1) for s, topk in enumerate(topk_idxs)
-             for t in [np.nonzero((np.asarray(topk) == expert).any(axis=1))[0]]]
-    return np.concatenate(pairs).astype(np.int64) if pairs else np.zeros((0, 2), np.int64)
+class _Routes(NamedTuple):
+    """Every (expert, source rank, source token) that the tokens' choices name, each once, sorted in that
+    order: local expert ``e`` of a rank receives its rows in (source rank, source token) order. Ids
+    outside ``[0, num_experts)`` route nowhere; a token naming an expert twice is delivered once."""
+
+    key: np.ndarray       # sorted: (expert * num_ranks + source) * stride + token
+    expert: np.ndarray
+    source: np.ndarray
+    token: np.ndarray
+    first: np.ndarray     # [num_experts + 1]: expert x's routes are first[x] .. first[x + 1] - 1
+    num_ranks: int
+    stride: int           # more than any rank's token count
+
+    @classmethod
+    def of(cls, topk_idxs: list[np.ndarray], num_experts: int) -> "_Routes":
+        num_ranks = len(topk_idxs)
+        stride = max((len(topk) for topk in topk_idxs), default=0) + 1
+        keys = [np.zeros(0, np.int64)]
+        for s, topk in enumerate(topk_idxs):
+            topk = np.asarray(topk, dtype=np.int64)
+            tokens, choices = np.nonzero((topk >= 0) & (topk < num_experts))
+            keys.append((topk[tokens, choices] * num_ranks + s) * stride + tokens)
+        key = np.unique(np.concatenate(keys))
+        expert, rest = np.divmod(key, num_ranks * stride)
+        source, token = np.divmod(rest, stride)
+        return cls(key, expert, source, token, np.searchsorted(expert, np.arange(num_experts + 1)), num_ranks,
+                   stride)
+
+    def rows(self, expert: np.ndarray, source: int, token: np.ndarray) -> np.ndarray:
+        """The row of each (``expert``, ``source``, ``token``), all routed, among its expert's received rows."""
+        key = (expert * self.num_ranks + source) * self.stride + token
+        return np.searchsorted(self.key, key) - self.first[expert]
 
 
 def low_latency_dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int, max_tokens: int,
@@ -180,23 +207,24 @@ def low_latency_dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_
     per_rank = num_experts // num_ranks
     sent = [fp8.quantize(np.asarray(x), round_scale, use_ue8m0) if use_fp8 else (np.asarray(x), None) for x in xs]
     hidden = xs[0].shape[1]
+    routes = _Routes.of(topk_idxs, num_experts)
+    # Every source's sent rows stacked, so a route's row is one index: its source's offset plus its token.
+    offsets = np.cumsum([0] + [len(x) for x in xs])
+    row_of_route = offsets[routes.source] + routes.token
+    data = np.concatenate([d for d, _ in sent])
+    scales = np.concatenate([c for _, c in sent]) if use_fp8 else None
     results = []
     for r in range(num_ranks):
-        data_dtype = np.uint8 if use_fp8 else xs[0].dtype
-        recv_x = np.zeros((per_rank, num_ranks * max_tokens, hidden), dtype=data_dtype)
-        recv_scales = None
-        if use_fp8:
-            columns = hidden // fp8.SCALE_BLOCK // (fp8.UE8M0_SCALES_PER_WORD if use_ue8m0 else 1)
-            recv_scales = np.zeros((per_rank, num_ranks * max_tokens, columns), sent[0][1].dtype)
+        recv_x = np.zeros((per_rank, num_ranks * max_tokens, hidden), dtype=data.dtype)
+        recv_scales = np.zeros((per_rank, num_ranks * max_tokens, scales.shape[1]), scales.dtype) if use_fp8 else None
         counts, sources = np.zeros(per_rank, np.int32), []
         for e in range(per_rank):
-            pairs = _expert_rows(topk_idxs, r * per_rank + e)
-            counts[e] = len(pairs)
-            sources.append(pairs)
-            for row, (s, t) in enumerate(pairs):
-                recv_x[e, row] = sent[s][0][t]
-                if use_fp8:
-                    recv_scales[e, row] = sent[s][1][t]
+            begin, end = routes.first[r * per_rank + e], routes.first[r * per_rank + e + 1]
+            counts[e] = end - begin
+            sources.append(np.stack([routes.source[begin:end], routes.token[begin:end]], axis=1))
+            recv_x[e, :counts[e]] = data[row_of_route[begin:end]]
+            if use_fp8:
+                recv_scales[e, :counts[e]] = scales[row_of_route[begin:end]]
         results.append(LowLatencyDispatchResult(recv_x, recv_scales, counts, sources))
     return results
 
@@ -207,21 +235,24 @@ def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.nda
 
     ``expert_outputs[r]``: rank ``r``'s `[L, R * max_tokens, hidden]` outputs, row-aligned with its
     dispatch result. Token ``t`` of rank ``s`` gets ``sum_k weights[t, k] * output(expert k, its row)``
-    over the entries that are not -1.
+    over the entries naming an expert (summed in float64 in ``k`` order, then rounded to float32).
     """
     num_ranks = len(expert_outputs)
     per_rank = num_experts // num_ranks
-    row_of = {}
-    for expert in range(num_experts):
-        for row, (s, t) in enumerate(_expert_rows(topk_idxs, expert)):
-            row_of[(expert, int(s), int(t))] = row
+    routes = _Routes.of(topk_idxs, num_experts)
     combined = []
     for s, (topk, weights) in enumerate(zip(topk_idxs, topk_weights)):
+        topk = np.asarray(topk, dtype=np.int64)
         out = np.zeros((len(topk), expert_outputs[0].shape[2]), dtype=np.float64)
-        for t, k in zip(*np.nonzero(np.asarray(topk) >= 0)):
-            expert = int(topk[t, k])
-            r, e = divmod(expert, per_rank)
-            out[t] += np.float64(weights[t, k]) * expert_outputs[r][e, row_of[(expert, s, int(t))]].astype(np.float64)
+        for k in range(topk.shape[1]):
+            (tokens,) = np.nonzero((topk[:, k] >= 0) & (topk[:, k] < num_experts))
+            experts = topk[tokens, k]
+            rows = routes.rows(experts, s, tokens)
+            ranks, local = np.divmod(experts, per_rank)
+            for r in np.unique(ranks):
+                on_r = ranks == r
+                picked = np.asarray(expert_outputs[r][local[on_r], rows[on_r]]).astype(np.float64)
+                out[tokens[on_r]] += np.asarray(weights, np.float64)[tokens[on_r], k][:, None] * picked
         combined.append(out.astype(np.float32))
     return combined
 

@@ -9,6 +9,8 @@ import cuep
 from cuep import _checks, _deps, env
 from cuep.errors import CuepError, MissingDependencyError
 from cuep.jit import toolchain
+from cuep.kernels import status
+from cuep.kernels.status import BadIdsCall
 from cuep.runtime import world
 
 CALL = "get_dispatch_layout()"
@@ -43,14 +45,25 @@ def test_topk_idx_needs_a_column():
         _checks.check_topk_idx(CALL, HostArray(np.zeros((4, 0), np.int64)), 8)
 
 
-@pytest.mark.parametrize("low, high, message", [
-    (0, 8, r"topk_idx holds expert id 8, but num_experts=8 \(valid ids: -1 for none, 0..7\)"),
-    (-3, 2, r"topk_idx holds -3; entries must be -1"),
+@pytest.mark.parametrize("call, bad_id, message", [
+    (BadIdsCall.LAYOUT, 8, r"get_dispatch_layout\(\) on rank 3: topk_idx held expert id 8, but num_experts=8 "
+                           r"\(valid ids: -1 for none, 0..7\)"),
+    (BadIdsCall.LOW_LATENCY, -3, r"low_latency_dispatch\(\)/low_latency_combine\(\) on rank 3: topk_idx held "
+                                 r"expert id -3, but num_experts=8"),
+    (BadIdsCall.LAYOUT, -(1 << 40) - 5, r"expert id -1099511627781, but"),  # an int64 id, both halves
+    (BadIdsCall.LAYOUT, (1 << 33) + 1, r"expert id 8589934593, but"),
 ])
-def test_expert_id_out_of_range(low, high, message):
-    assert _checks.expert_id_range_problem(-1, 7, 8) is None
+def test_expert_id_out_of_range(call, bad_id, message):
+    """The words a kernel records for an out-of-range id (cuda_src/cuep/sync.cuh, record_bad_expert_id) raise
+    in the Buffer's next call, naming the call, the argument and the id."""
+    words = np.zeros(status.STATUS_WORDS, np.int32)
+    status.raise_if_failed(words, 3, 1.0)  # nothing recorded: nothing raised
+    bits = bad_id & 0xFFFFFFFFFFFFFFFF
+    words[[status.BAD_EXPERT_IDS, status.BAD_EXPERT_LIMIT]] = int(call), 8
+    words[[status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH]] = np.array([bits & 0xFFFFFFFF, bits >> 32],
+                                                                           np.uint32).view(np.int32)
     with pytest.raises(ValueError, match=message):
-        raise ValueError(_checks.expert_id_range_problem(low, high, 8))
+        status.raise_if_failed(words, 3, 1.0)
 
 
 @pytest.mark.parametrize("num_experts, error, message", [

@@ -126,5 +126,7 @@ def test_phase_codes_have_no_holes_and_a_name_each():
     assert codes == list(range(1, len(codes) + 1))
     assert set(status.PHASE_NAMES) == set(status.Phase)
     words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.LANDING_ROWS,
-             status.SELF_MASKED]
+             status.SELF_MASKED, status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH, status.BAD_EXPERT_LIMIT]
     assert sorted(words) == list(range(status.STATUS_WORDS))
+    calls = sorted(int(call) for call in status.BadIdsCall)
+    assert calls == list(range(1, len(calls) + 1)) and set(status.BAD_IDS_CALL_NAMES) == set(status.BadIdsCall)

@@ -59,14 +59,22 @@ constexpr int kStatusTimedOut = CUEP_STATUS_TIMED_OUT;          // 0 = fine, 1 =
 constexpr int kStatusPeer = CUEP_STATUS_PEER;                   // the rank that never arrived
 constexpr int kStatusPhase = CUEP_STATUS_PHASE;                 // which wait (kPhase* below)
 constexpr int kStatusOverflow = CUEP_STATUS_OVERFLOW;           // rows beyond num_worst_tokens
-constexpr int kStatusBadExpertIds = CUEP_STATUS_BAD_EXPERT_IDS; // top-k ids a kernel treated as -1
+constexpr int kStatusBadExpertIds = CUEP_STATUS_BAD_EXPERT_IDS; // the call (kBadIds*) that met an id outside [-1, E)
 constexpr int kStatusLandingRows = CUEP_STATUS_LANDING_ROWS;    // rows beyond one rank's landing region
 constexpr int kStatusSelfMasked = CUEP_STATUS_SELF_MASKED;      // shrink mode: the peers masked this rank
+constexpr int kStatusBadExpertIdLow = CUEP_STATUS_BAD_EXPERT_ID_LOW;    // that id's low 32 bits
+constexpr int kStatusBadExpertIdHigh = CUEP_STATUS_BAD_EXPERT_ID_HIGH;  // and its high 32 bits
+constexpr int kStatusBadExpertLimit = CUEP_STATUS_BAD_EXPERT_LIMIT;     // that call's num_experts
 constexpr int kStatusWords = CUEP_STATUS_WORDS;
 static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kStatusPhase < kStatusWords &&
               kStatusOverflow < kStatusWords && kStatusBadExpertIds < kStatusWords &&
-              kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords,
+              kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords &&
+              kStatusBadExpertIdLow < kStatusWords && kStatusBadExpertIdHigh < kStatusWords &&
+              kStatusBadExpertLimit < kStatusWords,
               "a status word outside the status array");
+// Which call met an out-of-range expert id (the value of word kStatusBadExpertIds; never 0).
+constexpr int kBadIdsLowLatency = CUEP_BAD_IDS_LOW_LATENCY;
+constexpr int kBadIdsLayout = CUEP_BAD_IDS_LAYOUT;
 
 // Which wait timed out (status[kStatusPhase]); cuep/kernels/status.py (Phase) names them.
 constexpr int kPhaseBarrier = CUEP_PHASE_BARRIER;

@@ -72,14 +72,28 @@ struct Status {
         }
     }
 
-    // One word that is not a timeout (kStatusOverflow, kStatusBadExpertIds, kStatusLandingRows).
+    // One word that is not a timeout (kStatusOverflow, kStatusLandingRows, kStatusSelfMasked).
     __device__ void record(int word, int32_t value) const {
         device[word] = value;
         *reinterpret_cast<volatile int32_t*>(host + word) = value;
         __threadfence_system();
     }
 
-    __device__ void record_bad_expert_id() const { record(kStatusBadExpertIds, 1); }
+    // A top-k id outside [-1, num_experts), which the caller treats as -1. The first one recorded (until
+    // the host raises it) keeps the record: the call that met it (kBadIds*), the id and num_experts. The
+    // host reads the call's word last, so it is written last.
+    __device__ void record_bad_expert_id(int64_t id, int num_experts, int32_t call) const {
+        if (atomicCAS(device + kStatusBadExpertIds, 0, call) != 0)
+            return;
+        const auto bits = static_cast<uint64_t>(id);
+        const auto low = static_cast<int32_t>(bits & 0xffffffffu), high = static_cast<int32_t>(bits >> 32);
+        device[kStatusBadExpertIdLow] = host[kStatusBadExpertIdLow] = low;
+        device[kStatusBadExpertIdHigh] = host[kStatusBadExpertIdHigh] = high;
+        device[kStatusBadExpertLimit] = host[kStatusBadExpertLimit] = num_experts;
+        __threadfence_system();
+        *reinterpret_cast<volatile int32_t*>(host + kStatusBadExpertIds) = call;
+        __threadfence_system();
+    }
 };
 
 // The bounded wait that records its own timeout: until `arrived()` holds, poll again with `poll()`

@@ -13,6 +13,7 @@ entry's parameters::
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from ..jit import KernelSpec, Library
 from . import launcher
 from .common import family_constants
 from .launcher import KernelArgs, entries_of
+
+if TYPE_CHECKING:  # the status words' owner imports this package
+    from .._status import StatusWords
 
 NUM_THREADS = 256
 # Counters per block live in registers; 8 keeps the block count near the SM count for 256 experts.
@@ -39,7 +43,8 @@ class LayoutArgs(KernelArgs):
                 ("num_tokens", ctypes.c_int), ("num_topk", ctypes.c_int), ("num_experts", ctypes.c_int),
                 ("num_ranks", ctypes.c_int), ("num_nodes", ctypes.c_int),
                 ("num_tokens_per_expert", ctypes.c_void_p), ("num_tokens_per_rank", ctypes.c_void_p),
-                ("num_tokens_per_node", ctypes.c_void_p), ("is_token_in_rank", ctypes.c_void_p)]
+                ("num_tokens_per_node", ctypes.c_void_p), ("is_token_in_rank", ctypes.c_void_p),
+                ("status_device", ctypes.c_void_p), ("status_host", ctypes.c_void_p)]
 
 
 ARGUMENT_STRUCTS = (LayoutArgs,)
@@ -60,21 +65,25 @@ def num_blocks(num_experts: int, num_ranks: int, num_nodes: int) -> int:
 
 
 def launch(library: Library, stream, topk_idx, num_experts: int, num_ranks: int, num_nodes: int,
-           num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_node, is_token_in_rank) -> None:
+           num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_node, is_token_in_rank,
+           status: StatusWords) -> None:
     """Enqueue the layout kernel on ``stream`` (a CuPy stream); every output is overwritten.
 
     Arguments:
-        topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert.
+        topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert; an id outside
+            `[-1, num_experts)` counts nowhere and is recorded in ``status`` (the next call raises it).
         num_tokens_per_expert: `[num_experts]` `int32` out.
         num_tokens_per_rank: `[num_ranks]` `int32` out.
         num_tokens_per_node: `[num_nodes]` `int32` out, or ``None`` with one node.
         is_token_in_rank: `[num_tokens, num_ranks]` `bool` out.
+        status: the Buffer's status words.
     """
     num_tokens, num_topk = topk_idx.shape
     args = LayoutArgs(topk_idx=topk_idx.data.ptr, num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts,
                       num_ranks=num_ranks, num_nodes=num_nodes, num_tokens_per_expert=num_tokens_per_expert.data.ptr,
                       num_tokens_per_rank=num_tokens_per_rank.data.ptr,
                       num_tokens_per_node=num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0,
-                      is_token_in_rank=is_token_in_rank.data.ptr)
+                      is_token_in_rank=is_token_in_rank.data.ptr, status_device=status.device.data.ptr,
+                      status_host=status.host_ptr)
     launcher.launch(library, _ENTRY_BY_DTYPE[topk_idx.dtype], stream, num_blocks(num_experts, num_ranks, num_nodes),
                     NUM_THREADS, args)

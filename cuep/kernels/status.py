@@ -19,10 +19,26 @@ TIMED_OUT = 0       # 0 = fine, 1 = a bounded wait gave up
 PEER = 1            # the rank that never arrived
 PHASE = 2           # which wait (a Phase)
 OVERFLOW = 3        # rows a dispatch needed beyond the num_worst_tokens it was given
-BAD_EXPERT_IDS = 4  # top-k ids outside [-1, num_experts) that a kernel treated as -1
+BAD_EXPERT_IDS = 4  # the call (a BadIdsCall) that met a top-k id outside [-1, num_experts) and treated it as -1
 LANDING_ROWS = 5    # rows a push dispatch or a combine had to land on one rank, beyond its buffer
 SELF_MASKED = 6     # shrink mode: this rank's peers masked it, so its low-latency kernels did nothing
-STATUS_WORDS = 7
+BAD_EXPERT_ID_LOW = 7   # the first such id, its low 32 bits
+BAD_EXPERT_ID_HIGH = 8  # and its high 32 bits (ids may be int64)
+BAD_EXPERT_LIMIT = 9    # that call's num_experts
+STATUS_WORDS = 10
+
+
+class BadIdsCall(enum.IntEnum):
+    """Which call met an out-of-range expert id (status word :data:`BAD_EXPERT_IDS`); the kernels name
+    each ``kBadIds<Name>``. Checking the ids on the host would cost a sync per call, so the kernels
+    check them, count such an id nowhere (as -1), and the next call raises."""
+
+    LOW_LATENCY = 1
+    LAYOUT = 2
+
+
+BAD_IDS_CALL_NAMES = {BadIdsCall.LOW_LATENCY: "low_latency_dispatch()/low_latency_combine()",
+                      BadIdsCall.LAYOUT: "get_dispatch_layout()"}
 
 
 class Phase(enum.IntEnum):
@@ -62,9 +78,12 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,
              "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
-             "status_self_masked": SELF_MASKED, "status_words": STATUS_WORDS,
-             **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase}}
-"""The status layout and phase codes as the kernels see them (``CUEP_<NAME>``)."""
+             "status_self_masked": SELF_MASKED, "status_bad_expert_id_low": BAD_EXPERT_ID_LOW,
+             "status_bad_expert_id_high": BAD_EXPERT_ID_HIGH, "status_bad_expert_limit": BAD_EXPERT_LIMIT,
+             "status_words": STATUS_WORDS,
+             **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase},
+             **{f"bad_ids_{call.name.lower()}": int(call) for call in BadIdsCall}}
+"""The status layout, phase codes and bad-id call codes as the kernels see them (``CUEP_<NAME>``)."""
 
 
 class Status(KernelArgs):
@@ -86,6 +105,12 @@ class MaskedStatus(KernelArgs):
                 ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int)]
 
 
+def bad_expert_id(status_host) -> int:
+    """The out-of-range expert id recorded in words :data:`BAD_EXPERT_ID_LOW` and ``_HIGH``, as an int64."""
+    low, high = int(status_host[BAD_EXPERT_ID_LOW]) & 0xFFFFFFFF, int(status_host[BAD_EXPERT_ID_HIGH])
+    return (high << 32) | low
+
+
 def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
     """Raise what the status words recorded, if anything: ``ValueError`` for a caller's error the
     kernel could only see on the device, :class:`~cuep.errors.PeerTimeoutError` for a wait that gave up.
@@ -105,8 +130,11 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
                          f"moved nothing; create the Buffer with a larger num_nvl_bytes "
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
     if int(status_host[BAD_EXPERT_IDS]):
-        raise ValueError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: topk_idx held expert ids "
-                         f"outside [-1, num_experts); the kernel treated them as -1, so that call's result is wrong")
+        code, limit = int(status_host[BAD_EXPERT_IDS]), int(status_host[BAD_EXPERT_LIMIT])
+        call = BAD_IDS_CALL_NAMES.get(code, f"a kernel of call code {code}")  # BadIdsCall members hash as codes
+        raise ValueError(f"{call} on rank {rank}: topk_idx held expert id {bad_expert_id(status_host)}, but "
+                         f"num_experts={limit} (valid ids: -1 for none, 0..{limit - 1}); the kernel treated it as -1, "
+                         f"so that call's result is wrong")
     if int(status_host[SELF_MASKED]):
         raise MaskedRankError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: the other ranks masked "
                               f"this rank (shrink mode: it did not answer within {timeout_s:g} s), so its "

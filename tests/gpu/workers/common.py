@@ -184,6 +184,21 @@ def assert_no_memory_growth(step, calls: int = 1000, warmup: int = 20, slack_byt
     assert pool.used_bytes() <= before + slack_bytes, (before, pool.used_bytes())
 
 
+def selected_cases(cases: list, name_of) -> list:
+    """The cases that ``CUEP_TEST_CASES`` (comma-separated case function names, ``name_of(case)``) selects, in
+    their order; every case when it is unset. A name that matches no case is an error, not a silent skip."""
+    selected = os.environ.get("CUEP_TEST_CASES")
+    if not selected:
+        return list(cases)
+    wanted = [name.strip() for name in selected.split(",") if name.strip()]
+    known = [name_of(case) for case in cases]
+    unknown = [name for name in wanted if name not in known]
+    if unknown or not wanted:
+        raise ValueError(f"CUEP_TEST_CASES={selected!r} names no case of this worker: {unknown or selected!r}; "
+                         f"its cases are {', '.join(known)}")
+    return [case for case, name in zip(cases, known) if name in wanted]
+
+
 def run_cases(comm, cases) -> None:
     """Run ``(name, fn)`` pairs in order; on any failure print it and abort every rank.
 

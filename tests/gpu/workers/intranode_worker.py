@@ -24,6 +24,7 @@ from common import (
     expect_error,
     rejoin,
     run_cases,
+    selected_cases,
     times_out_without_rank_0,
 )
 from mpi4py import MPI
@@ -186,15 +187,21 @@ def cached_dispatch_new_x(buffer):
 def cached_dispatches_back_to_back_fp8_then_combine(buffer):
     inputs = all_inputs(lambda s: 600 + 40 * s, 7168, EXPERTS, 8, fp8=True)
     _, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    calls = []
     for step in range(3):  # back to back: each call's landing region is reused by the next
         rngs = [np.random.default_rng([SEED, 1000 + step, s]) for s in range(num_ranks)]
         new = [(rng.integers(0, 256, (len(i.x), 7168), dtype=np.uint8),
                 rng.random((len(i.x), 56), dtype=np.float32)) for rng, i in zip(rngs, inputs)]
         x_in = (cupy.asarray(new[rank][0]), cupy.asfortranarray(cupy.asarray(new[rank][1])))
         (recv_x, recv_scales), _, _, _, _, _ = buffer.dispatch(x_in, handle=handle)
-    expected = reference.dispatch([n[0] for n in new], inputs.topk_idxs, EXPERTS, None, [n[1] for n in new])[rank]
-    np.testing.assert_array_equal(recv_x.get(), expected.recv_x)
-    np.testing.assert_array_equal(recv_scales.get(), expected.recv_scales)
+        calls.append((new, recv_x, recv_scales))
+    # Every call's outputs, read after the last one ran: a reuse of a landing region too early corrupts
+    # the earlier calls' rows, not the last one's.
+    for step, (new, recv_x, recv_scales) in enumerate(calls):
+        expected = reference.dispatch([n[0] for n in new], inputs.topk_idxs, EXPERTS, None,
+                                      [n[1] for n in new])[rank]
+        np.testing.assert_array_equal(recv_x.get(), expected.recv_x, err_msg=f"rows of call {step}")
+        np.testing.assert_array_equal(recv_scales.get(), expected.recv_scales, err_msg=f"scales of call {step}")
     x_bf16 = [bf16_normals(2000, len(i.x), 7168, s) for s, i in enumerate(inputs)]
     recv_bf16, _, _, _, _, _ = buffer.dispatch(cupy.asarray(x_bf16[rank]), handle=handle)
     expected = reference.dispatch(x_bf16, inputs.topk_idxs, EXPERTS)[rank]
@@ -518,13 +525,8 @@ def main() -> None:
     else:
         with_own_buffers.append(("a cached dispatch too big for the buffer raises on every rank",
                                  cached_dispatch_too_big_for_the_buffer_raises))
-    selected = os.environ.get("CUEP_TEST_CASES")  # a comma-separated subset of the case functions, by name
     cases = [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers
-    if selected:
-        wanted = set(selected.split(","))
-        cases = [(name, case) for name, case in cases
-                 if getattr(case, "func", case).__name__ in wanted]
-    run_cases(comm, cases)
+    run_cases(comm, selected_cases(cases, lambda named: getattr(named[1], "func", named[1]).__name__))
     buffer.destroy()
     if rank == 0:
         layout = f"{num_ranks // RANKS_PER_NODE} nodes x {RANKS_PER_NODE}" if ACROSS_NODES else "one node"

@@ -88,11 +88,23 @@ def async_and_previous_event(buffer, rng):
         check_layout(buffer, topk, 256)
 
 
-def bad_expert_id_raises_before_kernel(buffer, rng):
-    topk = random_topk(rng, 16, 64, 4)
-    topk[3, 1] = 64
-    expect_error(ValueError, lambda: buffer.get_dispatch_layout(cupy.asarray(topk), 64),
-                 "an expert id == num_experts was accepted", match="topk_idx holds expert id 64")
+def bad_expert_id_is_reported_by_the_next_call(buffer, rng):
+    """No host sync: an id outside [-1, num_experts) counts nowhere (the outputs are the reference's with it
+    as -1), and the Buffer's next call raises, naming the call and the id; the call after that works."""
+    for bad_id, dtype in ((64, np.int64), (-5, np.int32), ((1 << 40) + 3, np.int64)):
+        topk = random_topk(rng, 16, 64, 4)
+        topk[3, 1] = bad_id
+        as_minus_one = np.where((topk < -1) | (topk >= 64), -1, topk)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(cupy.asarray(topk.astype(dtype)), 64)
+        expected = reference.get_dispatch_layout(as_minus_one, 64, num_ranks)
+        np.testing.assert_array_equal(per_rank.get(), expected.num_tokens_per_rank)
+        np.testing.assert_array_equal(per_expert.get(), expected.num_tokens_per_expert)
+        np.testing.assert_array_equal(in_rank.get(), expected.is_token_in_rank)
+        cupy.cuda.Device().synchronize()
+        expect_error(ValueError, lambda: buffer.get_dispatch_layout(cupy.asarray(as_minus_one), 64),
+                     f"expert id {bad_id} was not reported",
+                     match=f"get_dispatch_layout() on rank {rank}: topk_idx held expert id {bad_id}, but num_experts=64")
+        check_layout(buffer, as_minus_one, 64)  # raised once, then forgotten
 
 
 def repeated_calls_hold_no_memory(buffer, rng):
@@ -132,7 +144,7 @@ def main() -> None:
         ("every entry -1", all_masked),
         ("T=4096 E=256 K=8", deepseek_shape),
         ("async_finish, previous_event, allocate_on_comm_stream, side stream", async_and_previous_event),
-        ("expert id out of range raises", bad_expert_id_raises_before_kernel),
+        ("expert id out of range is reported by the next call", bad_expert_id_is_reported_by_the_next_call),
         ("1000 async calls hold no memory", repeated_calls_hold_no_memory),
         ("2 nodes by CUEP_RANKS_PER_NODE", two_nodes_override),
         ("barrier timeout names the missing peer", barrier_timeout_names_missing_peer),

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from common import (BF16, AbsoluteRows, AllInputs, RankInputs, SeededInputs, bits, environment, expect_error,
-                    expert_outputs)
+                    expert_outputs, selected_cases)
 
 import cuep
 import cuep.torch as deep_ep
@@ -971,11 +971,7 @@ def case_name(case) -> str:
 def run_cases(cases) -> None:
     """Run the cases in order, ranks meeting between them; on a failure print it and end this rank with
     status 1, which makes torch.multiprocessing end the others."""
-    selected = os.environ.get("CUEP_TEST_CASES")
-    if selected:
-        wanted = set(selected.split(","))
-        cases = [case for case in cases if case_name(case) in wanted]
-    for case in cases:
+    for case in selected_cases(cases, case_name):
         dist.barrier(group=GROUP)
         try:
             case()
