@@ -19,8 +19,9 @@
 //   recv: s adds, in FP32, the partials of every rank that held one of its token's experts.
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;
 // other peers, or every peer when the put path is forced, get an NVSHMEM put then its signal
-// (cuep/network.cuh) from a staging copy in this rank's buffer. Tables (routing, weights) need no flag on the direct path: each
-// 64-bit word carries a tag of its call number beside the value, so it shows itself when it lands.
+// (cuep/network.cuh) from a staging copy in this rank's buffer. Tables (routing, weights) need no
+// flag on the direct path: each 64-bit word carries a tag of its call number beside the value, so it
+// shows itself when it lands.
 //
 // The device helpers are static: this family is compiled relocatable (it links NVSHMEM), and there an
 // external __device__ function is also compiled as a stand-alone copy that the link then drops.

@@ -20,9 +20,10 @@ namespace cuep {
 // Put `bytes` at `src` (this rank's symmetric memory) to `dst` on `pe`, then set `signal` there to
 // `value` once they have landed. Called by every lane of one warp (the put is warp-collective); lane
 // 0 issues the fence and the signal. The caller makes the source bytes visible first (its team's
-// barrier, and a system fence where other warps wrote them).
-__device__ __forceinline__ void put_then_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* signal,
-                                                     uint64_t value, int pe) {
+// barrier, and a system fence where other warps wrote them). Static, as the relocatable families'
+// helpers are (low_latency.cu says why).
+static __device__ __forceinline__ void put_then_signal_warp(void* dst, const void* src, size_t bytes,
+                                                            uint64_t* signal, uint64_t value, int pe) {
     nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
     __syncwarp();
     if (threadIdx.x % kWarpSize == 0) {
