@@ -225,6 +225,10 @@ def test_start_error_names_the_transport_and_the_causes(host):
     assert "NVSHMEM_REMOTE_TRANSPORT=ibgda (NVSHMEM_IB_ENABLE_IBGDA unset)" in message
     assert "NICs: no RDMA device in /sys/class/infiniband" in message
     assert "`python -m cuep doctor --transport ibgda`" in message and "NVSHMEM_REMOTE_TRANSPORT=none" in message
+    # With no transport asked for, a missing NIC is no cause: NVSHMEM's defaults work on one host.
+    message = doctor.start_error_message(0, RuntimeError("Status code 2"), {}, host.facts())
+    assert "NVSHMEM used its defaults" in message and "NICs" not in message
+    assert "The doctor finds nothing wrong with this host" in message and "`python -m cuep doctor`" in message
 
 
 def test_a_failed_nvshmem_start_raises_cuep_error_on_the_rank(monkeypatch, host):

@@ -12,9 +12,10 @@ The same checks explain a failed NVSHMEM start (:func:`start_error_message`), so
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
-from .checks import (FAIL, NO_TRANSPORT, TRANSPORTS, UNCHECKED, WARN, Check, can_work, explicit_transport,
+from .checks import (FAIL, TRANSPORTS, UNCHECKED, WARN, Check, can_work, explicit_transport,
                      host_checks, requested_transport, transport_checks, transport_settings)
 from .host import HostFacts, read_host
 
@@ -55,29 +56,31 @@ def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, 
 def start_error_message(rank: int, error: BaseException, environ: Mapping[str, str],
                         facts: HostFacts | None = None) -> str:
     """What a rank says when NVSHMEM fails to start: the error, the transport asked for, and the failing
-    (then the warning) checks of that transport on this host, with ``python -m cuep doctor`` to run."""
-    transport = requested_transport(environ)
+    (else the warning) checks on this host, of that transport too where the environment named one, with
+    ``python -m cuep doctor`` to run."""
+    asked = explicit_transport(environ)
     facts = read_host(environ=environ) if facts is None else facts
     checks = host_checks(facts)
-    if transport in TRANSPORTS:
-        checks += transport_checks(facts, transport)
+    if asked in TRANSPORTS:
+        checks += transport_checks(facts, asked)
     causes = [c for c in checks if c.verdict == FAIL] or [c for c in checks if c.verdict == WARN]
     if causes:
         found = "; ".join(f"{c.name}: {c.found}" + (f" ({c.change})" if c.change else "") for c in causes)
         likely = f"Likely causes on this host: {found}."
     else:
-        likely = ("The doctor finds nothing wrong with this host for it; NVSHMEM_DEBUG=INFO prints NVSHMEM's "
-                  "own reason.")
-    doctor = "python -m cuep doctor" + (f" --transport {transport}" if transport in TRANSPORTS else "")
-    single_host = "" if transport == NO_TRANSPORT else \
-        " A job on a single host needs no NIC: NVSHMEM_REMOTE_TRANSPORT=none."
+        likely = "The doctor finds nothing wrong with this host; NVSHMEM_DEBUG=INFO prints NVSHMEM's own reason."
+    if asked is None:
+        tried = "so NVSHMEM used its defaults (P2P on one host, ibrc to other hosts where a NIC is up)"
+    else:
+        tried = f"so NVSHMEM tried the {asked} transport"
+    doctor = "python -m cuep doctor" + (f" --transport {asked}" if asked in TRANSPORTS else "")
+    single_host = " A job on a single host needs no NIC: NVSHMEM_REMOTE_TRANSPORT=none." if asked in TRANSPORTS else ""
     return (f"rank {rank}: NVSHMEM could not start ({type(error).__name__}: {error}) with {transport_settings(environ)}, "
-            f"so NVSHMEM tried the {transport} transport. {likely} Run `{doctor}` for every check.{single_host}")
+            f"{tried}. {likely} Run `{doctor}` for every check.{single_host}")
 
 
 def main(transport: str | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Print the report (on ``transport``, or on every transport) and return the exit status."""
-    import os
     environ = os.environ if environ is None else environ
     text, status = report(read_host(environ=environ), (transport,) if transport else TRANSPORTS, environ)
     print(text)

@@ -16,7 +16,6 @@ from .host import Gpu, HostFacts, RdmaDevice
 OK, WARN, FAIL, UNCHECKED = "ok", "warn", "fail", "unchecked"
 TRANSPORTS = ("ibgda", "ibrc", "ucx", "libfabric")
 DEFAULT_TRANSPORT = "ibrc"  # NVSHMEM's, when NVSHMEM_REMOTE_TRANSPORT is unset
-NO_TRANSPORT = "none"
 _VERBS_TRANSPORTS = ("ibgda", "ibrc", "ucx")
 _MIN_DMABUF_KERNEL = (5, 12)  # dma-buf import of GPU memory by RDMA drivers
 _IBGDA_DRIVER_FIX = ('add `options nvidia NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"` '
