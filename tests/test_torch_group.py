@@ -34,6 +34,7 @@ def _init_then(rank: int, worker, num_ranks: int, port: int, *args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
         worker(rank, num_ranks, *args)
+        dist.barrier()  # over gloo: every rank is done reading the store before rank 0, its host, takes it down
     finally:
         dist.destroy_process_group()
 
@@ -74,6 +75,18 @@ def _one_rank_never_comes(rank: int, num_ranks: int, missing: int) -> None:
     group.wait_for_all("end", timeout_s=30.0)
 
 
+def _last_barrier_then_leave(rank: int, num_ranks: int, port: int) -> None:
+    """A job whose last collective is cuep's barrier, after which rank 0, which hosts the store here, takes
+    its process group down at once, while the others are slow to see the barrier complete."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    group = as_group("test", dist.group.WORLD)
+    if rank != 0:
+        wait = group._wait
+        group._wait = lambda keys, phase, timeout_s: (time.sleep(0.5), wait(keys, phase, timeout_s))
+    group.wait_for_all("last")
+    dist.destroy_process_group()
+
+
 def _ranks_out_of_step(rank: int, num_ranks: int) -> None:
     group = as_group("test", dist.group.WORLD)
     phase = "dispatch" if rank == 0 else "combine"
@@ -93,6 +106,11 @@ def test_ranks_in_different_collectives_raise():
 
 def test_a_rank_that_never_joins_is_named():
     _run(_one_rank_never_comes, NUM_RANKS, 2)
+
+
+def test_the_store_host_leaves_the_last_barrier_last():
+    mp.start_processes(_last_barrier_then_leave, args=(NUM_RANKS, _free_port()), nprocs=NUM_RANKS,
+                       start_method="spawn")
 
 
 def test_a_group_must_be_mpi_or_torch():

@@ -12,6 +12,11 @@ Keys live under a namespace of the group's global ranks, and the sequence number
 TorchGroup of one process over the same ranks (every rank makes its Buffers in the same order, so the
 numbers agree). A rank deletes its keys of earlier collectives once a later one completes: by then every
 rank has read them.
+
+A host barrier (:meth:`TorchGroup.wait_for_all`) is often a job's last collective, after which rank 0 may
+tear its process group down, and with ``init_process_group(init_method=...)`` rank 0's process hosts the
+store. So after the barrier every rank writes that it has left it, and the group's lowest global rank
+returns only once all have: no peer is still reading the store when its host may go.
 """
 
 from __future__ import annotations
@@ -65,6 +70,14 @@ class TorchGroup(Group):
 
     def wait_for_all(self, phase: str, timeout_s: float | None = None) -> None:
         self.allgather(None, phase, timeout_s)
+        # The barrier's number (allgather advanced the sequence), for this barrier's departure keys.
+        sequence = self._sequences[self._namespace][0] - 1
+        keys = [f"{self._namespace}/left/{sequence}/{rank}" for rank in range(self.num_ranks)]
+        self._store.set(keys[self.rank], b"")
+        if self.global_ranks[self.rank] == min(self.global_ranks):  # leaves last: it may host the store
+            self._wait(keys, f"{phase} (the others leaving it)", self.timeout(timeout_s))
+            for key in keys:
+                self._store.delete_key(key)
 
     def same_ranks(self, other: Group) -> bool:
         return isinstance(other, TorchGroup) and other.global_ranks == self.global_ranks
