@@ -40,8 +40,8 @@ class Config:
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
     buffers (no per-channel ring), so the NVL chunk sizes and ``num_max_rdma_chunked_recv_tokens`` are
     unused, and the buffers must instead hold one call's tokens (see the size hints). Across nodes,
-    ``num_max_rdma_chunked_send_tokens`` is the rows each put-with-signal carries (raised where a
-    partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals).
+    ``num_max_rdma_chunked_send_tokens`` is the rows each signalled put (a put, then its signal) carries
+    (raised where a partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals).
     """
 
     num_sms: int = 20

@@ -154,8 +154,8 @@ class PlanLayout:
 
 
 def chunk_rows(chunk_tokens: int, partition_rows: int) -> int:
-    """Rows per put-with-signal: ``chunk_tokens`` (the Config's RDMA send chunk), raised so that a
-    partition of ``partition_rows`` rows needs at most ``MAX_CHUNKS`` signals."""
+    """Rows per signalled put (a put, then its signal): ``chunk_tokens`` (the Config's RDMA send chunk),
+    raised so that a partition of ``partition_rows`` rows needs at most ``MAX_CHUNKS`` signals."""
     return max(chunk_tokens, ceil_div(partition_rows, MAX_CHUNKS), 1)
 
 
@@ -351,7 +351,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
              chunk_tokens: int):
     """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
 
-    Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: rows per put-with-signal
+    Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: rows per signalled put
     (the Config's ``num_max_rdma_chunked_send_tokens``).
 
     Returns:
