@@ -133,6 +133,13 @@ def to_cupy(array):
                         strides=strides)
 
 
+def read_on_host(array, stream) -> np.ndarray:
+    """``array`` (from :func:`as_array`) copied to the host once ``stream`` reaches it: the one CPU wait of a
+    non-cached dispatch (its received counts size the outputs). One function, so that ``cuep.bench --mode
+    host`` can time that wait apart from the rest of the call."""
+    return to_cupy(array).get(stream=stream)
+
+
 def as_cupy(value: Any):
     """``value`` as a CuPy array sharing its memory, or ``None`` when it is no GPU array.
 

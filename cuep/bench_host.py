@@ -3,16 +3,20 @@ API (``cuep.Buffer``) and through ``cuep.torch`` (when torch is installed), besi
 same run: an empty kernel launched from Python, and a one-element torch op.
 
 Each call runs in bursts of :data:`BURST` with no synchronisation inside a burst; its host time is the
-burst's wall time over :data:`BURST`, the median of :data:`BURSTS` bursts, the two APIs' bursts taken in turn. A burst queues at most
-:data:`BURST` calls' kernels, far below the driver's launch queue, so a launch never waits for the GPU to
-drain (the GPU finishing late does not count: the device is synchronised between bursts, outside the
-timing). Every rank reports; rank 0 prints each rank's figure.
+burst's wall time over :data:`BURST`, the median of :data:`BURSTS` bursts, the two APIs' bursts taken in
+turn. A burst queues at most :data:`BURST` calls' kernels, far below the driver's launch queue, so a
+launch never waits for the GPU to drain (the GPU finishing late does not count: the device is
+synchronised between bursts, outside the timing). Every rank reports; rank 0 prints each rank's figure.
+
+Two kinds of call are timed in two parts (:func:`split_us`): a dispatch with a layout, whose one CPU wait
+(:func:`cuep._interop.read_on_host`, timed by :class:`WaitTimer`) gets a row of its own, and each hook-mode
+call, whose send and receive get a row each.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -47,39 +51,138 @@ def interleaved_us(calls: dict[str, Callable[[], object]], synchronize: Callable
     return {key: float(np.median(values)) for key, values in samples.items()}
 
 
-def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], args, num_ranks: int,
-           workload: tuple) -> dict[str, Callable[[], object]]:
+def split_us(call: Callable[[], Callable[[], float]], synchronize: Callable[[], None], bursts: int = BURSTS,
+             burst: int = BURST) -> tuple[float, float]:
+    """Medians over ``bursts`` of the host microseconds per call of ``call`` and of a part reported apart:
+    ``call`` returns a callable, run at once after it, that returns that part's seconds (a wait inside the
+    call, or a second phase that it runs then)."""
+    call()()
+    synchronize()
+    whole, part = [], []
+    for _ in range(bursts):
+        whole_s = part_s = 0.0
+        for _ in range(burst):
+            started = time.perf_counter()
+            rest = call()
+            whole_s += time.perf_counter() - started
+            part_s += rest()
+        whole.append(whole_s / burst * 1e6)
+        part.append(part_s / burst * 1e6)
+        synchronize()
+    return float(np.median(whole)), float(np.median(part))
+
+
+class WaitTimer:
+    """While active, adds the seconds spent in :func:`cuep._interop.read_on_host` (the one CPU wait of a
+    non-cached dispatch) to :attr:`seconds`."""
+
+    def __init__(self):
+        from . import _interop
+        self._interop, self._read = _interop, _interop.read_on_host
+        self.seconds = 0.0
+
+    def _timed(self, array, stream):
+        started = time.perf_counter()
+        try:
+            return self._read(array, stream)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def __enter__(self) -> "WaitTimer":
+        self._interop.read_on_host = self._timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._interop.read_on_host = self._read
+
+
+class Split(NamedTuple):
+    """A call timed in two parts (:func:`split_us`): its row, the part's row, and whether the part happened
+    inside the call (then the call's row shows the call without it)."""
+
+    name: str
+    part_name: str
+    call: Callable[[], Callable[[], float]]
+    part_inside: bool
+
+
+def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], as_fp8: Callable[[object], object],
+           wait: WaitTimer, args, num_ranks: int, workload: tuple) -> tuple[dict[str, Callable[[], object]], list[Split]]:
     """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
-    low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it; ``workload`` holds its arrays."""
+    low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it, ``as_fp8`` turns FP8 bytes into
+    what the API takes; ``wait`` times a non-cached dispatch's CPU wait; ``workload`` holds the arrays.
+    Returns the calls timed whole, and those timed in two parts: a dispatch with a layout apart from its
+    CPU wait, and each hook-mode call's send apart from its receive."""
     from .buffer import Buffer
     from .config import Config
-    x, topk_idx, weights, ll_x, ll_topk_idx, ll_weights = workload
+    x, topk_idx, weights, x_fp8, scales, ll_x, ll_topk_idx, ll_weights = workload
     normal = make_buffer(Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, args.tokens), 0, False)
-    layout = normal.get_dispatch_layout(topk_idx, args.experts)
-    recv_x, _, _, _, handle, _ = normal.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                                                 num_tokens_per_expert=layout[2])
+    per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=weights)
+    recv_x, _, recv_weights, _, handle, _ = normal.dispatch(x, **layout)
+    bias = zeros((x.shape[0], args.hidden))
+    fp8_x = (as_fp8(x_fp8), scales)
     ll_tokens = ll_x.shape[0]
     low_latency = make_buffer(0, Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
                                                                        args.experts), True)
     ll_handle = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)[2]
     expert_out = zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden))
-    return {
+
+    def dispatch_with_layout() -> Callable[[], float]:
+        before = wait.seconds
+        normal.dispatch(x, **layout)
+        waited = wait.seconds - before
+        return lambda: waited
+
+    def send_then_receive(send: Callable[[], tuple]) -> Callable[[], Callable[[], float]]:
+        def call() -> Callable[[], float]:
+            hook = send()[-1]
+
+            def receive() -> float:
+                started = time.perf_counter()
+                hook()
+                return time.perf_counter() - started
+            return receive
+        return call
+
+    whole = {
         "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts),
         "cached dispatch BF16": lambda: normal.dispatch(x, handle=handle),
+        "cached dispatch FP8": lambda: normal.dispatch(fp8_x, handle=handle),
         "combine": lambda: normal.combine(recv_x, handle),
+        "combine, top-k weights and bias": lambda: normal.combine(recv_x, handle, topk_weights=recv_weights, bias=bias),
         "low-latency dispatch FP8": lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens,
                                                                              args.experts),
+        "low-latency dispatch BF16": lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens,
+                                                                              args.experts, use_fp8=False),
         "low-latency combine BF16": lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights,
                                                                             ll_handle),
+        "low-latency combine LogFMT": lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights,
+                                                                              ll_handle, use_logfmt=True),
     }
+    split = [
+        Split("dispatch with a layout, without its wait", "dispatch with a layout: its CPU wait",
+              dispatch_with_layout, part_inside=True),
+        Split("low-latency dispatch FP8, hook: send", "low-latency dispatch FP8, hook: receive", send_then_receive(
+            lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts,
+                                                     return_recv_hook=True)), part_inside=False),
+        Split("low-latency combine BF16, hook: send", "low-latency combine BF16, hook: receive", send_then_receive(
+            lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights, ll_handle,
+                                                    return_recv_hook=True)), part_inside=False),
+    ]
+    return whole, split
 
 
 def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
     """``workload_of(rank, tokens)``: ``(x, topk_idx, topk_weights)`` CuPy arrays of this rank."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
+    from . import fp8
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    workload = (*workload_of(rank, args.tokens), *workload_of(rank, args.low_latency_tokens))
+    x, topk_idx, weights = workload_of(rank, args.tokens)
+    x_fp8, scales = fp8.quantize(x)
+    workload = (x, topk_idx, weights, x_fp8, scales, *workload_of(rank, args.low_latency_tokens))
     device = cupy.cuda.Device()
     rows: dict[str, dict[str, float]] = {}
 
@@ -90,8 +193,10 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
     empty = cupy.RawKernel(_EMPTY_KERNEL, "cuep_bench_empty")
     rows["floor: empty kernel launch"] = {"CuPy": host_us(lambda: empty((1,), (1,), ()), device.synchronize)}
     import cuep
+    wait = WaitTimer()
     apis = {"CuPy": _calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
-                           lambda shape: cupy.zeros(shape, dtype=workload[0].dtype), args, num_ranks, workload)}
+                           lambda shape: cupy.zeros(shape, dtype=x.dtype), lambda data: data, wait, args, num_ranks,
+                           workload)}
     try:
         torch = _deps.torch()
     except ImportError:
@@ -102,19 +207,29 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
         one = torch.zeros(1, device="cuda")
         rows["floor: one-element torch op"] = {"torch": host_us(lambda: one.add_(1), torch.cuda.synchronize)}
         apis["torch"] = _calls(lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
-                               lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"), args,
-                               num_ranks, tuple(torch.from_dlpack(a) for a in workload))
-    for name in apis["CuPy"]:
+                               lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                               lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
+                               tuple(torch.from_dlpack(a) for a in workload))
+    for name in apis["CuPy"][0]:
         barrier_and_sync()
-        rows[name] = interleaved_us({api: calls[name] for api, calls in apis.items()}, barrier_and_sync)
+        rows[name] = interleaved_us({api: calls[name] for api, (calls, _) in apis.items()}, barrier_and_sync)
+    with wait:
+        for index, split in enumerate(apis["CuPy"][1]):
+            for api, (_, splits) in apis.items():
+                barrier_and_sync()
+                whole, part = split_us(splits[index].call, barrier_and_sync)
+                rows.setdefault(split.name, {})[api] = whole - part if split.part_inside else whole
+                rows.setdefault(split.part_name, {})[api] = part
     every_rank = comm.gather(rows, root=0)
     if rank != 0:
         return
     floor = np.mean([r["floor: empty kernel launch"]["CuPy"] for r in every_rank])
     print(f"cuep host time per eager call: {num_ranks} ranks, bursts of {BURST} calls without a sync, median of "
           f"{BURSTS} bursts; normal mode {args.tokens} tokens x {args.hidden}, low latency {args.low_latency_tokens} "
-          f"tokens, {args.experts} experts, top-{args.topk}; us per rank (ratio to the empty launch, mean over ranks)")
-    print(f"{'call':32s} {'CuPy API':>24s} {'cuep.torch':>24s} {'torch/CuPy':>10s}")
+          f"tokens, {args.experts} experts, top-{args.topk}; us per rank (ratio to the empty launch, mean over ranks). "
+          f"A burst queues at most {BURST} calls' kernels (a few each), far below the driver's launch queue, so no "
+          f"launch waited for the GPU; a dispatch with a layout waits for its counts (its CPU wait, shown apart)")
+    print(f"{'call':40s} {'CuPy API':>24s} {'cuep.torch':>24s} {'torch/CuPy':>10s}")
     for name in rows:
         cells, means = [], {}
         for api in ("CuPy", "torch"):
@@ -125,4 +240,4 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
             else:
                 cells.append("-")
         ratio = f"{means['torch'] / means['CuPy']:.2f}" if len(means) == 2 else "-"
-        print(f"{name:32s} {cells[0]:>24s} {cells[1]:>24s} {ratio:>10s}")
+        print(f"{name:40s} {cells[0]:>24s} {cells[1]:>24s} {ratio:>10s}")

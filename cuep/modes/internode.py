@@ -415,7 +415,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             # Each source on this rank's rail sends it at most what one partition holds.
             forward_capacity = N * ctx.partition_rows(row_bytes)
         else:
-            plan_host = _interop.to_cupy(plan).get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+            plan_host = _interop.read_on_host(plan, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
             num_recv = num_rows = int(plan_host[0])
             forward_capacity = int(plan_host[1])

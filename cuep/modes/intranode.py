@@ -313,7 +313,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     if num_worst_tokens > 0:
         num_rows = num_worst_tokens
     else:
-        info = _interop.to_cupy(recv_info).get(stream=stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
+        info = _interop.read_on_host(recv_info, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
         ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
         num_recv, num_copies = int(info[0]), int(info[1])
         num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
