@@ -107,7 +107,8 @@ class Split(NamedTuple):
 
 
 def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], as_fp8: Callable[[object], object],
-           wait: WaitTimer, args, num_ranks: int, workload: tuple) -> tuple[dict[str, Callable[[], object]], list[Split]]:
+           wait: WaitTimer, args, num_ranks: int,
+           workload: tuple) -> tuple[dict[str, Callable[[], object]], list[Split]]:
     """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
     low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it, ``as_fp8`` turns FP8 bytes into
     what the API takes; ``wait`` times a non-cached dispatch's CPU wait; ``workload`` holds the arrays.

@@ -75,3 +75,71 @@ def test_the_wait_timer_times_only_the_wait_and_puts_it_back():
         assert _interop.read_on_host is fake_read
     finally:
         _interop.read_on_host = read
+
+
+class FakeArray:
+    """Stands in for an array: only its shape is read while the calls are set up."""
+
+    def __init__(self, *shape: int):
+        self.shape = shape
+
+
+class RecordingBuffer:
+    """Stands in for a Buffer of one API: each call is bound to the real method's signature (a wrong
+    argument raises TypeError) and answers a tuple of the real call's length; a hook records its run."""
+
+    RETURNS = {"get_dispatch_layout": 5, "dispatch": 6, "combine": 3, "low_latency_dispatch": 5,
+               "low_latency_combine": 3}
+
+    def __init__(self, api, calls: list):
+        self.api, self.calls = api, calls
+
+    def __getattr__(self, name: str):
+        import inspect
+        signature = inspect.signature(getattr(self.api, name))
+
+        def call(*args, **kwargs):
+            signature.bind(self, *args, **kwargs)
+            self.calls.append(name)
+            answer = [FakeArray(1)] * self.RETURNS[name]
+            if kwargs.get("return_recv_hook"):
+                answer[-1] = lambda: self.calls.append(f"{name} hook")
+            return tuple(answer)
+        return call
+
+
+def _bench_calls_on(api, as_fp8):
+    """Every call of ``--mode host`` made once, on RecordingBuffers of ``api``; the names of the calls made."""
+    from types import SimpleNamespace
+
+    from cuep import bench_host
+    calls = []
+    args = SimpleNamespace(hidden=7168, tokens=4096, experts=256, topk=8)
+    workload = (FakeArray(4096, 7168), FakeArray(4096, 8), FakeArray(4096, 8), FakeArray(4096, 7168),
+                FakeArray(4096, 56), FakeArray(128, 7168), FakeArray(128, 8), FakeArray(128, 8))
+    with bench_host.WaitTimer() as wait:
+        whole, split = bench_host._calls(lambda nvl, rdma, ll: RecordingBuffer(api, calls),
+                                         lambda shape: FakeArray(*shape), as_fp8, wait, args, 2, workload)
+        for call in whole.values():
+            call()
+        for entry in split:
+            assert entry.call()() >= 0
+    return whole, split, calls
+
+
+def test_host_bench_calls_fit_both_apis():
+    """The calls ``--mode host`` makes bind to the real signatures of cuep.Buffer and of cuep.torch.Buffer
+    (DeepEP's), and each hook-mode call's receive runs its hook."""
+    import cuep
+    apis = [(cuep.Buffer, lambda data: data)]
+    try:
+        import cuep.torch as deep_ep
+        apis.append((deep_ep.Buffer, lambda data: data))
+    except ImportError:
+        pass
+    for api, as_fp8 in apis:
+        whole, split, calls = _bench_calls_on(api, as_fp8)
+        assert {"cached dispatch FP8", "combine, top-k weights and bias", "low-latency dispatch BF16",
+                "low-latency combine LogFMT"} <= set(whole), api
+        assert [entry.part_inside for entry in split] == [True, False, False], api
+        assert calls.count("low_latency_dispatch hook") == 1 and calls.count("low_latency_combine hook") == 1, api

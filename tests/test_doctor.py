@@ -243,8 +243,8 @@ def test_a_failed_nvshmem_start_raises_cuep_error_on_the_rank(monkeypatch, host)
         raise NvshmemError("Status code 7")
 
     device = types.SimpleNamespace(set_current=lambda: None, use=lambda: None)
-    fake_nvshmem = types.SimpleNamespace(get_unique_id=lambda empty: types.SimpleNamespace(_data=np.zeros(128, np.uint8)),
-                                         init=fail_init)
+    unique_id = types.SimpleNamespace(_data=np.zeros(128, np.uint8))
+    fake_nvshmem = types.SimpleNamespace(get_unique_id=lambda empty: unique_id, init=fail_init)
     monkeypatch.setattr(world._deps, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda _: device)))
     monkeypatch.setattr(world._deps, "cuda_core", lambda: types.SimpleNamespace(Device=lambda _: device))

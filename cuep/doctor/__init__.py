@@ -75,8 +75,8 @@ def start_error_message(rank: int, error: BaseException, environ: Mapping[str, s
         tried = f"so NVSHMEM tried the {asked} transport"
     doctor = "python -m cuep doctor" + (f" --transport {asked}" if asked in TRANSPORTS else "")
     single_host = " A job on a single host needs no NIC: NVSHMEM_REMOTE_TRANSPORT=none." if asked in TRANSPORTS else ""
-    return (f"rank {rank}: NVSHMEM could not start ({type(error).__name__}: {error}) with {transport_settings(environ)}, "
-            f"{tried}. {likely} Run `{doctor}` for every check.{single_host}")
+    return (f"rank {rank}: NVSHMEM could not start ({type(error).__name__}: {error}) with "
+            f"{transport_settings(environ)}, {tried}. {likely} Run `{doctor}` for every check.{single_host}")
 
 
 def main(transport: str | None = None, environ: Mapping[str, str] | None = None) -> int:

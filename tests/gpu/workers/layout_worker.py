@@ -103,7 +103,8 @@ def bad_expert_id_is_reported_by_the_next_call(buffer, rng):
         cupy.cuda.Device().synchronize()
         expect_error(ValueError, lambda: buffer.get_dispatch_layout(cupy.asarray(as_minus_one), 64),
                      f"expert id {bad_id} was not reported",
-                     match=f"get_dispatch_layout() on rank {rank}: topk_idx held expert id {bad_id}, but num_experts=64")
+                     match=f"get_dispatch_layout() on rank {rank}: topk_idx held expert id {bad_id}, "
+                           f"but num_experts=64")
         check_layout(buffer, as_minus_one, 64)  # raised once, then forgotten
 
 
