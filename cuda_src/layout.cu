@@ -2,8 +2,8 @@
 //
 // Input:  topk_idx [num_tokens, num_topk], int32 or int64 (one entry kernel each); -1 means no
 //         expert, and any id outside [0, num_experts) counts nowhere. An id outside [-1, num_experts)
-//         is recorded in the status words (block 0 checks every entry), and the host's next call
-//         raises it: a check on the host would cost a sync per call.
+//         is recorded in the status words (block 0 checks every entry), and a later host call raises
+//         it (the next one once this kernel has finished): a check on the host would cost a sync per call.
 // Output: num_tokens_per_expert [num_experts]   entries routed to each expert,
 //         num_tokens_per_rank   [num_ranks]     tokens with at least one expert on each rank,
 //         num_tokens_per_node   [num_nodes]     the same per node (only when num_nodes > 1),

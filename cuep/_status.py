@@ -37,9 +37,10 @@ class StatusWords:
 
     def raise_recorded(self, rank: int, timeout_s: float | None = None) -> None:
         """Clear both copies and raise what they recorded (``timeout_s``: the bound the waits ran with,
-        for the message; default ``CUEP_TIMEOUT_S``)."""
+        for the message; default ``CUEP_TIMEOUT_S``). A record whose flag word has not landed yet (a
+        kernel writes its details first) is left for a later call."""
         # Every call checks: comparing bytes costs ~0.2 us where ndarray.any() costs ~2.
-        if memoryview(self.host).cast("B") != _CLEAR:
+        if memoryview(self.host).cast("B") != _CLEAR and codes.holds_a_record(self.host):
             recorded = self.host.copy()
             self.device.fill(0)
             self.host[:] = 0

@@ -215,8 +215,9 @@ class Buffer:
                 recorded only when first used (DeepEP returns none then).
 
         Differs from DeepEP: `int32` ``topk_idx`` is accepted too; ids outside `[-1, num_experts)` count
-        nowhere (as `-1`) instead of corrupting memory, and this Buffer's next call raises ``ValueError``
-        naming the id (the kernel checks them: a check on the host would cost a sync per call).
+        nowhere (as `-1`) instead of corrupting memory, and a later call of this Buffer (the next one once the
+        kernel has finished, e.g. after a sync) raises ``ValueError`` naming the id: the kernel checks them,
+        since a check on the host would cost a sync per call.
         """
         call = "get_dispatch_layout()"
         self._check_alive(call)
@@ -407,8 +408,9 @@ class Buffer:
             x: `[num_tokens, hidden]` `bfloat16`, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden a
                 multiple of 128 (of 512 with ``use_ue8m0``).
             topk_idx: `[num_tokens, num_topk]` `int64` (or `int32`), up to 32 experts per token, `-1` for none.
-                Ids outside `[-1, num_experts)` are treated as `-1` and the next call raises ``ValueError``
-                (checking them here would cost a host sync per call).
+                Ids outside `[-1, num_experts)` are treated as `-1` and a later call (the next one once the
+                kernel has finished) raises ``ValueError`` naming the id (checking them here would cost a host
+                sync per call).
             num_max_dispatch_tokens_per_rank: the most tokens any rank sends in one call (at most 1024).
             num_experts: experts across all ranks, a multiple of the number of ranks.
             cumulative_local_expert_recv_stats: `[num_local_experts]` `int32`; each call adds the tokens each

@@ -62,8 +62,20 @@ def test_expert_id_out_of_range(call, bad_id, message):
     words[[status.BAD_EXPERT_IDS, status.BAD_EXPERT_LIMIT]] = int(call), 8
     words[[status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH]] = np.array([bits & 0xFFFFFFFF, bits >> 32],
                                                                            np.uint32).view(np.int32)
+    assert status.holds_a_record(words)
     with pytest.raises(ValueError, match=message):
         status.raise_if_failed(words, 3, 1.0)
+
+
+def test_a_record_without_its_flag_is_still_being_written():
+    """The details of a record land before its flag: until the flag does, there is nothing to raise."""
+    words = np.zeros(status.STATUS_WORDS, np.int32)
+    words[[status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_LIMIT, status.PEER, status.PHASE]] = 64, 64, 1, 2
+    assert not status.holds_a_record(words)
+    for flag in status.FLAG_WORDS:
+        flagged = words.copy()
+        flagged[flag] = 1
+        assert status.holds_a_record(flagged), flag
 
 
 @pytest.mark.parametrize("num_experts, error, message", [

@@ -81,7 +81,7 @@ struct Status {
 
     // A top-k id outside [-1, num_experts), which the caller treats as -1. The first one recorded (until
     // the host raises it) keeps the record: the call that met it (kBadIds*), the id and num_experts. The
-    // host reads the call's word last, so it is written last.
+    // host acts on the call's word, so it is written last, behind a fence (as record_timeout's flag).
     __device__ void record_bad_expert_id(int64_t id, int num_experts, int32_t call) const {
         if (atomicCAS(device + kStatusBadExpertIds, 0, call) != 0)
             return;

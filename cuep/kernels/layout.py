@@ -71,7 +71,7 @@ def launch(library: Library, stream, topk_idx, num_experts: int, num_ranks: int,
 
     Arguments:
         topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert; an id outside
-            `[-1, num_experts)` counts nowhere and is recorded in ``status`` (the next call raises it).
+            `[-1, num_experts)` counts nowhere and is recorded in ``status`` (a later call raises it).
         num_tokens_per_expert: `[num_experts]` `int32` out.
         num_tokens_per_rank: `[num_ranks]` `int32` out.
         num_tokens_per_node: `[num_nodes]` `int32` out, or ``None`` with one node.

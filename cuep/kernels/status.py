@@ -26,12 +26,16 @@ BAD_EXPERT_ID_LOW = 7   # the first such id, its low 32 bits
 BAD_EXPERT_ID_HIGH = 8  # and its high 32 bits (ids may be int64)
 BAD_EXPERT_LIMIT = 9    # that call's num_experts
 STATUS_WORDS = 10
+# The words that say a record is complete: a kernel writes a record's details (PEER and PHASE, the bad id
+# and its limit) first and its flag last, behind a fence, so a host that sees only details waits.
+FLAG_WORDS = (TIMED_OUT, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS, SELF_MASKED)
 
 
 class BadIdsCall(enum.IntEnum):
     """Which call met an out-of-range expert id (status word :data:`BAD_EXPERT_IDS`); the kernels name
     each ``kBadIds<Name>``. Checking the ids on the host would cost a sync per call, so the kernels
-    check them, count such an id nowhere (as -1), and the next call raises."""
+    check them, count such an id nowhere (as -1), and a later call raises (the next one once the kernel has
+    finished)."""
 
     LOW_LATENCY = 1
     LAYOUT = 2
@@ -103,6 +107,11 @@ class MaskedStatus(KernelArgs):
     _fields_ = [*Status._fields_,
                 ("masked", ctypes.c_void_p),  # shrink mode: this rank's [num_ranks] int32 mask in the region; else 0
                 ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int)]
+
+
+def holds_a_record(status_host) -> bool:
+    """Whether the words hold a complete record: one of :data:`FLAG_WORDS` is set."""
+    return any(int(status_host[word]) for word in FLAG_WORDS)
 
 
 def bad_expert_id(status_host) -> int:

@@ -14,9 +14,10 @@ numbers agree). A rank deletes its keys of earlier collectives once a later one 
 rank has read them.
 
 A host barrier (:meth:`TorchGroup.wait_for_all`) is often a job's last collective, after which rank 0 may
-tear its process group down, and with ``init_process_group(init_method=...)`` rank 0's process hosts the
-store. So after the barrier every rank writes that it has left it, and the group's lowest global rank
-returns only once all have: no peer is still reading the store when its host may go.
+tear its process group down, and with ``init_process_group(init_method=...)`` global rank 0's process hosts
+the store. So in a group that holds global rank 0, every rank writes after the barrier that it has left it,
+and rank 0 returns only once all have: no peer is still reading the store when its host may go. (Under
+torchrun the store lives in the launcher's agent, and the round only costs a round trip.)
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from typing import Any, ClassVar
 from .. import _deps
 from ..errors import CuepError
 from .group import Group, poll_until
+
+
+_STORE_HOST = 0  # the global rank whose process hosts the job's store under init_process_group(init_method=...)
 
 
 class TorchGroup(Group):
@@ -70,14 +74,18 @@ class TorchGroup(Group):
 
     def wait_for_all(self, phase: str, timeout_s: float | None = None) -> None:
         self.allgather(None, phase, timeout_s)
+        if _STORE_HOST not in self.global_ranks:
+            return
         # The barrier's number (allgather advanced the sequence), for this barrier's departure keys.
         sequence = self._sequences[self._namespace][0] - 1
         keys = [f"{self._namespace}/left/{sequence}/{rank}" for rank in range(self.num_ranks)]
         self._store.set(keys[self.rank], b"")
-        if self.global_ranks[self.rank] == min(self.global_ranks):  # leaves last: it may host the store
-            self._wait(keys, f"{phase} (the others leaving it)", self.timeout(timeout_s))
-            for key in keys:
-                self._store.delete_key(key)
+        if self.global_ranks[self.rank] == _STORE_HOST:  # leaves last
+            try:
+                self._wait(keys, f"{phase} (the others leaving it)", self.timeout(timeout_s))
+            finally:
+                for key in keys:
+                    self._store.delete_key(key)
 
     def same_ranks(self, other: Group) -> bool:
         return isinstance(other, TorchGroup) and other.global_ranks == self.global_ranks
