@@ -242,7 +242,7 @@ def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.nda
     routes = _Routes.of(topk_idxs, num_experts)
     combined = []
     for s, (topk, weights) in enumerate(zip(topk_idxs, topk_weights)):
-        topk = np.asarray(topk, dtype=np.int64)
+        topk, weights = np.asarray(topk, dtype=np.int64), np.asarray(weights, dtype=np.float64)
         out = np.zeros((len(topk), expert_outputs[0].shape[2]), dtype=np.float64)
         for k in range(topk.shape[1]):
             (tokens,) = np.nonzero((topk[:, k] >= 0) & (topk[:, k] < num_experts))
@@ -252,7 +252,7 @@ def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.nda
             for r in np.unique(ranks):
                 on_r = ranks == r
                 picked = np.asarray(expert_outputs[r][local[on_r], rows[on_r]]).astype(np.float64)
-                out[tokens[on_r]] += np.asarray(weights, np.float64)[tokens[on_r], k][:, None] * picked
+                out[tokens[on_r]] += weights[tokens[on_r], k][:, None] * picked
         combined.append(out.astype(np.float32))
     return combined
 

@@ -15,16 +15,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .checks import (FAIL, TRANSPORTS, UNCHECKED, WARN, Check, can_work, explicit_transport,
+from .checks import (FAIL, OK, TRANSPORTS, UNCHECKED, WARN, Check, can_work, explicit_transport,
                      host_checks, requested_transport, transport_checks, transport_settings)
 from .host import HostFacts, read_host
 
-_MARKS = {"ok": "ok", WARN: "warn", FAIL: "FAIL", UNCHECKED: "??"}
+_MARKS = {OK: "ok", WARN: "warn", FAIL: "FAIL", UNCHECKED: "??"}
 
 
 def _line(check: Check) -> str:
     text = f"  [{_MARKS[check.verdict]:>4s}] {check.name}: {check.found}"
-    return text + (f"\n         -> {check.change}" if check.change and check.verdict != "ok" else "")
+    return text + (f"\n         -> {check.change}" if check.change and check.verdict != OK else "")
 
 
 def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, str]) -> tuple[str, int]:
@@ -35,7 +35,8 @@ def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, 
     lines = ["host (every job):"]
     host = host_checks(facts)
     lines += [_line(check) for check in host]
-    failed = not can_work(host)
+    host_works = can_work(host)
+    failed = not host_works
     verdicts = []
     for transport in transports:
         checks = transport_checks(facts, transport)
@@ -45,7 +46,7 @@ def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, 
         verdicts.append(f"{transport}: {'can work here' if works else 'cannot work here'}")
         failed |= transport == asked and not works
     lines.append(f"transport asked for: {transport_settings(environ)} -> {requested_transport(environ)}")
-    lines.append("verdict: " + "; ".join(["one host: " + ("can work" if can_work(host) else "cannot work"),
+    lines.append("verdict: " + "; ".join(["one host: " + ("can work" if host_works else "cannot work"),
                                           *verdicts]))
     unchecked = [check.name for check in host if check.verdict == UNCHECKED]
     if unchecked:

@@ -20,7 +20,7 @@ _VERBS_TRANSPORTS = ("ibgda", "ibrc", "ucx")
 _MIN_DMABUF_KERNEL = (5, 12)  # dma-buf import of GPU memory by RDMA drivers
 _IBGDA_DRIVER_FIX = ('add `options nvidia NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"` '
                      'to /etc/modprobe.d/nvidia.conf, rebuild the initramfs and reboot')
-_TRUE = ("1", "true", "yes", "on", "y", "t")
+_TRUE = ("1", "true", "yes", "on", "y", "t")  # what NVSHMEM reads as true in a boolean variable
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,14 @@ class Check:
     change: str = ""
 
 
+def _ibgda_enabled(environ: Mapping[str, str]) -> bool:
+    return environ.get("NVSHMEM_IB_ENABLE_IBGDA", "").strip().lower() in _TRUE
+
+
 def requested_transport(environ: Mapping[str, str]) -> str:
     """The remote transport NVSHMEM will try: ``ibgda`` with ``NVSHMEM_IB_ENABLE_IBGDA`` set, else
     ``NVSHMEM_REMOTE_TRANSPORT`` (``none`` for one host), else NVSHMEM's default, ``ibrc``."""
-    if environ.get("NVSHMEM_IB_ENABLE_IBGDA", "").strip().lower() in _TRUE:
+    if _ibgda_enabled(environ):
         return "ibgda"
     chosen = environ.get("NVSHMEM_REMOTE_TRANSPORT", "").strip().lower()
     return chosen or DEFAULT_TRANSPORT
@@ -45,8 +49,7 @@ def requested_transport(environ: Mapping[str, str]) -> str:
 def explicit_transport(environ: Mapping[str, str]) -> str | None:
     """:func:`requested_transport` where the environment names one, ``None`` where NVSHMEM would fall back
     to its default (which, with no NIC, leaves a single host working over P2P)."""
-    named = "NVSHMEM_REMOTE_TRANSPORT" in environ or \
-        environ.get("NVSHMEM_IB_ENABLE_IBGDA", "").strip().lower() in _TRUE
+    named = "NVSHMEM_REMOTE_TRANSPORT" in environ or _ibgda_enabled(environ)
     return requested_transport(environ) if named else None
 
 
