@@ -231,38 +231,84 @@ def test_start_error_names_the_transport_and_the_causes(host):
     assert "The doctor finds nothing wrong with this host" in message and "`python -m cuep doctor`" in message
 
 
-def test_a_failed_nvshmem_start_raises_cuep_error_on_the_rank(monkeypatch, host):
-    """init_world, with a simulated NVSHMEM whose init fails as it does with IBGDA and no NIC."""
-    from cuep.runtime import world
-    from cuep.runtime.topology import Topology
+class _FakeStart:
+    """init_world's dependencies with a simulated NVSHMEM whose ``init`` fails (or records that it ran),
+    and a group of ``num_ranks`` whose other ranks' ``allgather`` values are given."""
 
     class NvshmemError(Exception):
         pass
 
-    def fail_init(**_):
-        raise NvshmemError("Status code 7")
+    def __init__(self, monkeypatch, host: FakeHost, environ: dict[str, str], others: dict[int, str] | None = None):
+        from cuep.runtime import world
+        self.world, self.inits, self.others = world, [], others or {}
+        device = types.SimpleNamespace(set_current=lambda: None, use=lambda: None)
+        unique_id = types.SimpleNamespace(_data=np.zeros(128, np.uint8))
+        fake_nvshmem = types.SimpleNamespace(get_unique_id=lambda empty: unique_id, init=self._init)
+        monkeypatch.setattr(world._deps, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+            Device=lambda _: device)))
+        monkeypatch.setattr(world._deps, "cuda_core", lambda: types.SimpleNamespace(Device=lambda _: device))
+        monkeypatch.setattr(world._deps, "nvshmem", lambda: fake_nvshmem)
+        monkeypatch.setattr(world, "_world", None)
+        monkeypatch.setattr(doctor, "read_host", lambda environ: host.facts(environ))
+        for name in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_SYMMETRIC_SIZE",
+                     "NVSHMEM_DISABLE_NCCL", "NVSHMEM_MAX_TEAMS", "NVSHMEM_IBGDA_NUM_RC_PER_PE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
 
-    device = types.SimpleNamespace(set_current=lambda: None, use=lambda: None)
-    unique_id = types.SimpleNamespace(_data=np.zeros(128, np.uint8))
-    fake_nvshmem = types.SimpleNamespace(get_unique_id=lambda empty: unique_id, init=fail_init)
-    monkeypatch.setattr(world._deps, "cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=lambda _: device)))
-    monkeypatch.setattr(world._deps, "cuda_core", lambda: types.SimpleNamespace(Device=lambda _: device))
-    monkeypatch.setattr(world._deps, "nvshmem", lambda: fake_nvshmem)
-    monkeypatch.setattr(world, "_world", None)
-    monkeypatch.setattr(doctor, "read_host", lambda environ: host.facts(environ))
-    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "ibgda")
-    for name in ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_NCCL", "NVSHMEM_MAX_TEAMS", "NVSHMEM_IBGDA_NUM_RC_PER_PE"):
-        monkeypatch.delenv(name, raising=False)
-    group = types.SimpleNamespace(broadcast=lambda data, what: data)
-    with pytest.raises(CuepError) as info:
-        world.init_world(group, Topology(1, 2, 1, 2, 2), 1 << 20, 0, num_qps_per_rank=8)
-    message = str(info.value)
-    assert message.startswith("rank 1: NVSHMEM could not start (NvshmemError: Status code 7)")
+    def _init(self, **_):
+        self.inits.append(True)
+        raise self.NvshmemError("Status code 7")
+
+    def _allgather(self, value, phase):
+        return [self.others.get(0, ""), value]  # this process is rank 1 of 2
+
+    def start(self) -> CuepError:
+        from cuep.runtime.topology import Topology
+        group = types.SimpleNamespace(broadcast=lambda data, what: data, allgather=self._allgather)
+        with pytest.raises(CuepError) as info:
+            self.world.init_world(group, Topology(1, 2, 1, 2, 2), 1 << 20, 0, num_qps_per_rank=8)
+        assert self.world._world is None
+        return info.value
+
+
+def test_a_failed_nvshmem_start_raises_cuep_error_on_the_rank(monkeypatch, host):
+    """init_world, with a simulated NVSHMEM whose init fails, on a host whose NIC and plugin are there."""
+    host.add_nic("mlx5_0", "mlx5_core")
+    fake = _FakeStart(monkeypatch, host, {"NVSHMEM_REMOTE_TRANSPORT": "ibgda"})
+    error = fake.start()
+    message = str(error)
+    assert message.startswith("rank 1: NVSHMEM could not start (NvshmemError: Status code 7)"), message
     assert "ibgda" in message and "python -m cuep doctor --transport ibgda" in message
-    assert isinstance(info.value.__cause__, NvshmemError) and world._world is None
+    assert isinstance(error.__cause__, _FakeStart.NvshmemError) and fake.inits == [True]
     import os
     assert os.environ["NVSHMEM_IBGDA_NUM_RC_PER_PE"] == "8"  # the Buffer's num_qps_per_rank, as DeepEP sets it
+
+
+@pytest.mark.parametrize("environ", [{"NVSHMEM_REMOTE_TRANSPORT": "ibgda"}, {"NVSHMEM_IB_ENABLE_IBGDA": "1"}])
+def test_an_absent_transport_asked_for_is_refused_before_nvshmem_starts(monkeypatch, host, environ):
+    """No NIC here: NVSHMEM would start over P2P without the transport asked for. Every rank refuses."""
+    fake = _FakeStart(monkeypatch, host, environ)
+    message = str(fake.start())
+    assert fake.inits == []  # refused before NVSHMEM's init
+    assert message.startswith("rank 1: NVSHMEM was not started: "), message
+    assert checks.transport_settings(environ) + " asks for the ibgda transport, which cannot work here" in message
+    assert "rank 1: NICs: no RDMA device in /sys/class/infiniband" in message
+    assert "NVSHMEM_REMOTE_TRANSPORT=none" in message and "`python -m cuep doctor --transport ibgda`" in message
+
+
+def test_a_rank_whose_host_lacks_the_transport_stops_every_rank(monkeypatch, host):
+    """This rank's host has the NIC; rank 0's has none: this rank refuses too, naming rank 0's cause."""
+    host.add_nic("mlx5_0", "mlx5_core")
+    fake = _FakeStart(monkeypatch, host, {"NVSHMEM_REMOTE_TRANSPORT": "ibgda"}, others={0: "NICs: none"})
+    message = str(fake.start())
+    assert fake.inits == [] and "(rank 0: NICs: none)" in message, message
+
+
+def test_no_transport_asked_for_starts_as_before(monkeypatch, host):
+    """Nothing named: no refusal (NVSHMEM's defaults work on one host), so NVSHMEM's own init runs."""
+    fake = _FakeStart(monkeypatch, host, {"NVSHMEM_REMOTE_TRANSPORT": "none"})
+    assert str(fake.start()).startswith("rank 1: NVSHMEM could not start") and fake.inits == [True]
 
 
 def test_cli_doctor(monkeypatch, capsys, host):

@@ -20,6 +20,8 @@ from .checks import (FAIL, OK, TRANSPORTS, UNCHECKED, WARN, Check, can_work, exp
 from .host import HostFacts, read_host
 
 _MARKS = {OK: "ok", WARN: "warn", FAIL: "FAIL", UNCHECKED: "??"}
+# The checks whose failure means a transport is absent, not merely misconfigured.
+_TRANSPORT_PRESENCE = ("NVSHMEM plugin", "NICs")
 
 
 def _line(check: Check) -> str:
@@ -54,6 +56,34 @@ def report(facts: HostFacts, transports: tuple[str, ...], environ: Mapping[str, 
     return "\n".join(lines), int(failed)
 
 
+def absent_transport_causes(facts: HostFacts, transport: str) -> list[Check]:
+    """The failing checks that say ``transport`` cannot exist on this host at all: the installed NVSHMEM
+    ships no plugin for it, or there is no NIC it can use. (A driver parameter or a missing GDRCopy may
+    still let it start, so those are left to NVSHMEM.)"""
+    return [check for check in transport_checks(facts, transport)
+            if check.name in _TRANSPORT_PRESENCE and check.verdict == FAIL]
+
+
+def absent_transport_message(rank: int, environ: Mapping[str, str], causes_by_rank: Mapping[int, str]) -> str:
+    """What every rank says when the environment asks for a network transport that some rank's host
+    cannot give (``causes_by_rank``: that rank's :func:`describe` of :func:`absent_transport_causes`)."""
+    asked = requested_transport(environ)
+    ranks_by_causes: dict[str, list[int]] = {}
+    for other, causes in sorted(causes_by_rank.items()):
+        ranks_by_causes.setdefault(causes, []).append(other)
+    where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {causes}"
+                      for causes, ranks in ranks_by_causes.items())
+    return (f"rank {rank}: NVSHMEM was not started: {transport_settings(environ)} asks for the {asked} transport, "
+            f"which cannot work here ({where}). A job on a single host needs no NIC: set "
+            f"NVSHMEM_REMOTE_TRANSPORT=none and leave NVSHMEM_IB_ENABLE_IBGDA unset. Run "
+            f"`python -m cuep doctor --transport {asked}` for every check.")
+
+
+def describe(checks: list[Check]) -> str:
+    """Checks in one line: each one's name, what it found and what to change."""
+    return "; ".join(f"{c.name}: {c.found}" + (f" ({c.change})" if c.change else "") for c in checks)
+
+
 def start_error_message(rank: int, error: BaseException, environ: Mapping[str, str],
                         facts: HostFacts | None = None) -> str:
     """What a rank says when NVSHMEM fails to start: the error, the transport asked for, and the failing
@@ -66,8 +96,7 @@ def start_error_message(rank: int, error: BaseException, environ: Mapping[str, s
         checks += transport_checks(facts, asked)
     causes = [c for c in checks if c.verdict == FAIL] or [c for c in checks if c.verdict == WARN]
     if causes:
-        found = "; ".join(f"{c.name}: {c.found}" + (f" ({c.change})" if c.change else "") for c in causes)
-        likely = f"Likely causes on this host: {found}."
+        likely = f"Likely causes on this host: {describe(causes)}."
     else:
         likely = "The doctor finds nothing wrong with this host; NVSHMEM_DEBUG=INFO prints NVSHMEM's own reason."
     if asked is None:
@@ -88,5 +117,5 @@ def main(transport: str | None = None, environ: Mapping[str, str] | None = None)
     return status
 
 
-__all__ = ["Check", "HostFacts", "TRANSPORTS", "main", "read_host", "report", "requested_transport",
-           "start_error_message"]
+__all__ = ["Check", "HostFacts", "TRANSPORTS", "absent_transport_causes", "absent_transport_message", "describe",
+           "explicit_transport", "main", "read_host", "report", "requested_transport", "start_error_message"]

@@ -159,7 +159,8 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
     """Collective: bootstrap NVSHMEM over ``group`` on ``device_id`` (from :func:`choose_device`) once per
     process; later calls return the world. ``num_qps_per_rank`` sets IBGDA's connections per peer unless
     ``NVSHMEM_IBGDA_NUM_RC_PER_PE`` is set. A failed start raises :class:`CuepError` naming the transport
-    asked for and what :mod:`cuep.doctor` finds against it."""
+    asked for and what :mod:`cuep.doctor` finds against it, and so does, on every rank before NVSHMEM
+    starts, a transport asked for that some rank's host cannot give."""
     global _world
     if _world is not None and not _world.finalized:
         check_group(group)
@@ -172,6 +173,7 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
     device = core.Device(device_id)
     device.set_current()
     cupy.cuda.Device(device_id).use()
+    _refuse_an_absent_transport(group, topology.rank)
     uid = nvshmem.get_unique_id(empty=topology.rank != 0)
     uid_bytes = uid._data.view(np.int8)
     uid_bytes[:] = np.frombuffer(group.broadcast(uid_bytes.tobytes(), "NVSHMEM bootstrap"), dtype=np.int8)
@@ -184,6 +186,21 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
     _world = World(group=group, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)
     return _world
+
+
+def _refuse_an_absent_transport(group: Group, rank: int) -> None:
+    """Collective: raise :class:`CuepError` on every rank when the environment names a network transport
+    that some rank's host cannot give at all (no plugin for it, no NIC it can use). NVSHMEM would start
+    anyway where every rank reaches every other over P2P, silently without the transport asked for, and
+    fail or hang where one does not."""
+    from .. import doctor
+    asked = doctor.explicit_transport(os.environ)
+    causes = ""
+    if asked in doctor.TRANSPORTS:
+        causes = doctor.describe(doctor.absent_transport_causes(doctor.read_host(environ=os.environ), asked))
+    causes_by_rank = {other: text for other, text in enumerate(group.allgather(causes, "transport check")) if text}
+    if causes_by_rank:
+        raise CuepError(doctor.absent_transport_message(rank, os.environ, causes_by_rank))
 
 
 def apply_nvshmem_defaults(environ, num_qps_per_rank: int = DEFAULT_QPS_PER_RANK) -> None:

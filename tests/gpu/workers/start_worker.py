@@ -1,6 +1,7 @@
 """GPU worker: a Buffer asked to start NVSHMEM on a transport this host cannot give (run with
 ``NVSHMEM_REMOTE_TRANSPORT=ibgda`` on a host without an RDMA NIC) raises cuep's ``CuepError`` on every rank,
-naming the transport, what the doctor finds, and ``python -m cuep doctor``: no abort, no hang."""
+naming the transport, what the doctor finds, and ``python -m cuep doctor``: no abort, no hang. (NVSHMEM
+itself would start there, over P2P and without the transport: cuep refuses before it starts.)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def start_error() -> str:
 
 def main() -> None:
     message = start_error()
-    expected = (f"rank {rank}: NVSHMEM could not start", f"NVSHMEM_REMOTE_TRANSPORT={TRANSPORT}",
+    expected = (f"rank {rank}: NVSHMEM was not started", f"NVSHMEM_REMOTE_TRANSPORT={TRANSPORT}",
                 "no RDMA device in /sys/class/infiniband", f"python -m cuep doctor --transport {TRANSPORT}")
     missing = [text for text in expected if text not in message]
     every_rank = comm.gather((missing, message), root=0)
