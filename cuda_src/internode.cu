@@ -39,7 +39,11 @@
 // The constants come from cuep/kernels/internode.py (CUEP_* macros), which mirrors the argument
 // structs below field for field; cuep/modes/internode.py lays out the buffers and sequences calls.
 
-// Network puts link NVSHMEM's transfer code and go as put, fence, signal (cuep/network.cuh).
+// Two builds (cuep/network.cuh says why): for ranks on one host, NVSHMEM's device code inlined whole;
+// across hosts (CUEP_NETWORK), its transfer code linked from libnvshmem_device.a, IBGDA included.
+#if !CUEP_NETWORK
+#define NVSHMEM_ENABLE_ALL_DEVICE_INLINING
+#endif
 #include <nvshmem.h>
 #include <nvshmemx.h>
 

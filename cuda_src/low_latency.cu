@@ -41,8 +41,11 @@
 // sequence state's size) are defined once in cuep/kernels/low_latency.py and arrive as CUEP_* macros;
 // the argument structs are mirrored there field for field (tests/test_kernel_args.py checks them).
 
-// Network puts link NVSHMEM's transfer code (IBGDA or a proxy transport, chosen at run time) and go
-// as put, fence, signal (cuep/network.cuh).
+// Two builds (cuep/network.cuh says why): for ranks on one host, NVSHMEM's device code inlined whole;
+// across hosts (CUEP_NETWORK), its transfer code linked from libnvshmem_device.a, IBGDA included.
+#if !CUEP_NETWORK
+#define NVSHMEM_ENABLE_ALL_DEVICE_INLINING
+#endif
 #include <nvshmem.h>
 #include <nvshmemx.h>
 

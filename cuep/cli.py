@@ -78,12 +78,16 @@ def _variants(fallback: bool, aggressive_ptx: bool) -> list[dict[str, bool]]:
     return variants
 
 
-def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool) -> int:
-    """Build every family for every arch and variant into the cache, the kernels at once."""
+def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool, across_hosts: bool = False) -> int:
+    """Build every family for every arch and variant into the cache, the kernels at once (and the network
+    families' builds for ranks across hosts with ``across_hosts``)."""
     from .jit import build_all
-    from .kernels import FAMILIES
+    from .kernels import FAMILIES, NETWORK_FAMILIES
     specs = [module.spec(arch, **features) for arch in archs for module in FAMILIES.values()
              for features in _variants(fallback, aggressive_ptx)]
+    if across_hosts:
+        specs += [FAMILIES[name].spec(arch, across_hosts=True, **features) for arch in archs
+                  for name in NETWORK_FAMILIES for features in _variants(fallback, aggressive_ptx)]
     started = time.perf_counter()
     for spec, (path, seconds) in zip(specs, build_all(specs)):
         state = f"compiled in {seconds:.1f} s" if seconds else "already cached"
@@ -100,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch", default="sm_90", help="comma-separated targets, e.g. sm_80,sm_90")
     build.add_argument("--fallback", action="store_true", help="also build the Ampere fallback path")
     build.add_argument("--aggressive-ptx", action="store_true", help="also build the aggressive-PTX variant")
+    build.add_argument("--across-hosts", action="store_true",
+                       help="also build the network families for ranks on several hosts (IBGDA)")
     gpus = commands.add_parser("gpus", help="print how many GPUs this machine shows (for mpirun -np)")
     gpus.add_argument("--at-least", type=int, default=0, help="print at least this many (ranks then share GPUs)")
     doctor = commands.add_parser("doctor", help="check this host for what NVSHMEM's network transports need")
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         print(max(visible_gpu_count(), args.at_least))
         return 0
     try:
-        return compile_all([a for a in args.arch.split(",") if a], args.fallback, args.aggressive_ptx)
+        return compile_all([a for a in args.arch.split(",") if a], args.fallback, args.aggressive_ptx,
+                           args.across_hosts)
     except ValueError as exc:
         parser.error(str(exc))
     return 2

@@ -16,11 +16,11 @@ VARIANTS = {
 }
 
 
-def compiled(family: str, arch: str = "sm_90", variant: str = "default", keep_ptx: bool = False
-          ) -> tuple[KernelSpec, Artifact]:
-    """``family``'s spec for ``arch`` and ``variant`` (as the environment resolves it now) and its
-    compile, made once per spec."""
-    spec = FAMILIES[family].spec(arch, **VARIANTS[variant])
+def compiled(family: str, arch: str = "sm_90", variant: str = "default", keep_ptx: bool = False,
+             **options) -> tuple[KernelSpec, Artifact]:
+    """``family``'s spec for ``arch`` and ``variant`` (as the environment resolves it now; ``options``:
+    the family's own, e.g. ``across_hosts``) and its compile, made once per spec."""
+    spec = FAMILIES[family].spec(arch, **VARIANTS[variant], **options)
     return spec, compile_spec(spec, keep_ptx)
 
 

@@ -1,13 +1,19 @@
 // Network puts, written once for the families that send over NVSHMEM (low_latency.cu, internode.cu).
 //
-// These families compile without NVSHMEM_ENABLE_ALL_DEVICE_INLINING and link NVSHMEM's transfer code
-// from libnvshmem_device.a, so NVSHMEM picks IBGDA (GPU-initiated RDMA) or a proxy transport per peer
-// at run time, and P2P where a peer is reachable by loads and stores. NVSHMEM 3.8's archive does not
-// carry the put-with-signal transfer code (nvshmemi_transfer_put_signal_dispatch is undefined at
-// link), so a message and its signal go as a put, a fence, then a signal:
-// nvshmem_fence orders the delivery of this PE's operations to one destination PE on every transport,
-// so the signal can never land before the data it announces, however the network routes the packets
-// (adaptive routing may reorder them; the fence is what keeps the order, not the order of issue).
+// Those families have two builds. Across hosts (CUEP_NETWORK, chosen when a Buffer's ranks span several
+// hosts) they compile without NVSHMEM_ENABLE_ALL_DEVICE_INLINING and link NVSHMEM's transfer code from
+// libnvshmem_device.a, so NVSHMEM picks IBGDA (GPU-initiated RDMA) or a proxy transport per peer at run
+// time, and P2P where a peer is reachable by loads and stores. On one host they inline NVSHMEM's
+// device code whole, as before: every peer is a P2P peer there, and a kernel that calls out of line
+// keeps its registers across the call on its NVLink path too, which costs that path time. (Inlined
+// under NVRTC, NVSHMEM compiles IBGDA out and a remote put goes through the proxy.)
+//
+// NVSHMEM 3.8's archive does not carry the put-with-signal transfer code
+// (nvshmemi_transfer_put_signal_dispatch is undefined at link), so a message and its signal go as a
+// put, a fence, then a signal: nvshmem_fence orders the delivery of this PE's operations to one
+// destination PE on every transport, so the signal can never land before the data it announces,
+// however the network routes the packets (adaptive routing may reorder them; the fence is what keeps
+// the order, not the order of issue).
 #pragma once
 
 #include <nvshmem.h>

@@ -14,19 +14,26 @@ FAMILIES = {"barrier": barrier, "internode": internode, "intranode": intranode, 
 but never by a Buffer (see :func:`buffer_specs`)."""
 
 
-def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: bool = False
-                 ) -> dict[str, KernelSpec]:
+NETWORK_FAMILIES = ("internode", "low_latency")
+"""The families that send over NVSHMEM's network transports: built apart for ranks across hosts."""
+
+
+def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: bool = False,
+                 across_hosts: bool = False) -> dict[str, KernelSpec]:
     """The families a Buffer of these sizes launches, by name, with their specs for ``arch``.
 
     The layout and barrier kernels serve every Buffer; the normal-mode family needs an NVLink buffer
     (``num_nvl_bytes > 0``): the internode family when the ranks span several nodes (``internode``),
     the intranode family otherwise; the low-latency family needs a low-latency region
     (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer).
-    Compiling only these keeps a cold start to what the Buffer can use.
+    Compiling only these keeps a cold start to what the Buffer can use. ``across_hosts`` (ranks on
+    several physical hosts) picks the network families' build that links NVSHMEM's transfer code
+    (IBGDA included); on one host they inline NVSHMEM whole (``cuda_src/cuep/network.cuh``).
     """
     wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0 and not internode,
               "internode": num_nvl_bytes > 0 and internode, "low_latency": num_rdma_bytes > 0}
-    return {family: FAMILIES[family].spec(arch) for family, used in wanted.items() if used}
+    return {family: FAMILIES[family].spec(arch, **({"across_hosts": across_hosts} if family in NETWORK_FAMILIES else {}))
+            for family, used in wanted.items() if used}
 
 
-__all__ = ["FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency", "probe"]
+__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency", "probe"]

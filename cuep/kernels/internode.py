@@ -43,9 +43,10 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_
 """What ``internode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones."""
 
 
-def spec(arch: str, **features) -> KernelSpec:
-    """The internode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("internode", arch, constants=family_constants(CONSTANTS), uses_nvshmem=True,
+def spec(arch: str, across_hosts: bool = False, **features) -> KernelSpec:
+    """The internode family for ``arch``; ``across_hosts``: the build that links NVSHMEM's transfer code
+    (cuda_src/cuep/network.cuh); ``features``: ``force_fallback``, ``aggressive_ptx``."""
+    return KernelSpec.create("internode", arch, {"network": 1} if across_hosts else None, constants=family_constants(CONSTANTS), uses_nvshmem=True,
                              entries=ENTRIES, **features)
 
 

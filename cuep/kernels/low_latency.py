@@ -81,10 +81,11 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_r
 """What ``low_latency.cu`` reads as ``CUEP_<NAME>`` besides the shared constants."""
 
 
-def spec(arch: str, **features) -> KernelSpec:
-    """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace)."""
-    defines = {"trace": 1} if env.get("CUEP_TRACE") else None
-    return KernelSpec.create("low_latency", arch, defines, constants=family_constants(CONSTANTS), uses_nvshmem=True,
+def spec(arch: str, across_hosts: bool = False, **features) -> KernelSpec:
+    """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace);
+    ``across_hosts`` the build that links NVSHMEM's transfer code (cuda_src/cuep/network.cuh)."""
+    defines = {**({"trace": 1} if env.get("CUEP_TRACE") else {}), **({"network": 1} if across_hosts else {})}
+    return KernelSpec.create("low_latency", arch, defines or None, constants=family_constants(CONSTANTS), uses_nvshmem=True,
                              entries=ENTRIES, **features)
 
 

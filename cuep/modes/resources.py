@@ -43,7 +43,8 @@ class Resources:
         normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and low_latency_mode else num_nvl_bytes
         load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
                                      self.device_id, normal_nvl_bytes,
-                                     num_rdma_bytes if low_latency_mode else 0, across_nodes)
+                                     num_rdma_bytes if low_latency_mode else 0, across_nodes,
+                                     across_hosts=self.topology.num_local_ranks < self.num_ranks)
         nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id, num_qps_per_rank)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
@@ -143,12 +144,13 @@ def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> 
 
 
 def start_kernels(group: NodeGroup, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int,
-                  internode_mode: bool = False) -> Callable[[], dict[str, Library]]:
+                  internode_mode: bool = False, across_hosts: bool = False) -> Callable[[], dict[str, Library]]:
     """Collective over ``group``: start compiling (one rank per host, every family at once, in the
     background) or loading the kernel families a Buffer of these sizes uses (``internode_mode``: its
-    ranks span several nodes); the returned call, once NVSHMEM is up, waits for them and loads them,
-    by family name."""
+    ranks span several nodes; ``across_hosts``: several physical hosts, so the network families' build
+    that links NVSHMEM's transfer code); the returned call, once NVSHMEM is up, waits for them and loads
+    them, by family name."""
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
-    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode)
+    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode, across_hosts)
     finish = start_libraries(list(specs.values()), group)
     return lambda: dict(zip(specs, finish()))
