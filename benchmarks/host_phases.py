@@ -1,7 +1,11 @@
 """The host time of a low-latency dispatch and combine (CuPy API), phase by phase, and of the operations
 they are made of (GPU, mpirun, one rank is enough).
 
-    mpirun -np 1 python benchmarks/host_phases.py        # from the repository root, PYTHONPATH=.
+    mpirun -np 1 python benchmarks/host_phases.py [--torch] [--no-gc] [--normal]   # PYTHONPATH=.
+
+``--torch`` first imports torch and makes a cuep.torch Buffer beside (as ``--mode host`` does: a process
+that holds torch has a far larger heap for the garbage collector); ``--no-gc`` turns the collector off
+while timing; ``--normal`` adds the normal mode's calls (a 4096-token Buffer).
 
 Each figure is the median over 7 bursts of the host microseconds per call in a burst of 20 with no
 sync (``cuep.bench_host.host_us``, as ``python -m cuep.bench --mode host``), beside the empty-launch
@@ -10,6 +14,9 @@ runs it, so the phases add up to about the whole call; ``--mode host`` gives the
 """
 
 from __future__ import annotations
+
+import argparse
+import gc
 
 import cupy
 from mpi4py import MPI
@@ -24,6 +31,11 @@ TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torch", action="store_true", help="hold torch and a cuep.torch Buffer, as --mode host")
+    parser.add_argument("--no-gc", action="store_true", help="garbage collector off while timing")
+    parser.add_argument("--normal", action="store_true", help="also the normal mode's calls")
+    args = parser.parse_args()
     comm = MPI.COMM_WORLD
     num_ranks = comm.Get_size()
     device = cupy.cuda.Device()
@@ -104,6 +116,17 @@ def main() -> None:
         "parts: Launch()": lambda: low_latency.Launch(ctx, plan.entry, plan.grid, low_latency.NUM_THREADS,
                                                       launch.args, plan.shared_bytes),
     }
+    held = []
+    if args.torch:
+        import torch
+
+        import cuep.torch as deep_ep
+        torch.cuda.set_device(device.id)
+        held.append(deep_ep.Buffer(None, 0, hint, low_latency_mode=True, comm=comm))
+    if args.normal:
+        rows.update(_normal_rows(comm, num_ranks))
+    if args.no_gc:
+        gc.disable()
     figures = {name: us(row) for name, row in rows.items()}
     if comm.Get_rank() == 0:
         floor = figures["floor: empty kernel launch"]
@@ -111,6 +134,30 @@ def main() -> None:
               f"LL {TOKENS} tokens x {HIDDEN}, top-{TOPK} of {EXPERTS}")
         for name, value in figures.items():
             print(f"{name:58s} {value:7.2f} us {value / floor:5.1f}x")
+
+
+def _normal_rows(comm, num_ranks: int) -> dict:
+    """The normal mode's calls, whole, and the checks of a dispatch (4096 tokens x 7168, top-8 of 256)."""
+    from cuep.config import Config
+    tokens = 4096
+    x, topk_idx, weights = _workload(comm.Get_rank(), tokens, HIDDEN, EXPERTS, TOPK)
+    buffer = cuep.Buffer(comm, Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, tokens), 0)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=weights)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    from cuep.modes import intranode
+    return {
+        "get_dispatch_layout, whole call": lambda: buffer.get_dispatch_layout(topk_idx, EXPERTS),
+        "dispatch with a layout, whole call (its wait included)": lambda: buffer.dispatch(x, **layout),
+        "cached dispatch BF16, whole call": lambda: buffer.dispatch(x, handle=handle),
+        "  its checks (dispatch_arguments)": lambda: _checks.dispatch_arguments(
+            "dispatch()", num_ranks, 1, intranode.MAX_EXPERTS, x, handle, None, None, None, None, None, None, 1, 0,
+            None, False, False, intranode.Handle),
+        "combine, whole call": lambda: buffer.combine(recv_x, handle),
+        "parts: Buffer.get_dispatch_config": lambda: cuep.Buffer.get_dispatch_config(num_ranks),
+        "parts: cupy.empty (4096 x 7168 bf16)": lambda: cupy.empty((tokens, HIDDEN), x.dtype),
+    }
 
 
 if __name__ == "__main__":

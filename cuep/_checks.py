@@ -13,6 +13,27 @@ from .kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
+class CheckedSignatures:
+    """The argument signatures (shapes, dtypes, strides, options) that passed a call's shape checks, so a
+    later call with the same signature skips re-deriving the same verdict: every check that depends
+    only on those values would pass again. What a signature does not cover (the array's kind and
+    device, the Buffer's state) is still checked on every call. Bounded: a loop of ever-new shapes
+    clears it now and then."""
+
+    _LIMIT = 64
+
+    def __init__(self):
+        self._passed: set = set()
+
+    def __contains__(self, signature: tuple) -> bool:
+        return signature in self._passed
+
+    def add(self, signature: tuple) -> None:
+        if len(self._passed) >= self._LIMIT:
+            self._passed.clear()
+        self._passed.add(signature)
+
+
 def as_device_array(call: str, name: str, value: Any):
     """``value`` (CuPy, torch, JAX, anything exporting DLPack or ``__cuda_array_interface__``) as a device
     array the core reads (:func:`cuep._interop.as_array`: a CuPy array or a torch tensor's
@@ -318,28 +339,42 @@ def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int
 
 
 def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int,
-                               handle_type: type) -> tuple[Any, Any, Any, Any]:
+                               handle_type: type, checked: CheckedSignatures | None = None
+                               ) -> tuple[Any, Any, Any, Any]:
     """A low-latency combine's arguments against its dispatch's ``handle``; returns ``(x, topk_idx,
-    topk_weights, out)``, ``out`` ``None`` when not given."""
+    topk_weights, out)``, ``out`` ``None`` when not given. ``checked``: the signatures whose shapes
+    already passed (this call's is added once it passes)."""
     if not isinstance(handle, handle_type):
         raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
+    x = as_device_array(call, "x", x)
+    topk_idx = as_device_array(call, "topk_idx", topk_idx)
+    topk_weights = as_device_array(call, "topk_weights", topk_weights)
+    if out is not None:
+        out = as_device_array(call, "out", out)
+    signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides, topk_weights.shape,
+                 topk_weights.dtype, topk_weights.strides, None if out is None else (out.shape, out.dtype, out.strides),
+                 handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_tokens,
+                 handle.num_topk)
+    if checked is None or signature not in checked:
+        _low_latency_combine_shapes(call, x, topk_idx, topk_weights, handle, out, num_ranks)
+        if checked is not None:
+            checked.add(signature)
+    return x, topk_idx, topk_weights, out
+
+
+def _low_latency_combine_shapes(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int) -> None:
     bf16 = bf16_dtype()
     shape = (handle.num_experts // num_ranks, num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-    x = as_device_array(call, "x", x)
     if x.dtype != bf16 or x.shape != shape or not x.flags.c_contiguous:
         raise ValueError(f"{call}: x must be a C-contiguous {list(shape)} bfloat16 array, got {x.dtype} "
                          f"{tuple(x.shape)}")
-    topk_idx = as_device_array(call, "topk_idx", topk_idx)
     check_topk_idx(call, topk_idx, handle.num_experts, handle.num_tokens)
     if topk_idx.shape[1] != handle.num_topk:
         raise ValueError(f"{call}: topk_idx must be the dispatch's [{handle.num_tokens}, {handle.num_topk}], got "
                          f"{tuple(topk_idx.shape)}")
-    topk_weights = as_device_array(call, "topk_weights", topk_weights)
     check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_tokens, handle.num_topk)
     if out is not None:
-        out = as_device_array(call, "out", out)
         check_matrix(call, "out", out, [bf16], handle.num_tokens, handle.hidden)
-    return x, topk_idx, topk_weights, out
 
 
 def buffer_sizes(call: str, num_nvl_bytes: Any, num_rdma_bytes: Any, num_qps_per_rank: Any,

@@ -9,9 +9,16 @@ the launches. What a front hands out is a device array the core reads like any i
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, ContextManager, Protocol
 
+import numpy as np
+
 from . import _deps
+from ._math import align_up
+
+_ARRAY_ALIGN = 128  # each carved array starts a cache line of its own
 
 
 class Front(Protocol):
@@ -28,6 +35,11 @@ class Front(Protocol):
         """An array of ``storage`` (from :meth:`storage`, or the ``.data`` of an array from :meth:`empty`) from
         byte ``offset`` (``strides`` in bytes; ``None``: C order), of the callers' kind: the core hands it out
         and never reads it."""
+
+    def readable_view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
+                      strides: tuple[int, ...] | None = None) -> Any:
+        """:meth:`view`'s array as the core reads arrays (as :meth:`empty` hands them out): for outputs that
+        a kernel of this call or a later one is given too."""
 
     def current_stream(self) -> Any:
         """The callers' current stream, as a CuPy stream (the launches take CuPy streams)."""
@@ -52,6 +64,8 @@ class CupyFront:
              strides: tuple[int, ...] | None = None) -> Any:
         return _deps.cupy().ndarray(shape, dtype=dtype, memptr=storage + offset, strides=strides)
 
+    readable_view = view  # the core reads CuPy arrays as they are
+
     def current_stream(self) -> Any:
         return _deps.cupy().cuda.get_current_stream()
 
@@ -61,3 +75,30 @@ class CupyFront:
     def export(self, array: Any) -> Any:
         return getattr(array, "tensor", array)  # a caller's own torch tensor (given as ``out=``) goes back as it came
 
+
+@dataclass(frozen=True)
+class View:
+    """One array carved out of a call's single allocation: ``strides`` ``None`` means C order."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    offset: int
+    strides: tuple[int, ...] | None = None
+
+    def of(self, front: Front, storage):
+        """This region of ``storage`` (from ``front.storage``) as an array of ``front``."""
+        return front.view(storage, self.shape, self.dtype, self.offset, self.strides)
+
+    def readable(self, front: Front, storage):
+        """This region of ``storage`` as the core reads arrays (:meth:`Front.readable_view`)."""
+        return front.readable_view(storage, self.shape, self.dtype, self.offset, self.strides)
+
+
+def carve(specs) -> tuple[dict[str, View], int]:
+    """Regions ``name -> View`` for ``(name, shape, dtype, strides)`` packed into one allocation, and its
+    bytes: a call's outputs in one allocation cost one allocation's host time, plus a view each."""
+    regions, total = {}, 0
+    for name, shape, dtype, strides in specs:
+        regions[name] = View(shape, dtype, total, strides)
+        total += align_up(math.prod(shape) * np.dtype(dtype).itemsize, _ARRAY_ALIGN)
+    return regions, total

@@ -7,12 +7,13 @@ memory, status words, barrier, streams) is a :class:`cuep.modes.resources.Resour
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
 
 from . import _checks, _deps, env
-from ._front import CupyFront, Front
+from ._front import CupyFront, Front, carve
 from .config import Config, get_combine_config, get_dispatch_config
 from .event import EventOverlap, record_event
 from .kernels import layout as layout_kernel
@@ -229,10 +230,12 @@ class Buffer:
         num_tokens, num_nodes = topk_idx.shape[0], self.topology.num_nodes
 
         def enqueue(stream):
-            per_rank = front.empty((self.group_size,), np.int32)
-            per_node = front.empty((num_nodes,), np.int32) if num_nodes > 1 else None
-            per_expert = front.empty((int(num_experts),), np.int32)
-            in_rank = front.empty((num_tokens, self.group_size), np.bool_)
+            regions, nbytes = _layout_outputs(self.group_size, num_nodes, int(num_experts), num_tokens)
+            storage = front.storage(nbytes)
+            per_rank = regions["per_rank"].readable(front, storage)
+            per_expert = regions["per_expert"].readable(front, storage)
+            per_node = regions["per_node"].readable(front, storage) if num_nodes > 1 else None
+            in_rank = regions["in_rank"].readable(front, storage)
             layout_kernel.launch(self._resources.layout_library, stream, topk_idx, int(num_experts), self.group_size,
                                  num_nodes, per_expert, per_rank, per_node, in_rank, self._resources.status)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
@@ -312,7 +315,7 @@ class Buffer:
                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                        num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream,
                                        internode.Handle if across_nodes else intranode.Handle)
-        config = config or self.get_dispatch_config(self.group_size)
+        config = config or _tuned_config("dispatch", self.group_size, type(self).num_sms)
 
         def enqueue(stream):
             topk_idx = _checks.widened_ids(a.topk_idx, stream)
@@ -359,7 +362,7 @@ class Buffer:
             call, x, handle, topk_weights, bias, self.group_size,
             internode.Handle if across_nodes else intranode.Handle)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        config = config or self.get_combine_config(self.group_size)
+        config = config or _tuned_config("combine", self.group_size, type(self).num_sms)
 
         def enqueue(stream):
             if across_nodes:
@@ -445,9 +448,14 @@ class Buffer:
         ctx = self._resources.low_latency_ready(call)
         x = _checks.as_device_array(call, "x", x)
         topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
-        _checks.check_low_latency_dispatch(call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                           self.group_size, low_latency.MAX_TOPK, low_latency.MAX_TOKENS_PER_RANK,
-                                           use_fp8, round_scale, use_ue8m0)
+        signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides,
+                     type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank, type(num_experts),
+                     num_experts, use_fp8, round_scale, use_ue8m0)
+        if signature not in ctx.checked:
+            _checks.check_low_latency_dispatch(call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                               self.group_size, low_latency.MAX_TOPK,
+                                               low_latency.MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0)
+            ctx.checked.add(signature)
         stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                                         np.int32, num_experts // self.group_size)
         wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
@@ -498,7 +506,7 @@ class Buffer:
         call = "low_latency_combine()"
         ctx = self._resources.low_latency_ready(call)
         x, topk_idx, topk_weights, out = _checks.low_latency_combine_inputs(
-            call, x, topk_idx, topk_weights, handle, out, self.group_size, low_latency.Handle)
+            call, x, topk_idx, topk_weights, handle, out, self.group_size, low_latency.Handle, ctx.checked)
         wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                              np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
@@ -645,3 +653,18 @@ class Buffer:
                               "its memory is released at exit", ResourceWarning, stacklevel=2)
         except Exception:  # a destructor never raises
             pass
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens: int) -> tuple[dict, int]:
+    """Where :meth:`Buffer.get_dispatch_layout`'s outputs sit in its one allocation, and its bytes."""
+    per_node = [("per_node", (num_nodes,), np.int32, None)] if num_nodes > 1 else []
+    return carve([("per_rank", (num_ranks,), np.int32, None), *per_node, ("per_expert", (num_experts,), np.int32, None),
+                  ("in_rank", (num_tokens, num_ranks), np.bool_, None)])
+
+
+@functools.lru_cache(maxsize=64)
+def _tuned_config(operation: str, num_ranks: int, num_sms: int | None) -> Config:
+    """The Config a call without one uses: made once per (operation, ranks, ``Buffer.num_sms``), and
+    never handed out, so no caller can change it."""
+    return (get_dispatch_config if operation == "dispatch" else get_combine_config)(num_ranks, num_sms)

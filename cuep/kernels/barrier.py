@@ -55,7 +55,14 @@ def block_threads(num_ranks: int) -> int:
 
 def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int, epoch_counter,
            timeout_s: float, status, status_host_ptr: int) -> None:
-    """Enqueue the next barrier on ``stream`` (a CuPy stream).
+    """Enqueue the next barrier on ``stream`` (a CuPy stream); arguments as :func:`prepare`'s."""
+    prepare(library, signals_ptr, rank, num_ranks, epoch_counter, timeout_s, status, status_host_ptr)(stream)
+
+
+def prepare(library: Library, signals_ptr: int, rank: int, num_ranks: int, epoch_counter, timeout_s: float,
+            status, status_host_ptr: int) -> launcher.Launch:
+    """The barrier's launch, to call with a CuPy stream once per barrier: its arguments never change (the
+    kernel counts the epochs on the device), so a Buffer prepares it once.
 
     Arguments:
         signals_ptr: this rank's ``[num_ranks]`` uint64 signals (symmetric memory, :func:`signal_bytes`).
@@ -66,4 +73,4 @@ def launch(library: Library, stream, signals_ptr: int, rank: int, num_ranks: int
     """
     args = BarrierArgs(signals=signals_ptr, rank=rank, num_ranks=num_ranks, epoch_counter=epoch_counter.data.ptr,
                        timeout_ns=int(timeout_s * 1e9), status=Status(status.data.ptr, status_host_ptr))
-    launcher.launch(library, ENTRY, stream, 1, block_threads(num_ranks), args)
+    return launcher.Launch(library, ENTRY, 1, block_threads(num_ranks), args)

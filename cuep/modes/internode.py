@@ -419,7 +419,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
             num_recv = num_rows = int(plan_host[0])
             forward_capacity = int(plan_host[1])
-            per_expert = [int(c) for c in plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts]]
+            per_expert = plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts].tolist()
         forward_pos = front.empty((forward_capacity, L), np.int32)
 
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)

@@ -17,19 +17,20 @@ The NVL buffer holds a meta region of :data:`META_BYTES`, then two regions of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import numpy as np
 
 from .. import _deps, _interop
-from .._front import Front
+from .._front import Front, carve
 from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
 from ..kernels import intranode as kernels
 from ..kernels.intranode import MAX_EXPERTS, MAX_RANKS, META_BYTES, STATE_WORDS, pusher_warps
-from ..kernels.launcher import launch
+from ..kernels.launcher import KernelArgs, launch
 from ..kernels.status import Status
 from ..runtime.regions import SymmetricMemory
 from .handles import FlatHandle
@@ -195,6 +196,7 @@ class Context:
     barrier: Callable[[Any], None]
     raise_if_failed: Callable[[], None]
     front: Front
+    templates: dict = field(default_factory=dict)  # argument struct -> its shared fields, as bytes (args_of)
 
     @classmethod
     def create(cls, library: Library, memory: SymmetricMemory, status: StatusWords, rank: int, num_ranks: int,
@@ -213,6 +215,21 @@ class Context:
     def status_mirror(self) -> Status:
         """The kernels' ``Status`` member."""
         return Status(self.status.data.ptr, self.status_host_ptr)
+
+    def args_of(self, struct: type[KernelArgs]) -> KernelArgs:
+        """A fresh ``struct`` with the fields that every call of this Buffer passes alike already set (its
+        peers' bases, rank, ranks, region size, state, status, work counters, timeout: those it has),
+        worked out on first use; each call sets the rest."""
+        template = self.templates.get(struct)
+        if template is None:
+            shared = {"peer_bases": self.peer_bases.data.ptr, "rank": self.rank, "num_ranks": self.num_ranks,
+                      "region_bytes": region_bytes(self.buffer_bytes), "state": self.dispatch_state.data.ptr,
+                      "status": self.status_mirror(), "next_row": self.next_row.data.ptr,
+                      "timeout_ns": self.timeout_ns}
+            names = {name for name, *_ in struct._fields_}
+            args = struct(**{name: value for name, value in shared.items() if name in names})
+            template = self.templates[struct] = bytes(args)
+        return struct.from_buffer_copy(template)
 
 
 def need_region_bytes(call: str, ctx: Context, region_need: int, what: str) -> None:
@@ -250,6 +267,17 @@ def _sender_tokens(ctx: Context, x, scales, topk_idx, topk_weights, layout: Stag
         topk_weights_offset=layout.topk_weights_offset, send_lists_offset=layout.send_lists_offset)
 
 
+@functools.lru_cache(maxsize=64)
+def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> tuple[dict, int]:
+    """Where a non-cached dispatch's routing arrays (its handle's) sit in their one allocation, in the order
+    the dispatch unpacks them, and its bytes."""
+    return carve([("send_pos", (num_tokens, num_ranks), np.int32, None),
+                  ("recv_info", (3 + num_ranks + num_local_experts,), np.int32, None),
+                  ("combine_offsets", (2 * num_ranks,), np.int32, None), ("send_offsets", (num_ranks,), np.int32, None),
+                  ("push_offsets", (2 * num_ranks,), np.int32, None),
+                  ("rank_prefix_matrix", (num_ranks, num_ranks), np.int32, None)])
+
+
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
              num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int):
     """Enqueue a dispatch on ``stream`` (a CuPy stream; outputs are allocated on the current stream).
@@ -285,30 +313,26 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
     need_region_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
     tokens = _sender_tokens(ctx, x, scales, topk_idx, topk_weights, layout)
-    status = ctx.status_mirror()
 
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
     num_recv = num_copies = None
-    send_pos = front.empty((num_tokens, ctx.num_ranks), np.int32)
-    stage = kernels.StageArgs(
-        tokens=tokens, is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
-        num_experts=num_experts, num_ranks=ctx.num_ranks, send_pos=send_pos.data.ptr,
-        peer_bases=ctx.peer_bases.data.ptr, rank=ctx.rank, region_bytes=region_bytes(ctx.buffer_bytes),
-        state=ctx.dispatch_state.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
+    num_local_experts = num_experts // ctx.num_ranks
+    regions, nbytes = _routing_arrays(num_tokens, ctx.num_ranks, num_local_experts)
+    storage = front.storage(nbytes)
+    send_pos, recv_info, combine_offsets, send_offsets, push_offsets, rank_prefix_matrix = (
+        view.readable(front, storage) for view in regions.values())
+    stage = ctx.args_of(kernels.StageArgs)
+    stage.tokens, stage.is_token_in_rank = tokens, _ptr(is_token_in_rank)
+    stage.num_tokens_per_expert, stage.num_experts = _ptr(num_tokens_per_expert), num_experts
+    stage.send_pos = send_pos.data.ptr
     launch(ctx.library, stage.entry, stream, kernels.stage_grid(ctx.num_ranks, num_sms), kernels.NUM_THREADS, stage)
     ctx.barrier(stream)
-    num_local_experts = num_experts // ctx.num_ranks
-    recv_info = front.empty((3 + ctx.num_ranks + num_local_experts,), np.int32)
-    combine_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
-    send_offsets = front.empty((ctx.num_ranks,), np.int32)
-    push_offsets = front.empty((2 * ctx.num_ranks,), np.int32)
-    rank_prefix_matrix = front.empty((ctx.num_ranks, ctx.num_ranks), np.int32)
-    notify = kernels.NotifyArgs(
-        peer_bases=ctx.peer_bases.data.ptr, rank=ctx.rank, num_ranks=ctx.num_ranks, num_experts=num_experts,
-        expert_alignment=expert_alignment, recv_info=recv_info.data.ptr, combine_offsets=combine_offsets.data.ptr,
-        send_offsets=send_offsets.data.ptr, push_offsets=push_offsets.data.ptr,
-        rank_prefix_matrix=rank_prefix_matrix.data.ptr)
+    notify = ctx.args_of(kernels.NotifyArgs)
+    notify.num_experts, notify.expert_alignment = num_experts, expert_alignment
+    notify.recv_info, notify.combine_offsets = recv_info.data.ptr, combine_offsets.data.ptr
+    notify.send_offsets, notify.push_offsets = send_offsets.data.ptr, push_offsets.data.ptr
+    notify.rank_prefix_matrix = rank_prefix_matrix.data.ptr
     launch(ctx.library, notify.entry, stream, 1, kernels.NUM_THREADS, notify)
     if num_worst_tokens > 0:
         num_rows = num_worst_tokens
@@ -316,19 +340,17 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         info = _interop.read_on_host(recv_info, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
         ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
         num_recv, num_copies = int(info[0]), int(info[1])
-        num_rows, per_expert = num_recv, [int(c) for c in info[3 + ctx.num_ranks:]]
+        num_rows, per_expert = num_recv, info[3 + ctx.num_ranks:].tolist()
 
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
     recv_scales = front.empty((num_rows, num_scales), np.float32) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
     recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
     recv_src_idx = front.empty((num_rows,), np.int32)
-    pull = kernels.DispatchArgs(
-        tokens=tokens, peer_bases=ctx.peer_bases.data.ptr, recv_info=recv_info.data.ptr, rank=ctx.rank,
-        num_ranks=ctx.num_ranks, num_experts=num_experts, num_rows=num_rows,
-        recv=kernels.RecvArrays(x=recv_x.data.ptr, scales=_ptr(recv_scales), topk_idx=_ptr(recv_topk_idx),
-                                topk_weights=_ptr(recv_topk_weights), src_idx=recv_src_idx.data.ptr),
-        state=ctx.dispatch_state.data.ptr, status=status, next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
+    pull = ctx.args_of(kernels.DispatchArgs)
+    pull.tokens, pull.recv_info, pull.num_experts, pull.num_rows = tokens, recv_info.data.ptr, num_experts, num_rows
+    pull.recv = kernels.RecvArrays(x=recv_x.data.ptr, scales=_ptr(recv_scales), topk_idx=_ptr(recv_topk_idx),
+                                   topk_weights=_ptr(recv_topk_weights), src_idx=recv_src_idx.data.ptr)
     launch(ctx.library, pull.entry, stream, num_sms, kernels.NUM_THREADS, pull)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
                     rank_prefix_matrix=rank_prefix_matrix, recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
@@ -356,13 +378,11 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
                       f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
     recv_x = ctx.front.empty((handle.num_rows, x.shape[1]), x.dtype)
     recv_scales = ctx.front.empty((handle.num_rows, num_scales), np.float32) if scales is not None else None
-    push = kernels.PushArgs(
-        rows=_token_rows(x, scales), num_tokens=x.shape[0], send_pos=handle.send_pos.data.ptr,
-        push_offsets=handle.push_offsets.data.ptr, push_warps=pusher_warps(ctx.num_ranks), row_bytes=row_bytes,
-        peer_bases=ctx.peer_bases.data.ptr, recv_info=handle.recv_info.data.ptr, rank=ctx.rank,
-        num_ranks=ctx.num_ranks, region_bytes=region_bytes(ctx.buffer_bytes), num_rows=handle.num_rows,
-        recv_x=recv_x.data.ptr, recv_scales=_ptr(recv_scales), state=ctx.dispatch_state.data.ptr,
-        status=ctx.status_mirror(), next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
+    push = ctx.args_of(kernels.PushArgs)
+    push.rows, push.num_tokens, push.send_pos = _token_rows(x, scales), x.shape[0], handle.send_pos.data.ptr
+    push.push_offsets, push.push_warps = handle.push_offsets.data.ptr, pusher_warps(ctx.num_ranks)
+    push.row_bytes, push.recv_info, push.num_rows = row_bytes, handle.recv_info.data.ptr, handle.num_rows
+    push.recv_x, push.recv_scales = recv_x.data.ptr, _ptr(recv_scales)
     launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push)
     return recv_x, recv_scales
 
@@ -389,14 +409,12 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     need_region_bytes("combine()", ctx, copies * row_bytes, f"combining {handle.num_tokens} tokens")
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
     combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if num_topk else None
-    args = kernels.CombineArgs(
-        peer_bases=ctx.peer_bases.data.ptr, recv_info=handle.recv_info.data.ptr,
-        combine_offsets=handle.combine_offsets.data.ptr, send_pos=handle.send_pos.data.ptr,
-        send_offsets=handle.send_offsets.data.ptr, rank=ctx.rank, num_ranks=ctx.num_ranks,
-        num_tokens=handle.num_tokens, x=x.data.ptr, hidden_bytes=hidden * x.itemsize, topk_weights=_ptr(topk_weights),
-        num_topk=num_topk, landing_row_bytes=row_bytes, region_bytes=region_bytes(ctx.buffer_bytes),
-        bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
-        combined_topk_weights=_ptr(combined_weights), state=ctx.dispatch_state.data.ptr, status=ctx.status_mirror(),
-        next_row=ctx.next_row.data.ptr, timeout_ns=ctx.timeout_ns)
+    args = ctx.args_of(kernels.CombineArgs)
+    args.recv_info, args.combine_offsets = handle.recv_info.data.ptr, handle.combine_offsets.data.ptr
+    args.send_pos, args.send_offsets = handle.send_pos.data.ptr, handle.send_offsets.data.ptr
+    args.num_tokens, args.x, args.hidden_bytes = handle.num_tokens, x.data.ptr, hidden * x.itemsize
+    args.topk_weights, args.num_topk, args.landing_row_bytes = _ptr(topk_weights), num_topk, row_bytes
+    args.bias0, args.bias1 = _ptr(bias0), _ptr(bias1)
+    args.combined_x, args.combined_topk_weights = combined_x.data.ptr, _ptr(combined_weights)
     launch(ctx.library, args.entry, stream, num_sms, kernels.NUM_THREADS, args)
     return combined_x, combined_weights

@@ -27,8 +27,9 @@ call and kept (:class:`Plan`): a later call copies a filled struct and sets its 
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from .. import _deps, _interop, logfmt
-from .._checks import bf16_dtype
-from .._front import Front
+from .._checks import CheckedSignatures, bf16_dtype
+from .._front import Front, View, carve
 from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
@@ -156,6 +157,7 @@ class Context:
 
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
+    checked: CheckedSignatures = field(default_factory=CheckedSignatures)  # argument signatures that passed
     half: int = 0                 # DeepEP's buffer index: the half the next call uses
     combine_buffers: dict = field(default_factory=dict)  # (half, shape) -> array, for zero-copy callers
 
@@ -259,20 +261,6 @@ class Context:
         return self._data_start + half * self.half_capacity
 
 
-@dataclass(frozen=True)
-class View:
-    """One array carved out of a call's single allocation: ``strides`` ``None`` means C order."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    offset: int
-    strides: tuple[int, ...] | None = None
-
-    def of(self, front: Front, storage):
-        """This region of ``storage`` (from ``front.storage``) as an array of ``front``."""
-        return front.view(storage, self.shape, self.dtype, self.offset, self.strides)
-
-
 @dataclass
 class Handle:
     """What a low-latency dispatch leaves for its combine (opaque to users).
@@ -311,15 +299,6 @@ def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_expert
     return layout
 
 
-def _carve(specs) -> tuple[dict[str, View], int]:
-    """Regions ``name -> View`` for ``(name, shape, dtype, strides)`` packed into one allocation, and its bytes."""
-    regions, total = {}, 0
-    for name, shape, dtype, strides in specs:
-        regions[name] = View(shape, dtype, total, strides)
-        total += align_up(math.prod(shape) * np.dtype(dtype).itemsize, _SLOT_ALIGN)
-    return regions, total
-
-
 @dataclass(frozen=True)
 class Plan:
     """What every call of one kernel with one shape and one set of options shares, worked out on its
@@ -332,6 +311,7 @@ class Plan:
     shared_bytes: int = 0
     regions: dict = field(default_factory=dict)   # name -> View
     storage_bytes: int = 0
+    output_offsets: tuple[int, ...] = ()          # of the regions named by _OUTPUT_FIELDS, in that order
 
     def arguments(self, struct: type[KernelArgs]) -> KernelArgs:
         """A fresh copy of the planned struct, for one call to complete."""
@@ -339,6 +319,14 @@ class Plan:
 
 
 _MAX_PLANS = 64  # per Context; a decode loop uses a handful of shapes
+
+# A dispatch's output addresses: adjacent pointer fields of DispatchArgs, written with one pack per call.
+_OUTPUT_FIELDS = ("recv_x", "recv_scales", "recv_count", "recv_src_info", "layout_range", "combine_rows",
+                  "source_tokens")
+_OUTPUT_POINTERS = struct.Struct(f"<{len(_OUTPUT_FIELDS)}Q")
+_OUTPUT_START = DispatchArgs.recv_x.offset
+assert [getattr(DispatchArgs, name).offset for name in _OUTPUT_FIELDS] == \
+    [_OUTPUT_START + i * ctypes.sizeof(ctypes.c_void_p) for i in range(len(_OUTPUT_FIELDS))], "DispatchArgs order"
 
 
 def _plan(ctx: Context, key: tuple, build: Callable[[], Plan]) -> Plan:
@@ -369,7 +357,7 @@ def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: 
     scale_dtype = np.dtype(np.int32 if use_ue8m0 else np.float32)
     # Scales are column-major in the last two dims: each scale column is contiguous over rows.
     scale_strides = (columns * rows * scale_dtype.itemsize, scale_dtype.itemsize, rows * scale_dtype.itemsize)
-    return _carve([
+    return carve([
         ("recv_x", (num_local, rows, hidden), np.uint8 if use_fp8 else x_dtype, None),
         ("recv_scales", (num_local, rows, columns) if use_fp8 else (0,), scale_dtype,
          scale_strides if use_fp8 else None),
@@ -401,7 +389,8 @@ def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_ex
     a.num_parts = dispatch_num_parts(ctx.num_sms, num_experts // ctx.num_ranks)
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
-    return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes)
+    return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
+                tuple(regions[name].offset for name in _OUTPUT_FIELDS))
 
 
 def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
@@ -426,18 +415,21 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
     storage = front.storage(plan.storage_bytes)
-    regions = plan.regions
-    recv_x, recv_count = regions["recv_x"].of(front, storage), regions["recv_count"].of(front, storage)
-    recv_scales = regions["recv_scales"].of(front, storage) if use_fp8 else None
+    regions, view = plan.regions, front.view
+    r = regions["recv_x"]
+    recv_x = view(storage, r.shape, r.dtype, r.offset, r.strides)
+    r = regions["recv_count"]
+    recv_count = view(storage, r.shape, r.dtype, r.offset, r.strides)
+    r = regions["recv_scales"]
+    recv_scales = view(storage, r.shape, r.dtype, r.offset, r.strides) if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
-    address = handle.address
     a = plan.arguments(DispatchArgs)
+    base = storage.ptr
+    _OUTPUT_POINTERS.pack_into(a, _OUTPUT_START, *[base + offset for offset in plan.output_offsets])
+    if not use_fp8:
+        a.recv_scales = 0
     a.x, a.num_tokens = x.data.ptr, num_tokens
     a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
-    a.recv_x, a.recv_count = address("recv_x"), address("recv_count")
-    a.recv_scales = address("recv_scales") if use_fp8 else 0
-    a.recv_src_info, a.layout_range = address("recv_src_info"), address("layout_range")
-    a.combine_rows, a.source_tokens = address("combine_rows"), address("source_tokens")
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
     a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
     # ctx stands in for the Library: its function() is a dict lookup.

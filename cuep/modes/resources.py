@@ -13,10 +13,13 @@ from ..errors import CuepError
 from ..jit import Library, start_libraries
 from ..kernels import barrier as barrier_kernel
 from ..kernels import buffer_specs
+from ..kernels.launcher import Launch
 from ..runtime import Group, NodeGroup, discover_topology
 from ..runtime import world as nvshmem_world
 from ..runtime.regions import Regions, SymmetricMemory
 from . import internode, intranode, low_latency
+
+_MAX_BARRIER_TIMEOUTS = 8  # prepared barrier launches kept, one per timeout (Buffer.barrier may pass its own)
 
 
 class Resources:
@@ -56,6 +59,7 @@ class Resources:
         self.streams = CallStreams(front)
         self.status = StatusWords()
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
+        self._barrier_launches: dict[float, Launch] = {}
         self.memory = SymmetricMemory(self.regions)
         self.destroyed = False
         timeout_s = env.get("CUEP_TIMEOUT_S")
@@ -89,8 +93,14 @@ class Resources:
 
     def enqueue_barrier(self, stream, timeout_s: float) -> None:
         """Barrier kernel on ``stream``; its status lands in pinned memory without a host wait."""
-        barrier_kernel.launch(self._barrier_library, stream, self.memory.control, self.rank, self.num_ranks,
-                              self._barrier_epoch, timeout_s, self.status.device, self.status.host_ptr)
+        launch = self._barrier_launches.get(timeout_s)
+        if launch is None:  # its arguments never change: prepared once per timeout
+            if len(self._barrier_launches) >= _MAX_BARRIER_TIMEOUTS:
+                self._barrier_launches.clear()
+            launch = self._barrier_launches[timeout_s] = barrier_kernel.prepare(
+                self._barrier_library, self.memory.control, self.rank, self.num_ranks, self._barrier_epoch, timeout_s,
+                self.status.device, self.status.host_ptr)
+        launch(stream)
 
     def normal_ready(self, call: str) -> intranode.Context | internode.Context:
         """The normal mode's context: intranode on one node, internode across nodes."""

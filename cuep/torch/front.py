@@ -65,6 +65,10 @@ class TorchFront:
         typed = storage.tensor.view(torch_dtype)
         return typed.as_strided(shape, element_strides, typed.storage_offset() + element_offset)
 
+    def readable_view(self, storage, shape: tuple[int, ...], dtype, offset: int,
+                      strides: tuple[int, ...] | None = None) -> TensorView:
+        return TensorView(self.view(storage, shape, dtype, offset, strides), np.dtype(dtype))
+
     def _element_view(self, shape, dtype, offset: int, strides) -> tuple[Any, tuple[int, ...], int]:
         """``(torch dtype, strides, offset)`` in elements of a view given in bytes (``strides`` ``None``: C order)."""
         item = np.dtype(dtype).itemsize
