@@ -47,7 +47,8 @@ class Resources:
         load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
                                      self.device_id, normal_nvl_bytes,
                                      num_rdma_bytes if low_latency_mode else 0, across_nodes,
-                                     across_hosts=self.topology.num_local_ranks < self.num_ranks)
+                                     across_hosts=self.topology.num_local_ranks < self.num_ranks
+                                     or env.get("CUEP_NETWORK_BUILD"))
         nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id, num_qps_per_rank)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)

@@ -31,3 +31,9 @@ def test_dispatch_combine_match_reference(nodes, ranks_per_node):
 @pytest.mark.parametrize("nodes,ranks_per_node", LAYOUTS, ids=[f"{n}x{r}" for n, r in LAYOUTS])
 def test_fallback_and_aggressive_ptx_builds(nodes, ranks_per_node, variant):
     _run(nodes, ranks_per_node, **{variant: "1", "CUEP_TEST_CASES": BUILD_CASES})
+
+
+@pytest.mark.gpu
+def test_network_build_across_virtual_nodes():
+    """The build a job across hosts gets (NVSHMEM's transfer code linked, IBGDA included), on one host."""
+    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_TEST_CASES=BUILD_CASES)

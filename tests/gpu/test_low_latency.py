@@ -20,6 +20,8 @@ def test_low_latency_pressure_with_fresh_routing(num_ranks, calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX", "CUEP_NETWORK_BUILD"])
 def test_low_latency_fallback_and_aggressive_ptx_builds(variant):
+    """The other builds: Ampere's fallback, aggressive PTX, and the build for ranks across hosts (NVSHMEM's
+    transfer code linked, IBGDA included), each on one host."""
     run_or_skip("low_latency_worker.py", 2, env={variant: "1"}, expect="low-latency worker passed on 2 ranks")
