@@ -24,6 +24,7 @@ from . import _deps
 
 BURST = 20
 BURSTS = 7
+GPU_BOUND_SHARE = 0.9  # a row whose GPU time per call reaches this share of its host time is marked GPU-bound
 _EMPTY_KERNEL = 'extern "C" __global__ void cuep_bench_empty() {}'
 
 
@@ -34,21 +35,47 @@ def host_us(call: Callable[[], object], synchronize: Callable[[], None], bursts:
 
 
 def interleaved_us(calls: dict[str, Callable[[], object]], synchronize: Callable[[], None], bursts: int = BURSTS,
-                   burst: int = BURST) -> dict[str, float]:
+                   burst: int = BURST, gpu_us: dict[str, float] | None = None) -> dict[str, float]:
     """:func:`host_us` of each of ``calls``, their bursts taken in turn (so a slow spell of the host weighs
-    on every one alike, not on whichever ran then)."""
+    on every one alike, not on whichever ran then). ``gpu_us``, when given, receives each call's median
+    GPU microseconds per call over the same bursts (:class:`_GpuSpan`)."""
     for call in calls.values():
         call()  # warm: plans, compiled kernels and pools are ready before timing
     synchronize()
     samples: dict[str, list[float]] = {key: [] for key in calls}
+    gpu_samples: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(bursts):
         for key, call in calls.items():
+            span = _GpuSpan() if gpu_us is not None else None
             started = time.perf_counter()
             for _ in range(burst):
                 call()
             samples[key].append((time.perf_counter() - started) / burst * 1e6)
+            if span is not None:
+                span.end()
             synchronize()
+            if span is not None:
+                gpu_samples[key].append(span.elapsed_us() / burst)
+    if gpu_us is not None:
+        gpu_us.update({key: float(np.median(values)) for key, values in gpu_samples.items()})
     return {key: float(np.median(values)) for key, values in samples.items()}
+
+
+class _GpuSpan:
+    """The GPU time from now to :meth:`end` on the current CuPy stream (the legacy default stream, which
+    torch's calls use too): with the host's time over the same burst, it tells whether the GPU kept up."""
+
+    def __init__(self):
+        cupy = _deps.cupy()
+        self._start, self._end = cupy.cuda.Event(), cupy.cuda.Event()
+        self._start.record()
+
+    def end(self) -> None:
+        self._end.record()
+
+    def elapsed_us(self) -> float:
+        """After a synchronisation."""
+        return _deps.cupy().cuda.get_elapsed_time(self._start, self._end) * 1e3
 
 
 def split_us(call: Callable[[], Callable[[], float]], synchronize: Callable[[], None], bursts: int = BURSTS,
@@ -211,9 +238,14 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
                                lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
                                lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
                                tuple(torch.from_dlpack(a) for a in workload))
+    gpu_bound: set[str] = set()
     for name in apis["CuPy"][0]:
         barrier_and_sync()
-        rows[name] = interleaved_us({api: calls[name] for api, (calls, _) in apis.items()}, barrier_and_sync)
+        gpu: dict[str, float] = {}
+        rows[name] = interleaved_us({api: calls[name] for api, (calls, _) in apis.items()}, barrier_and_sync,
+                                    gpu_us=gpu)
+        if any(gpu[api] >= GPU_BOUND_SHARE * rows[name][api] for api in gpu):
+            gpu_bound.add(name)
     with wait:
         for index, split in enumerate(apis["CuPy"][1]):
             for api, (_, splits) in apis.items():
@@ -222,14 +254,17 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
                 rows.setdefault(split.name, {})[api] = whole - part if split.part_inside else whole
                 rows.setdefault(split.part_name, {})[api] = part
     every_rank = comm.gather(rows, root=0)
+    bound_anywhere = set().union(*comm.gather(gpu_bound, root=0) or [set()])
     if rank != 0:
         return
     floor = np.mean([r["floor: empty kernel launch"]["CuPy"] for r in every_rank])
     print(f"cuep host time per eager call: {num_ranks} ranks, bursts of {BURST} calls without a sync, median of "
           f"{BURSTS} bursts; normal mode {args.tokens} tokens x {args.hidden}, low latency {args.low_latency_tokens} "
           f"tokens, {args.experts} experts, top-{args.topk}; us per rank (ratio to the empty launch, mean over ranks). "
-          f"A burst queues at most {BURST} calls' kernels (a few each), far below the driver's launch queue, so no "
-          f"launch waited for the GPU; a dispatch with a layout waits for its counts (its CPU wait, shown apart)")
+          f"A burst queues at most {BURST} calls' kernels (a few each), far below the driver's launch queue; a "
+          f"dispatch with a layout waits for its counts (its CPU wait, shown apart). '*': on some rank the GPU "
+          f"took at least {GPU_BOUND_SHARE:.0%} of the host's time per call over the same bursts, so the GPU, "
+          f"not the host, set the pace there, and the host's figure may include waiting for it")
     print(f"{'call':40s} {'CuPy API':>24s} {'cuep.torch':>24s} {'torch/CuPy':>10s}")
     for name in rows:
         cells, means = [], {}
@@ -241,4 +276,5 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
             else:
                 cells.append("-")
         ratio = f"{means['torch'] / means['CuPy']:.2f}" if len(means) == 2 else "-"
-        print(f"{name:40s} {cells[0]:>24s} {cells[1]:>24s} {ratio:>10s}")
+        label = name + (" *" if name in bound_anywhere else "")
+        print(f"{label:40s} {cells[0]:>24s} {cells[1]:>24s} {ratio:>10s}")

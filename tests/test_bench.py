@@ -31,6 +31,31 @@ def test_host_time_takes_the_apis_bursts_in_turn():
     assert syncs == [2, 4, 6, 8, 10, 12, 14]
 
 
+def test_host_time_reports_the_gpu_time_of_the_same_bursts(monkeypatch):
+    """Each burst's GPU span (its events, here a fake of 40 us a burst) gives the GPU us per call."""
+    from cuep import bench_host
+    spans = []
+
+    class FakeSpan:
+        def __init__(self):
+            self.ended = False
+            spans.append(self)
+
+        def end(self):
+            self.ended = True
+
+        def elapsed_us(self):
+            assert self.ended
+            return 40.0
+
+    monkeypatch.setattr(bench_host, "_GpuSpan", FakeSpan)
+    gpu: dict[str, float] = {}
+    bench_host.interleaved_us({"CuPy": lambda: None}, lambda: None, bursts=3, burst=2, gpu_us=gpu)
+    assert gpu == {"CuPy": 20.0} and len(spans) == 3
+    bench_host.interleaved_us({"CuPy": lambda: None}, lambda: None, bursts=3, burst=2)
+    assert len(spans) == 3  # no GPU span unless asked for
+
+
 class FakeClock:
     """``time.perf_counter`` that moves only when told."""
 
