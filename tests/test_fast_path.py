@@ -1,0 +1,93 @@
+"""The eager calls' fast path builds the same kernel arguments as the slow one (issue 38): a struct from a
+Buffer's template equals the struct built field by field, the packed output addresses equal the fields
+set one by one, a remembered signature is bounded, and carved outputs do not overlap. No GPU needed: the
+structs are ctypes mirrors, the device arrays stand-ins with a ``.data.ptr``."""
+
+import ctypes
+import random
+import types
+
+import numpy as np
+import pytest
+
+from cuep import _checks
+from cuep._front import carve
+from cuep.kernels import intranode as kernels
+from cuep.kernels.launcher import KernelArgs
+from cuep.kernels.status import Status
+from cuep.modes import intranode, low_latency
+
+
+def _device_array(ptr: int):
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr))
+
+
+def _context() -> intranode.Context:
+    return intranode.Context(
+        library=None, rank=3, num_ranks=8, buffer_ptr=0x7000_0000, buffer_bytes=1 << 30,
+        peer_bases=_device_array(0x1000), status=_device_array(0x2000), status_host_ptr=0x3000,
+        next_row=_device_array(0x4000), dispatch_state=_device_array(0x5000), device_sms=132,
+        timeout_ns=100_000_000_000, barrier=lambda stream: None, raise_if_failed=lambda: None, front=None)
+
+
+def _random_value(kind):
+    """A value of ctypes ``kind``: a nested struct filled at random, or a random integer that fits."""
+    if isinstance(kind, type) and issubclass(kind, ctypes.Structure):
+        return kind(**{name: _random_value(sub) for name, sub, *_ in kind._fields_})
+    return random.randrange(1, 1 << (8 * ctypes.sizeof(kind) - 2))
+
+
+SHARED = {"peer_bases": 0x1000, "rank": 3, "num_ranks": 8, "region_bytes": intranode.region_bytes(1 << 30),
+          "state": 0x5000, "status": Status(0x2000, 0x3000), "next_row": 0x4000, "timeout_ns": 100_000_000_000}
+
+
+@pytest.mark.parametrize("struct", [kernels.StageArgs, kernels.NotifyArgs, kernels.DispatchArgs, kernels.PushArgs,
+                                    kernels.CombineArgs])
+def test_a_struct_from_the_template_equals_the_struct_built_whole(struct: type[KernelArgs]):
+    random.seed(struct.__name__)
+    ctx = _context()
+    own = {name: _random_value(kind) for name, kind, *_ in struct._fields_ if name not in SHARED}
+    whole = struct(**own, **{name: value for name, value in SHARED.items() if name in dict(struct._fields_)})
+    for _ in range(2):  # the template's first use, then a copy of it
+        fast = ctx.args_of(struct)
+        for name, value in own.items():
+            setattr(fast, name, value)
+        assert bytes(fast) == bytes(whole)
+    assert bytes(ctx.args_of(struct)) != bytes(whole) or not own  # a fresh copy: the last call's fields are gone
+
+
+def test_packed_output_addresses_equal_the_fields_set_one_by_one():
+    regions, _ = low_latency.dispatch_regions(8, 128, 7168, 256, 8, True, False, np.dtype(np.uint16))
+    offsets = tuple(regions[name].offset for name in low_latency._OUTPUT_FIELDS)
+    base = 0x7F00_0000_0000
+    packed, by_field = low_latency.DispatchArgs(), low_latency.DispatchArgs()
+    low_latency._OUTPUT_POINTERS.pack_into(packed, low_latency._OUTPUT_START, *[base + o for o in offsets])
+    for name in low_latency._OUTPUT_FIELDS:
+        setattr(by_field, name, base + regions[name].offset)
+    assert bytes(packed) == bytes(by_field)
+
+
+def test_remembered_signatures_are_bounded():
+    checked = _checks.CheckedSignatures()
+    for i in range(_checks.CheckedSignatures._LIMIT):
+        checked.add(("shape", i))
+    assert ("shape", 0) in checked and ("shape", _checks.CheckedSignatures._LIMIT - 1) in checked
+    checked.add(("shape", "one more"))
+    assert ("shape", 0) not in checked and ("shape", "one more") in checked
+
+
+def test_a_signature_tells_apart_what_the_checks_tell_apart():
+    """An int and a float of the same value, or two stride patterns of one shape, are different signatures."""
+    checked = _checks.CheckedSignatures()
+    checked.add(((128, 7168), (14336, 2), int, 128))
+    assert ((128, 7168), (14336, 2), float, 128.0) not in checked
+    assert ((128, 7168), (2, 256), int, 128) not in checked
+
+
+def test_carved_outputs_are_aligned_and_apart():
+    regions, total = carve([("a", (3,), np.int32, None), ("b", (5, 7), np.bool_, None), ("c", (0, 8), np.int32, None),
+                            ("d", (2,), np.int64, None)])
+    spans = [(v.offset, v.offset + int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize) for v in regions.values()]
+    assert [name for name in regions] == ["a", "b", "c", "d"]
+    assert all(start % 128 == 0 for start, _ in spans) and spans[-1][1] <= total
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
