@@ -34,6 +34,8 @@ def test_fallback_and_aggressive_ptx_builds(nodes, ranks_per_node, variant):
 
 
 @pytest.mark.gpu
-def test_network_build_across_virtual_nodes():
-    """The build a job across hosts gets (NVSHMEM's transfer code linked, IBGDA included), on one host."""
-    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_TEST_CASES=BUILD_CASES)
+@pytest.mark.parametrize("variant", [None, "CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
+def test_network_build_across_virtual_nodes(variant):
+    """The build a job across hosts gets (NVSHMEM's transfer code linked, IBGDA included), alone and with
+    the fallback or aggressive-PTX path, on one host."""
+    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_TEST_CASES=BUILD_CASES, **({variant: "1"} if variant else {}))

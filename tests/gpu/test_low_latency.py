@@ -20,8 +20,10 @@ def test_low_latency_pressure_with_fresh_routing(num_ranks, calls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX", "CUEP_NETWORK_BUILD"])
+@pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX", "CUEP_NETWORK_BUILD",
+                                     "CUEP_NETWORK_BUILD+CUEP_FORCE_FALLBACK", "CUEP_NETWORK_BUILD+CUEP_AGGRESSIVE_PTX"])
 def test_low_latency_fallback_and_aggressive_ptx_builds(variant):
     """The other builds: Ampere's fallback, aggressive PTX, and the build for ranks across hosts (NVSHMEM's
-    transfer code linked, IBGDA included), each on one host."""
-    run_or_skip("low_latency_worker.py", 2, env={variant: "1"}, expect="low-latency worker passed on 2 ranks")
+    transfer code linked, IBGDA included) alone and with each of those, all on one host."""
+    env = {name: "1" for name in variant.split("+")}
+    run_or_skip("low_latency_worker.py", 2, env=env, expect="low-latency worker passed on 2 ranks")
