@@ -89,13 +89,13 @@ def main() -> None:
     rows = {
         "floor: empty kernel launch": lambda: empty((1,), (1,), ()),
         "low_latency_dispatch FP8, whole call": dispatch,
-        "  its checks in full (a call of a new signature)": dispatch_checks,
+        "  its checks in full (a new signature), dispatch": dispatch_checks,
         "  its build (plan, outputs, handle, arguments, Launch)": dispatch_build,
         "  its launch through run_with_hook": lambda: buffer._run_low_latency(next_launch(), False, False, ()),
         "  its launch alone": lambda: next_launch()(stream),
         "low_latency_combine BF16, whole call": lambda: buffer.low_latency_combine(expert_out, topk_idx, weights,
                                                                                  handle),
-        "  its checks in full (a call of a new signature)": lambda: _checks.low_latency_combine_inputs(
+        "  its checks in full (a new signature), combine": lambda: _checks.low_latency_combine_inputs(
             "low_latency_combine()", expert_out, topk_idx, weights, handle, None, num_ranks, low_latency.Handle),
         "  its output (front.empty)": lambda: ctx.front.empty((TOKENS, HIDDEN), x.dtype),
         "parts: raise_if_failed (status words)": resources.raise_if_failed,
