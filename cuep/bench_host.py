@@ -4,9 +4,10 @@ same run: an empty kernel launched from Python, and a one-element torch op.
 
 Each call runs in bursts of :data:`BURST` with no synchronisation inside a burst; its host time is the
 burst's wall time over :data:`BURST`, the median of :data:`BURSTS` bursts, the two APIs' bursts taken in
-turn. A burst queues at most :data:`BURST` calls' kernels, far below the driver's launch queue, so a
-launch never waits for the GPU to drain (the GPU finishing late does not count: the device is
-synchronised between bursts, outside the timing). Every rank reports; rank 0 prints each rank's figure.
+turn. A burst queues at most :data:`BURST` calls' kernels, far below the driver's launch queue; the device
+is synchronised between bursts, outside the timing. Each burst's GPU span is taken too, and a row where
+it outran the host's time (:data:`GPU_BOUND_SPAN`) is marked: the GPU set the pace there. Every rank
+reports; rank 0 prints each rank's figure.
 
 Two kinds of call are timed in two parts (:func:`split_us`): a dispatch with a layout, whose one CPU wait
 (:func:`cuep._interop.read_on_host`, timed by :class:`WaitTimer`) gets a row of its own, and each hook-mode

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 
@@ -315,7 +316,7 @@ class Buffer:
                                        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                        num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream,
                                        internode.Handle if across_nodes else intranode.Handle)
-        config = config or _tuned_config("dispatch", self.group_size, type(self).num_sms)
+        config = config or _tuned_config(get_dispatch_config, self.group_size, type(self).num_sms)
 
         def enqueue(stream):
             topk_idx = _checks.widened_ids(a.topk_idx, stream)
@@ -362,7 +363,7 @@ class Buffer:
             call, x, handle, topk_weights, bias, self.group_size,
             internode.Handle if across_nodes else intranode.Handle)
         _checks.check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
-        config = config or _tuned_config("combine", self.group_size, type(self).num_sms)
+        config = config or _tuned_config(get_combine_config, self.group_size, type(self).num_sms)
 
         def enqueue(stream):
             if across_nodes:
@@ -664,7 +665,8 @@ def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens
 
 
 @functools.lru_cache(maxsize=64)
-def _tuned_config(operation: str, num_ranks: int, num_sms: int | None) -> Config:
-    """The Config a call without one uses: made once per (operation, ranks, ``Buffer.num_sms``), and
-    never handed out, so no caller can change it."""
-    return (get_dispatch_config if operation == "dispatch" else get_combine_config)(num_ranks, num_sms)
+def _tuned_config(tuned: Callable[[int, int | None], Config], num_ranks: int, num_sms: int | None) -> Config:
+    """``tuned(num_ranks, num_sms)`` (:func:`get_dispatch_config` or :func:`get_combine_config`), the Config a
+    call without one uses: made once per (operation, ranks, ``Buffer.num_sms``), and never handed out, so
+    no caller can change it."""
+    return tuned(num_ranks, num_sms)

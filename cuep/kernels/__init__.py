@@ -32,8 +32,10 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
     """
     wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0 and not internode,
               "internode": num_nvl_bytes > 0 and internode, "low_latency": num_rdma_bytes > 0}
-    return {family: FAMILIES[family].spec(arch, **({"across_hosts": across_hosts} if family in NETWORK_FAMILIES else {}))
+    options = {"across_hosts": across_hosts}
+    return {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))
             for family, used in wanted.items() if used}
 
 
-__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency", "probe"]
+__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency",
+           "probe"]

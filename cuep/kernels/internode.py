@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 
 from ..jit import KernelSpec
-from .common import family_constants
+from .common import family_constants, network_defines
 from .launcher import KernelArgs, entries_of
 from .status import Status
 
@@ -46,8 +46,8 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_
 def spec(arch: str, across_hosts: bool = False, **features) -> KernelSpec:
     """The internode family for ``arch``; ``across_hosts``: the build that links NVSHMEM's transfer code
     (cuda_src/cuep/network.cuh); ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("internode", arch, {"network": 1} if across_hosts else None, constants=family_constants(CONSTANTS), uses_nvshmem=True,
-                             entries=ENTRIES, **features)
+    return KernelSpec.create("internode", arch, network_defines(across_hosts), constants=family_constants(CONSTANTS),
+                             uses_nvshmem=True, entries=ENTRIES, **features)
 
 
 # ------------------------------------------------------------------------------------------------

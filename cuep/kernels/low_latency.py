@@ -21,7 +21,7 @@ import ctypes
 from .. import env, logfmt
 from .._math import ceil_div
 from ..jit import KernelSpec
-from .common import UE8M0_SCALES_PER_WORD, WARP_SIZE, family_constants
+from .common import UE8M0_SCALES_PER_WORD, WARP_SIZE, family_constants, network_defines
 from .launcher import KernelArgs, entries_of
 from .status import MaskedStatus
 
@@ -84,8 +84,8 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_r
 def spec(arch: str, across_hosts: bool = False, **features) -> KernelSpec:
     """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace);
     ``across_hosts`` the build that links NVSHMEM's transfer code (cuda_src/cuep/network.cuh)."""
-    defines = {**({"trace": 1} if env.get("CUEP_TRACE") else {}), **({"network": 1} if across_hosts else {})}
-    return KernelSpec.create("low_latency", arch, defines or None, constants=family_constants(CONSTANTS), uses_nvshmem=True,
+    defines = {**({"trace": 1} if env.get("CUEP_TRACE") else {}), **network_defines(across_hosts)}
+    return KernelSpec.create("low_latency", arch, defines, constants=family_constants(CONSTANTS), uses_nvshmem=True,
                              entries=ENTRIES, **features)
 
 

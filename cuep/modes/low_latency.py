@@ -415,13 +415,9 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
     storage = front.storage(plan.storage_bytes)
-    regions, view = plan.regions, front.view
-    r = regions["recv_x"]
-    recv_x = view(storage, r.shape, r.dtype, r.offset, r.strides)
-    r = regions["recv_count"]
-    recv_count = view(storage, r.shape, r.dtype, r.offset, r.strides)
-    r = regions["recv_scales"]
-    recv_scales = view(storage, r.shape, r.dtype, r.offset, r.strides) if use_fp8 else None
+    regions = plan.regions
+    recv_x, recv_count = regions["recv_x"].of(front, storage), regions["recv_count"].of(front, storage)
+    recv_scales = regions["recv_scales"].of(front, storage) if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
     a = plan.arguments(DispatchArgs)
     base = storage.ptr

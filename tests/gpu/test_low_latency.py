@@ -21,7 +21,8 @@ def test_low_latency_pressure_with_fresh_routing(num_ranks, calls):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX", "CUEP_NETWORK_BUILD",
-                                     "CUEP_NETWORK_BUILD+CUEP_FORCE_FALLBACK", "CUEP_NETWORK_BUILD+CUEP_AGGRESSIVE_PTX"])
+                                     "CUEP_NETWORK_BUILD+CUEP_FORCE_FALLBACK",
+                                     "CUEP_NETWORK_BUILD+CUEP_AGGRESSIVE_PTX"])
 def test_low_latency_fallback_and_aggressive_ptx_builds(variant):
     """The other builds: Ampere's fallback, aggressive PTX, and the build for ranks across hosts (NVSHMEM's
     transfer code linked, IBGDA included) alone and with each of those, all on one host."""
