@@ -5,8 +5,9 @@
 ``python -m cuep.bench --mode host`` gives each eager call's host time through both APIs; this splits the
 low-latency dispatch and combine further: the CuPy API on CuPy arrays and on torch tensors (what reading a
 torch tensor in place costs), cuep.torch's core call (its outputs from torch's allocator) and its front
-(DeepEP's return values), then the single operations each path is made of. Each figure is the median over
-9 bursts of the host microseconds per call in a burst without a sync (as ``--mode host``).
+(DeepEP's return values), then the single operations each path is made of, and the dispatch's phases
+(checks, build, launch) through each API. Each figure is the median over 9 bursts of the host
+microseconds per call in a burst without a sync (as ``--mode host``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from mpi4py import MPI
 
 import cuep
 import cuep.torch as deep_ep
-from cuep import _interop, bench_host
+from cuep import _checks, _interop, bench_host
 from cuep.bench import _workload
 from cuep.bench_host import BURST
+from cuep.modes import low_latency
 from cuep.torch.event import wrap
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
@@ -50,6 +52,10 @@ def main() -> None:
         "dispatch: CuPy API, torch tensors": lambda: cupy_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
         "dispatch: cuep.torch core": lambda: torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
         "dispatch: cuep.torch": lambda: torch_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
+        "dispatch: cuep.torch core, then DeepEP's handle": lambda: torch_buffer._low_latency_handle(
+            torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[2]),
+        "dispatch: cuep.torch core, then the EventOverlap": lambda: wrap(
+            torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[3]),
         "combine: CuPy API, CuPy arrays": lambda: cupy_buffer.low_latency_combine(cupy_out, topk_idx, weights,
                                                                                   cupy_handle),
         "combine: CuPy API, torch tensors": lambda: cupy_buffer.low_latency_combine(torch_out, ttopk, tweights,
@@ -66,10 +72,52 @@ def main() -> None:
         "DeepEP's low-latency handle": lambda: torch_buffer._low_latency_handle(core_handle),
         "EventOverlap of a call": lambda: wrap(event),
     }
+    pieces.update(_phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk))
     for name, call in calls.items():
         print(f"{name:45s} {host_us(call):8.1f} us", flush=True)
     for name, call in pieces.items():
         print(f"{name:45s} {host_us(call, burst=200):8.2f} us", flush=True)
+
+
+def _phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk) -> dict:
+    """The low-latency dispatch's phases through each API, each timed alone as the call runs it: the checks
+    (inputs read, signature known), the build (plan, outputs, handle, arguments) and the launch."""
+    call = "low_latency_dispatch()"
+    rows = {}
+    for api, buffer, a, b in (("CuPy", cupy_buffer, x, topk_idx), ("torch", torch_buffer._core, tx, ttopk)):
+        ctx, front = buffer._resources.low_latency, buffer._front
+
+        def checks(buffer=buffer, a=a, b=b, ctx=ctx) -> bool:
+            buffer._resources.low_latency_ready(call)
+            xa, ia = _checks.as_device_array(call, "x", a), _checks.as_device_array(call, "topk_idx", b)
+            return (xa.shape, xa.dtype, xa.strides, ia.shape, ia.dtype, ia.strides) in ctx.checked
+
+        xa, ia = _checks.as_device_array(call, "x", a), _checks.as_device_array(call, "topk_idx", b)
+        launches = [low_latency.dispatch(ctx, half, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)[4]
+                    for half in (0, 1)]
+        turn = [0]
+
+        def next_launch(launches=launches):
+            turn[0] ^= 1
+            return launches[turn[0]]
+
+        def build(ctx=ctx, xa=xa, ia=ia):
+            return low_latency.dispatch(ctx, ctx.half, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)
+
+        plan = next(plan for key, plan in ctx.plans.items() if key[0] == "dispatch")
+        storage = front.storage(plan.storage_bytes)
+        rows.update({
+            f"{api}: checks (two inputs read, signature known)": checks,
+            f"{api}: build (plan, outputs, handle, arguments, Launch)": build,
+            f"{api}: launch through run_with_hook": lambda buffer=buffer, next_launch=next_launch:
+                buffer._run_low_latency(next_launch(), False, False, ()),
+            f"{api}: front.current_stream()": front.current_stream,
+            f"{api}: front.storage": lambda front=front, plan=plan: front.storage(plan.storage_bytes),
+            f"{api}: front.views of the outputs": lambda front=front, storage=storage, plan=plan: front.views(
+                storage, plan.outputs),
+            f"{api}: as_device_array(x)": lambda a=a: _checks.as_device_array(call, "x", a),
+        })
+    return rows
 
 
 if __name__ == "__main__":

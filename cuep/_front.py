@@ -36,10 +36,13 @@ class Front(Protocol):
         byte ``offset`` (``strides`` in bytes; ``None``: C order), of the callers' kind: the core hands it out
         and never reads it."""
 
-    def readable_view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
-                      strides: tuple[int, ...] | None = None) -> Any:
-        """:meth:`view`'s array as the core reads arrays (as :meth:`empty` hands them out): for outputs that
-        a kernel of this call or a later one is given too."""
+    def views(self, storage: Any, regions: tuple["View", ...]) -> list:
+        """:meth:`view` of each of ``regions`` (a tuple the caller keeps: a front may work out once what a
+        tuple's views need)."""
+
+    def readable_views(self, storage: Any, regions: tuple["View", ...]) -> list:
+        """:meth:`views`, as the core reads arrays (as :meth:`empty` hands them out): for outputs that a kernel
+        of this call or a later one is given too."""
 
     def current_stream(self) -> Any:
         """The callers' current stream, as a CuPy stream (the launches take CuPy streams)."""
@@ -64,7 +67,12 @@ class CupyFront:
              strides: tuple[int, ...] | None = None) -> Any:
         return _deps.cupy().ndarray(shape, dtype=dtype, memptr=storage + offset, strides=strides)
 
-    readable_view = view  # the core reads CuPy arrays as they are
+    def views(self, storage: Any, regions: tuple["View", ...]) -> list:
+        ndarray = _deps.cupy().ndarray
+        return [ndarray(view.shape, dtype=view.dtype, memptr=storage + view.offset, strides=view.strides)
+                for view in regions]
+
+    readable_views = views  # the core reads CuPy arrays as they are
 
     def current_stream(self) -> Any:
         return _deps.cupy().cuda.get_current_stream()
@@ -84,14 +92,6 @@ class View:
     dtype: Any
     offset: int
     strides: tuple[int, ...] | None = None
-
-    def of(self, front: Front, storage):
-        """This region of ``storage`` (from ``front.storage``) as an array of ``front``."""
-        return front.view(storage, self.shape, self.dtype, self.offset, self.strides)
-
-    def readable(self, front: Front, storage):
-        """This region of ``storage`` as the core reads arrays (:meth:`Front.readable_view`)."""
-        return front.readable_view(storage, self.shape, self.dtype, self.offset, self.strides)
 
 
 def carve(specs) -> tuple[dict[str, View], int]:

@@ -54,11 +54,22 @@ class TensorView:
     bytes, ``flags.c_contiguous``), read from the tensor, which it keeps alive. FP8 tensors read as
     ``uint8``. :func:`to_cupy` gives a CuPy array over the same memory where the core needs one."""
 
-    __slots__ = ("tensor", "shape", "dtype", "itemsize", "ptr", "device_id", "c_contiguous")
+    __slots__ = ("tensor", "shape", "dtype", "itemsize", "ptr", "device_id", "c_contiguous", "_strides")
 
     def __init__(self, tensor, dtype: np.dtype):
         self.tensor, self.shape, self.dtype, self.itemsize = tensor, tensor.shape, dtype, dtype.itemsize
         self.ptr, self.device_id, self.c_contiguous = tensor.data_ptr(), tensor.get_device(), tensor.is_contiguous()
+        self._strides = None
+
+    @classmethod
+    def known(cls, tensor, dtype: np.dtype, shape: tuple[int, ...], ptr: int, device_id: int,
+              strides: tuple[int, ...] | None) -> "TensorView":
+        """The view of a tensor the caller has just made with these attributes (``strides`` in bytes, ``None``
+        for C order): nothing is asked of the tensor, since every question to torch costs host time."""
+        view = cls.__new__(cls)
+        view.tensor, view.shape, view.dtype, view.itemsize = tensor, shape, dtype, dtype.itemsize
+        view.ptr, view.device_id, view.c_contiguous, view._strides = ptr, device_id, strides is None, strides
+        return view
 
     @property
     def data(self) -> "TensorView":  # ``.data.ptr`` and ``.data.device_id``, as on a CuPy array
@@ -78,7 +89,13 @@ class TensorView:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        return tuple(s * self.itemsize for s in self.tensor.stride())
+        strides = self._strides
+        if strides is None:  # worked out on first use: most calls read a tensor's strides once, or never
+            itemsize, elements = self.itemsize, self.tensor.stride()
+            # A call's inputs are mostly matrices: spelled out, theirs cost a fifth of the general form.
+            strides = self._strides = ((elements[0] * itemsize, elements[1] * itemsize) if len(elements) == 2
+                                       else tuple([s * itemsize for s in elements]))
+        return strides
 
 
 @functools.cache
@@ -105,18 +122,19 @@ def as_array(value: Any):
     interface; ``None`` when it is no GPU array (a CPU tensor, say).
 
     Raises ``TypeError`` for a dtype cuep cannot hold."""
-    cupy = _deps.cupy()
-    if isinstance(value, (cupy.ndarray, TensorView)):
+    kind = type(value)
+    if kind is TensorView or kind is _deps.cupy().ndarray:
         return value
+    # A torch tensor is asked no isinstance() question it can avoid: torch's metaclass makes each one slow.
     tensor_type = _torch_tensor_type()
-    if tensor_type is not None and isinstance(value, tensor_type):
+    if tensor_type is not None and (kind is tensor_type or isinstance(value, tensor_type)):
         if not value.is_cuda:
             return None
         dtype = _torch_to_numpy_dtypes().get(value.dtype)
         if dtype is None:
             raise TypeError(f"unsupported dtype {value.dtype}")
         return TensorView(value, dtype)
-    return as_cupy(value)
+    return as_cupy(value)  # CuPy arrays of subclasses, JAX and other DLPack arrays
 
 
 def to_cupy(array):

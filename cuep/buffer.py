@@ -232,11 +232,8 @@ class Buffer:
 
         def enqueue(stream):
             regions, nbytes = _layout_outputs(self.group_size, num_nodes, int(num_experts), num_tokens)
-            storage = front.storage(nbytes)
-            per_rank = regions["per_rank"].readable(front, storage)
-            per_expert = regions["per_expert"].readable(front, storage)
-            per_node = regions["per_node"].readable(front, storage) if num_nodes > 1 else None
-            in_rank = regions["in_rank"].readable(front, storage)
+            per_rank, per_expert, in_rank, *per_node = front.readable_views(front.storage(nbytes), regions)
+            per_node = per_node[0] if per_node else None
             layout_kernel.launch(self._resources.layout_library, stream, topk_idx, int(num_experts), self.group_size,
                                  num_nodes, per_expert, per_rank, per_node, in_rank, self._resources.status)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
@@ -657,11 +654,13 @@ class Buffer:
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens: int) -> tuple[dict, int]:
-    """Where :meth:`Buffer.get_dispatch_layout`'s outputs sit in its one allocation, and its bytes."""
+def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens: int) -> tuple[tuple, int]:
+    """Where :meth:`Buffer.get_dispatch_layout`'s outputs sit in its one allocation (per rank, per expert, token
+    in rank, then per node across nodes), and its bytes."""
     per_node = [("per_node", (num_nodes,), np.int32, None)] if num_nodes > 1 else []
-    return carve([("per_rank", (num_ranks,), np.int32, None), *per_node, ("per_expert", (num_experts,), np.int32, None),
-                  ("in_rank", (num_tokens, num_ranks), np.bool_, None)])
+    regions, nbytes = carve([("per_rank", (num_ranks,), np.int32, None), ("per_expert", (num_experts,), np.int32, None),
+                             ("in_rank", (num_tokens, num_ranks), np.bool_, None), *per_node])
+    return tuple(regions.values()), nbytes
 
 
 @functools.lru_cache(maxsize=64)

@@ -268,14 +268,15 @@ def _sender_tokens(ctx: Context, x, scales, topk_idx, topk_weights, layout: Stag
 
 
 @functools.lru_cache(maxsize=64)
-def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> tuple[dict, int]:
+def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> tuple[tuple, int]:
     """Where a non-cached dispatch's routing arrays (its handle's) sit in their one allocation, in the order
     the dispatch unpacks them, and its bytes."""
-    return carve([("send_pos", (num_tokens, num_ranks), np.int32, None),
+    regions, nbytes = carve([("send_pos", (num_tokens, num_ranks), np.int32, None),
                   ("recv_info", (3 + num_ranks + num_local_experts,), np.int32, None),
                   ("combine_offsets", (2 * num_ranks,), np.int32, None), ("send_offsets", (num_ranks,), np.int32, None),
                   ("push_offsets", (2 * num_ranks,), np.int32, None),
                   ("rank_prefix_matrix", (num_ranks, num_ranks), np.int32, None)])
+    return tuple(regions.values()), nbytes
 
 
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
@@ -319,9 +320,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     num_recv = num_copies = None
     num_local_experts = num_experts // ctx.num_ranks
     regions, nbytes = _routing_arrays(num_tokens, ctx.num_ranks, num_local_experts)
-    storage = front.storage(nbytes)
-    send_pos, recv_info, combine_offsets, send_offsets, push_offsets, rank_prefix_matrix = (
-        view.readable(front, storage) for view in regions.values())
+    send_pos, recv_info, combine_offsets, send_offsets, push_offsets, rank_prefix_matrix = front.readable_views(
+        front.storage(nbytes), regions)
     stage = ctx.args_of(kernels.StageArgs)
     stage.tokens, stage.is_token_in_rank = tokens, _ptr(is_token_in_rank)
     stage.num_tokens_per_expert, stage.num_experts = _ptr(num_tokens_per_expert), num_experts

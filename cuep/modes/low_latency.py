@@ -279,6 +279,7 @@ class Handle:
     num_topk: int
     storage: Any                  # the dispatch's one allocation, from Front.storage (its outputs are views of it too)
     regions: dict                 # name -> View
+    items: tuple                  # the Views of recv_src_info and layout_range, for a front that hands them out
 
     def address(self, name: str) -> int:
         """Device address of region ``name`` of the dispatch's allocation."""
@@ -312,6 +313,8 @@ class Plan:
     regions: dict = field(default_factory=dict)   # name -> View
     storage_bytes: int = 0
     output_offsets: tuple[int, ...] = ()          # of the regions named by _OUTPUT_FIELDS, in that order
+    outputs: tuple[View, ...] = ()                # recv_x, recv_count, then recv_scales with FP8
+    handle_items: tuple[View, ...] = ()           # recv_src_info, layout_range: DeepEP's handle items 0 and 1
 
     def arguments(self, struct: type[KernelArgs]) -> KernelArgs:
         """A fresh copy of the planned struct, for one call to complete."""
@@ -389,8 +392,10 @@ def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_ex
     a.num_parts = dispatch_num_parts(ctx.num_sms, num_experts // ctx.num_ranks)
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
+    outputs = ("recv_x", "recv_count", "recv_scales") if use_fp8 else ("recv_x", "recv_count")
     return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
-                tuple(regions[name].offset for name in _OUTPUT_FIELDS))
+                tuple(regions[name].offset for name in _OUTPUT_FIELDS), tuple(regions[name] for name in outputs),
+                (regions["recv_src_info"], regions["layout_range"]))
 
 
 def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
@@ -415,10 +420,9 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
     storage = front.storage(plan.storage_bytes)
-    regions = plan.regions
-    recv_x, recv_count = regions["recv_x"].of(front, storage), regions["recv_count"].of(front, storage)
-    recv_scales = regions["recv_scales"].of(front, storage) if use_fp8 else None
-    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, regions)
+    recv_x, recv_count, *scales = front.views(storage, plan.outputs)
+    recv_scales = scales[0] if use_fp8 else None
+    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, plan.regions, plan.handle_items)
     a = plan.arguments(DispatchArgs)
     base = storage.ptr
     _OUTPUT_POINTERS.pack_into(a, _OUTPUT_START, *[base + offset for offset in plan.output_offsets])

@@ -93,7 +93,6 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = self._core.low_latency_mode, bool(explicitly_destroy)
         self.enable_shrink = self._core.enable_shrink
         self.allow_mnnvl, self.use_fabric = bool(allow_mnnvl), bool(use_fabric)
-        self._fp8 = torch.float8_e4m3fn
         self._torch = torch
 
     #: SMs of the high-throughput kernels when no Config is given (``None``: the tuned defaults); set it
@@ -205,10 +204,7 @@ class Buffer:
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
             core_event(call, previous_event), async_finish, allocate_on_comm_stream)
         export = self._front.export
-        if isinstance(recv_x, tuple):
-            recv_x = (export(recv_x[0]).view(self._fp8), export(recv_x[1]))
-        else:
-            recv_x = export(recv_x)
+        recv_x = (export(recv_x[0]), export(recv_x[1])) if isinstance(recv_x, tuple) else export(recv_x)
         if handle is None or not isinstance(handle, DispatchHandle):
             handle = self._dispatch_handle(core_handle)
         recv_topk_idx, recv_topk_weights = export(recv_topk_idx), export(recv_topk_weights)
@@ -256,12 +252,8 @@ class Buffer:
         recv_x, recv_count, core_handle, event, hook = self._core.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        export = self._front.export
-        if use_fp8:
-            recv_x = (export(recv_x[0]).view(self._fp8), export(recv_x[1]))
-        else:
-            recv_x = export(recv_x)
-        return recv_x, export(recv_count), self._low_latency_handle(core_handle), wrap(event), hook
+        # The front made recv_x (FP8 as float8_e4m3fn), its scales and recv_count as torch tensors already.
+        return recv_x, recv_count, self._low_latency_handle(core_handle), wrap(event), hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -331,9 +323,7 @@ class Buffer:
         return handle  # None, or a rebuilt tuple the core checks item by item
 
     def _low_latency_handle(self, core_handle: low_latency.Handle) -> LowLatencyHandle:
-        regions, storage = core_handle.regions, core_handle.storage
-        src_info = regions["recv_src_info"].of(self._front, storage)
-        layout_range = regions["layout_range"].of(self._front, storage)
+        src_info, layout_range = self._front.views(core_handle.storage, core_handle.items)
         handle = LowLatencyHandle((src_info, layout_range, core_handle.num_max_dispatch_tokens_per_rank,
                                    core_handle.hidden, core_handle.num_experts))
         handle.core, handle.buffer = core_handle, self

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _deps
 from .._checks import bf16_dtype
+from .._front import View
 from .._interop import TensorView
 
 
@@ -22,7 +23,11 @@ _MAX_VIEWS = 256  # regions remembered; a decode loop uses a handful
 
 
 class TorchFront:
-    """Outputs as torch tensors on GPU ``device_index``; streams are torch's current ones."""
+    """Outputs as torch tensors on GPU ``device_index``; streams are torch's current ones.
+
+    The core holds FP8 data as ``uint8`` (CuPy has no FP8 dtype), and every ``uint8`` output it asks for is
+    FP8 data: here those are ``torch.float8_e4m3fn`` tensors, as DeepEP returns them, read by the core as
+    ``uint8``."""
 
     def __init__(self, device_index: int):
         torch, cupy = _deps.torch(), _deps.cupy()
@@ -32,21 +37,18 @@ class TorchFront:
         self._cupy_streams: dict[int, Any] = {}    # raw stream -> cupy.cuda.ExternalStream
         self._torch_streams: dict[int, Any] = {}   # raw stream -> torch.cuda.ExternalStream
         self._views: dict[tuple, tuple] = {}        # (shape, dtype, byte offset, byte strides) -> _element_view
+        self._recipes: dict[int, tuple] = {}        # id(regions) -> (regions, the steps of each View)
         pairs = [(np.int32, torch.int32), (np.int64, torch.int64), (np.float32, torch.float32),
-                 (np.uint8, torch.uint8), (np.bool_, torch.bool), (np.float16, torch.float16),
-                 (np.int8, torch.int8), (np.float64, torch.float64)]
-        # Keyed by the NumPy scalar type and by its dtype: the modes pass either.
-        self._torch_dtypes = {key: theirs for ours, theirs in pairs for key in (ours, np.dtype(ours))}
-        self._torch_dtypes[bf16_dtype()] = torch.bfloat16
+                 (np.uint8, torch.float8_e4m3fn), (np.bool_, torch.bool), (np.float16, torch.float16),
+                 (np.int8, torch.int8), (np.float64, torch.float64), (bf16_dtype(), torch.bfloat16)]
+        # Keyed by the NumPy scalar type and by its dtype (the modes pass either): (torch dtype, NumPy dtype).
+        self._dtypes = {key: (theirs, np.dtype(ours)) for ours, theirs in pairs for key in (ours, np.dtype(ours))}
         self._uint8 = torch.uint8
 
-    def torch_dtype(self, dtype):
-        """The torch dtype of NumPy ``dtype`` (FP8 bytes are ``uint8`` here; callers view them as FP8)."""
-        return self._torch_dtypes[dtype]
-
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
-        tensor = self._torch.empty(shape, dtype=self._torch_dtypes[dtype], device=self.device)
-        return TensorView(tensor, np.dtype(dtype))
+        torch_dtype, numpy_dtype = self._dtypes[dtype]
+        tensor = self._torch.empty(shape, dtype=torch_dtype, device=self.device)
+        return TensorView.known(tensor, numpy_dtype, tensor.shape, tensor.data_ptr(), self.device_index, None)
 
     def storage(self, nbytes: int) -> "Storage":
         return Storage(self._torch.empty(nbytes, dtype=self._uint8, device=self.device))
@@ -65,9 +67,32 @@ class TorchFront:
         typed = storage.tensor.view(torch_dtype)
         return typed.as_strided(shape, element_strides, typed.storage_offset() + element_offset)
 
-    def readable_view(self, storage, shape: tuple[int, ...], dtype, offset: int,
-                      strides: tuple[int, ...] | None = None) -> TensorView:
-        return TensorView(self.view(storage, shape, dtype, offset, strides), np.dtype(dtype))
+    def views(self, storage: "Storage", regions: tuple[View, ...]) -> list:
+        typed = storage.typed
+        return [typed(torch_dtype).as_strided(shape, strides, offset)
+                for torch_dtype, shape, strides, offset, _ in self._steps(regions)]
+
+    def readable_views(self, storage: "Storage", regions: tuple[View, ...]) -> list[TensorView]:
+        typed, known, base, device = storage.typed, TensorView.known, storage.ptr, self.device_index
+        return [known(typed(torch_dtype).as_strided(shape, strides, offset), numpy_dtype, shape, base + view.offset,
+                      device, view.strides)
+                for torch_dtype, shape, strides, offset, (view, numpy_dtype) in self._steps(regions)]
+
+    def _steps(self, regions: tuple[View, ...]) -> tuple:
+        """Per View of ``regions``: ``(torch dtype, shape, element strides, element offset, (View, NumPy
+        dtype))``, worked out on the tuple's first use (a call's regions come from its plan, call after call)."""
+        found = self._recipes.get(id(regions))
+        if found is None or found[0] is not regions:
+            if len(self._recipes) >= _MAX_VIEWS:
+                self._recipes.clear()
+            steps = []
+            for view in regions:
+                torch_dtype, element_strides, element_offset = self._element_view(view.shape, view.dtype,
+                                                                                  view.offset, view.strides)
+                steps.append((torch_dtype, view.shape, element_strides, element_offset,
+                              (view, self._dtypes[view.dtype][1])))
+            found = self._recipes[id(regions)] = (regions, tuple(steps))  # holds regions: its id stays its own
+        return found[1]
 
     def _element_view(self, shape, dtype, offset: int, strides) -> tuple[Any, tuple[int, ...], int]:
         """``(torch dtype, strides, offset)`` in elements of a view given in bytes (``strides`` ``None``: C order)."""
@@ -80,7 +105,7 @@ class TorchFront:
             element_strides.reverse()
         else:
             element_strides = [s // item for s in strides]
-        return self._torch_dtypes[dtype], tuple(element_strides), offset // item
+        return self._dtypes[dtype][0], tuple(element_strides), offset // item
 
     def current_stream(self):
         raw = self._raw_current_stream(self.device_index)
