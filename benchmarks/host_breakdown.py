@@ -1,17 +1,20 @@
 """Where a normal-mode dispatch with a layout spends its host time: the median microseconds of each piece it
 calls, per call (GPU, mpirun, one rank is enough).
 
-    mpirun -np 1 python benchmarks/host_breakdown.py [--calls 200]     # PYTHONPATH=.
+    mpirun -np 1 python benchmarks/host_breakdown.py [--calls 200] [--no-gc]     # PYTHONPATH=.
 
 Each piece (a function of the modes, checks and launcher) is wrapped with a timer for the run; a figure is
 the median over ``--calls`` calls of the microseconds that piece took within one call (summed when it
 runs several times in it), so a rare stall (a garbage collection, a preemption) does not count, as it
-would in a profiler's totals. Pieces nest (a launch inside the dispatch), so they do not add up.
+would in a profiler's totals. Pieces nest (a launch inside the dispatch), so they do not add up. The
+whole call's mean and tail, and its mean by place in the burst, show what the medians leave out (the bench's
+figure is a burst's mean); ``--no-gc`` turns the garbage collector off while timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import defaultdict
 
@@ -42,6 +45,7 @@ PIECES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--no-gc", action="store_true", help="garbage collector off while timing")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     num_ranks = comm.Get_size()
@@ -69,6 +73,8 @@ def main() -> None:
         return label
 
     labels = [timed(owner, name) for owner, name in PIECES]
+    if args.no_gc:
+        gc.disable()
     per_call: dict[str, list[float]] = defaultdict(list)
     for index in range(args.calls):
         spent.clear()
@@ -85,7 +91,12 @@ def main() -> None:
               f"(a sync every 20): median us per call of each piece")
         for label in ["whole call", *labels]:
             values = np.array(per_call[label]) * 1e6
-            print(f"  {label:44s} median {np.median(values):8.1f}  p90 {np.percentile(values, 90):8.1f}")
+            print(f"  {label:44s} median {np.median(values):8.1f}  p90 {np.percentile(values, 90):8.1f}  "
+                  f"mean {values.mean():8.1f}  max {values.max():8.1f}")
+        whole = np.array(per_call["whole call"]) * 1e6
+        wait = np.array(per_call[f"{_interop.__name__}.read_on_host"]) * 1e6
+        print("  whole call less its wait, mean by place in the burst: " + " ".join(
+            f"{np.mean((whole - wait)[place::20]):.0f}" for place in range(20)))
 
 
 if __name__ == "__main__":

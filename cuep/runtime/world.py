@@ -27,6 +27,7 @@ import numpy as np
 from .. import _deps, env
 from ..errors import CuepError, PeerTimeoutError
 from .._math import align_up
+from . import affinity
 from .group import Group
 from .topology import Topology
 
@@ -177,12 +178,14 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
     uid = nvshmem.get_unique_id(empty=topology.rank != 0)
     uid_bytes = uid._data.view(np.int8)
     uid_bytes[:] = np.frombuffer(group.broadcast(uid_bytes.tobytes(), "NVSHMEM bootstrap"), dtype=np.int8)
+    threads_before = affinity.thread_ids()
     try:
         nvshmem.init(device=device, uid=uid, rank=topology.rank, nranks=topology.num_ranks,
                      initializer_method="uid")
     except Exception as exc:  # nvshmem4py raises NvshmemError; a transport plugin may fail otherwise
         from .. import doctor
         raise CuepError(doctor.start_error_message(topology.rank, exc, os.environ)) from exc
+    affinity.keep_off_own_cores(affinity.thread_ids() - threads_before)  # NVSHMEM's polling proxy among them
     _world = World(group=group, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)
     return _world
