@@ -3,12 +3,13 @@
     mpirun -np 1 python benchmarks/proxy_placement.py [--rounds 200]    # from the repository root, PYTHONPATH=.
 
 NVSHMEM's start leaves a thread that polls without sleeping. This finds it (the thread that used the most
-processor time while the rank slept; its processor time and where cuep let it run are printed), then times a low-latency dispatch and a normal-mode dispatch with a
-layout (its CPU wait included) with that thread placed in turn: on the rank's own core (where it starts
-when mpirun binds the rank to a core), on that core's SMT siblings, and on the host's other cores (where
-:mod:`cuep.runtime.affinity` lets it run). The placements take turns, burst by burst, so a slow spell of
-the host weighs on each alike. Figures: the host microseconds per call of bursts of 20 without a sync
-(the bench's unit), as the mean, the median and the 90th percentile of the bursts.
+processor time while the rank slept; its processor time and where cuep let it run are printed), then
+times a low-latency dispatch and a normal-mode dispatch with a layout (its CPU wait included) with that
+thread placed in turn: on the rank's own core (where it starts when mpirun binds the rank to a core), on
+that core's SMT siblings, and on the host's other cores (where :mod:`cuep.runtime.affinity` lets it run).
+The placements take turns, burst by burst, so a slow spell of the host weighs on each alike. Figures: the
+host microseconds per call of bursts of 20 without a sync (the bench's unit), as the mean, the median and
+the 90th percentile of the bursts.
 """
 
 from __future__ import annotations
