@@ -5,7 +5,8 @@ they are made of (GPU, mpirun, one rank is enough).
 
 ``--torch`` first imports torch and makes a cuep.torch Buffer beside (as ``--mode host`` does: a process
 that holds torch has a far larger heap for the garbage collector); ``--no-gc`` turns the collector off
-while timing; ``--normal`` adds the normal mode's calls (a 4096-token Buffer).
+while timing; ``--normal`` adds the normal mode's calls (a 4096-token Buffer), with the phases of the
+layout and of a cached FP8 dispatch.
 
 Each figure is the median over 7 bursts of the host microseconds per call in a burst of 20 with no
 sync (``cuep.bench_host.host_us``, as ``python -m cuep.bench --mode host``), beside the empty-launch
@@ -19,10 +20,11 @@ import argparse
 import gc
 
 import cupy
+import numpy as np
 from mpi4py import MPI
 
 import cuep
-from cuep import _checks, bench_host
+from cuep import _checks, bench_host, fp8
 from cuep.bench import _workload
 from cuep.kernels.low_latency import DispatchArgs
 from cuep.modes import low_latency
@@ -146,9 +148,40 @@ def _normal_rows(comm, num_ranks: int) -> dict:
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=weights)
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    from cuep.buffer import _layout_outputs
+    from cuep.kernels import layout as layout_kernel
     from cuep.modes import intranode
+    call, resources, front = "get_dispatch_layout()", buffer._resources, buffer._front
+    stream = cupy.cuda.get_current_stream()
+    regions, nbytes = _layout_outputs(num_ranks, 1, EXPERTS, tokens)
+    per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes), regions)
+
+    def layout_checks() -> None:
+        buffer._check_alive(call)
+        ids = _checks.as_device_array(call, "topk_idx", topk_idx)
+        _checks.check_topk_idx(call, ids, EXPERTS)
+        _checks.check_num_experts(call, EXPERTS, num_ranks)
+        _checks.check_event_options(call, None, False, False)
+
+    x_fp8, scales = fp8.quantize(x)
+    ctx = resources.intranode
     return {
         "get_dispatch_layout, whole call": lambda: buffer.get_dispatch_layout(topk_idx, EXPERTS),
+        "  its checks (alive, topk_idx, num_experts, event options)": layout_checks,
+        "  its outputs (one allocation, three views)": lambda: front.readable_views(front.storage(nbytes), regions),
+        "  its launch (arguments, Launch, the driver's launch)": lambda: layout_kernel.launch(
+            resources.layout_library, stream, topk_idx, EXPERTS, num_ranks, 1, per_expert, per_rank, None, in_rank,
+            resources.status),
+        "  the stream rule around it (CallStreams.run, nothing enqueued)": lambda: buffer._streams.run(
+            None, False, False, lambda stream: ((), ())),
+        "cached dispatch FP8, whole call": lambda: buffer.dispatch((x_fp8, scales), handle=handle),
+        "  its checks (dispatch_arguments, FP8)": lambda: _checks.dispatch_arguments(
+            "dispatch()", num_ranks, 1, intranode.MAX_EXPERTS, (x_fp8, scales), handle, None, None, None, None, None,
+            None, 1, 0, None, False, False, intranode.Handle),
+        "  its build and launch (intranode.cached_dispatch)": lambda: intranode.cached_dispatch(
+            ctx, stream, x_fp8, scales, handle, cuep.Buffer.get_dispatch_config(num_ranks).num_sms),
+        "  its two outputs (front.empty)": lambda: (front.empty((handle.num_rows, HIDDEN), np.uint8),
+                                                    front.empty((handle.num_rows, HIDDEN // 128), np.float32)),
         "dispatch with a layout, whole call (its wait included)": lambda: buffer.dispatch(x, **layout),
         "cached dispatch BF16, whole call": lambda: buffer.dispatch(x, handle=handle),
         "  its checks (dispatch_arguments)": lambda: _checks.dispatch_arguments(
