@@ -1,4 +1,5 @@
-"""The threads NVSHMEM starts are moved off the cores the rank's thread is bound to (cuep.runtime.affinity).
+"""The threads NVSHMEM starts are moved off the cores the host's ranks are bound to (cuep.runtime.affinity),
+and the topology gathers those cores.
 
 Each case runs in a thread of its own, bound there, so the test process keeps its affinity."""
 
@@ -9,6 +10,7 @@ import threading
 import pytest
 
 from cuep.runtime import affinity
+from cuep.runtime.topology import host_cpus, own_cpus
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread affinity is Linux's")
 
@@ -58,7 +60,7 @@ def test_a_thread_started_by_a_bound_thread_moves_to_the_other_processors():
         thread, release = _started_thread()
         try:
             assert os.sched_getaffinity(thread.native_id) == own  # inherited: the case being fixed
-            assert affinity.keep_off_own_cores([thread.native_id]) == 1
+            assert affinity.keep_off_rank_cores([thread.native_id]) == 1
             moved_to = os.sched_getaffinity(thread.native_id)
             assert moved_to and not moved_to & own and moved_to <= allowed
             assert os.sched_getaffinity(0) == own  # the calling thread keeps its binding
@@ -77,7 +79,7 @@ def test_nothing_moves_when_the_calling_thread_may_run_everywhere():
             pytest.skip("this process may not run on every processor of the host")
         thread, release = _started_thread()
         try:
-            assert affinity.keep_off_own_cores([thread.native_id]) == 0
+            assert affinity.keep_off_rank_cores([thread.native_id]) == 0
             assert os.sched_getaffinity(thread.native_id) == everywhere
         finally:
             release.set()
@@ -96,5 +98,34 @@ def test_a_thread_that_is_gone_is_skipped():
     thread.join()
     own = {min(os.sched_getaffinity(0))}
     moved = []
-    _in_a_thread_bound_to(own, lambda: moved.append(affinity.keep_off_own_cores([gone])))
+    _in_a_thread_bound_to(own, lambda: moved.append(affinity.keep_off_rank_cores([gone])))
     assert moved == [0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two processors to move a thread between")
+def test_a_thread_keeps_off_every_rank_core_of_the_host_and_off_its_own_where_that_leaves_none():
+    allowed = sorted(os.sched_getaffinity(0))
+    own, other_rank = {allowed[0]}, {allowed[-1]}
+    everywhere = set(range(os.cpu_count() or 1))
+
+    def body() -> None:
+        thread, release = _started_thread()
+        try:
+            assert affinity.keep_off_rank_cores([thread.native_id], own | other_rank) == 1
+            assert not os.sched_getaffinity(thread.native_id) & (own | other_rank)
+            assert affinity.keep_off_rank_cores([thread.native_id], everywhere) == 1  # every core has a rank
+            assert os.sched_getaffinity(thread.native_id) == set(allowed) - own
+        finally:
+            release.set()
+            thread.join()
+
+    if len(allowed) < 3:
+        pytest.skip("needs three processors: two ranks' and one to move to")
+    _in_a_thread_bound_to(own, body)
+
+
+def test_the_host_cpus_are_those_of_every_rank_on_the_same_host():
+    placements = [("a", frozenset({0})), ("a", frozenset({1})), ("b", frozenset({0})), ("a", frozenset({5, 6}))]
+    assert host_cpus(placements, 1) == {0, 1, 5, 6}
+    assert host_cpus(placements, 2) == {0}
+    assert own_cpus() == os.sched_getaffinity(0)

@@ -1,11 +1,11 @@
-"""Keeping the threads NVSHMEM starts off the cores of the rank's own thread.
+"""Keeping the threads NVSHMEM starts off the cores that the ranks of the host are bound to.
 
 mpirun binds each rank to a core by default (Open MPI binds to a core for up to two ranks), and a new
 thread inherits the affinity of the thread that starts it. NVSHMEM's start leaves a proxy thread that
 polls without sleeping. Bound to the rank's one core, it takes that core for a scheduler time slice
 whenever the rank's thread waits or its own slice ends, and the rank's next Python line waits for the
-slice to end: eager calls grow a tail of stalls hundreds of microseconds long. Moved to the host's
-other processors, the proxy polls beside the rank instead of in its place.
+slice to end: eager calls grow a tail of stalls hundreds of microseconds long. Moved to the processors
+no rank of the host is bound to, the proxy polls beside the ranks instead of in their place.
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def keep_off_own_cores(threads: Iterable[int]) -> int:
-    """Let each of ``threads`` run on any processor of the host except those the calling thread is bound
-    to; returns how many moved. None moves when the calling thread may run everywhere already (nothing to
-    keep it off), or where the OS refuses (no ``sched_setaffinity``, a thread gone, a cpuset with no other
+def keep_off_rank_cores(threads: Iterable[int], rank_cpus: Iterable[int] = ()) -> int:
+    """Let each of ``threads`` run on any processor of the host except ``rank_cpus`` (those the ranks of
+    this host are bound to) or, where that leaves none or none are given, except those the calling thread
+    is bound to; returns how many moved. None moves when the ranks may run everywhere (nothing to keep
+    them off), or where the OS refuses (no ``sched_setaffinity``, a thread gone, a cpuset with no other
     processor)."""
     try:
         own = os.sched_getaffinity(0)
     except AttributeError:  # not Linux
         return 0
-    others = set(range(os.cpu_count() or 1)) - own
+    host, ranks = set(range(os.cpu_count() or 1)), set(rank_cpus)
+    others = (host - ranks if ranks else set()) or host - own
     if not others:
         return 0
     moved = 0
@@ -44,4 +46,4 @@ def keep_off_own_cores(threads: Iterable[int]) -> int:
     return moved
 
 
-__all__ = ["keep_off_own_cores", "thread_ids"]
+__all__ = ["keep_off_rank_cores", "thread_ids"]

@@ -1,4 +1,5 @@
-"""Who is where: world rank, node, local rank and the device each rank drives.
+"""Who is where: world rank, node, local rank, the device each rank drives and the processors its host's
+ranks are bound to.
 
 Ranks per node come from each rank's host identity, gathered over the group. ``CUEP_RANKS_PER_NODE`` can make nodes
 smaller than the physical host (e.g. 2 on a 4-GPU host: 2 nodes x 2 GPUs), so the internode path
@@ -8,6 +9,8 @@ ranks_per_node)``; the split must agree with the hosts, which the checks below e
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,7 @@ class Topology:
     local_rank: int          # index among the ranks of this physical host: picks the GPU
     num_local_ranks: int     # ranks on this physical host
     ranks_per_node: int      # ranks per logical node (physical unless CUEP_RANKS_PER_NODE)
+    host_cpus: frozenset[int] = frozenset()  # processors the ranks of this host may run on (their bindings)
 
     @property
     def node(self) -> int:
@@ -65,9 +69,26 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
+def own_cpus() -> frozenset[int]:
+    """The processors the calling thread may run on (empty where the OS does not say)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return frozenset()
+
+
+def host_cpus(placements: list[tuple[str, frozenset[int]]], rank: int) -> frozenset[int]:
+    """The processors of every rank on ``rank``'s host, from each rank's ``(host identity, own_cpus())``."""
+    host = placements[rank][0]
+    return frozenset().union(*(cpus for identity, cpus in placements if identity == host))
+
+
 def discover_topology(group) -> Topology:
-    """Collective over ``group`` (a :class:`~cuep.runtime.group.Group`): which ranks share a host."""
-    identities = group.allgather(host_identity(), "topology")
+    """Collective over ``group`` (a :class:`~cuep.runtime.group.Group`): which ranks share a host, and the
+    processors they are bound to."""
+    placements = group.allgather((host_identity(), own_cpus()), "topology")
+    identities = [identity for identity, _ in placements]
     hosts = list(dict.fromkeys(identities))
     host_of_rank = [hosts.index(identity) for identity in identities]
-    return plan_topology(group.rank, host_of_rank, env.get("CUEP_RANKS_PER_NODE"))
+    topology = plan_topology(group.rank, host_of_rank, env.get("CUEP_RANKS_PER_NODE"))
+    return dataclasses.replace(topology, host_cpus=host_cpus(placements, group.rank))
