@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--no-gc", action="store_true", help="garbage collector off while timing")
     args = parser.parse_args()
+    if args.calls < 20:
+        parser.error("--calls must be at least 20 (one burst)")
     comm = MPI.COMM_WORLD
     num_ranks = comm.Get_size()
     x, topk_idx, weights = _workload(comm.Get_rank(), TOKENS, HIDDEN, EXPERTS, TOPK)

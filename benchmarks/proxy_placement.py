@@ -6,10 +6,10 @@ NVSHMEM's start leaves a thread that polls without sleeping. This finds it (the 
 processor time while the rank slept; its processor time and where cuep let it run are printed), then
 times a low-latency dispatch and a normal-mode dispatch with a layout (its CPU wait included) with that
 thread placed in turn: on the rank's own core (where it starts when mpirun binds the rank to a core), on
-that core's SMT siblings, and on the host's other cores (where :mod:`cuep.runtime.affinity` lets it run).
-The placements take turns, burst by burst, so a slow spell of the host weighs on each alike. Figures: the
-host microseconds per call of bursts of 20 without a sync (the bench's unit), as the mean, the median and
-the 90th percentile of the bursts.
+that core's SMT siblings, and where :mod:`cuep.runtime.affinity` let it run. The placements take turns,
+burst by burst, so a slow spell of the host weighs on each alike. Figures: the host microseconds per call
+of bursts of 20 without a sync (the bench's unit), as the mean, the median and the 90th percentile of the
+bursts.
 """
 
 from __future__ import annotations
@@ -24,30 +24,11 @@ from mpi4py import MPI
 
 import cuep
 from cuep.bench import _workload
+from cuep.runtime import affinity
 from cuep.config import Config
 
 TOKENS, LOW_LATENCY_TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 128, 7168, 256, 8
 BURST = 20
-
-
-def _cpu_list(text: str) -> set[int]:
-    """``0-3,8`` as ``{0, 1, 2, 3, 8}``."""
-    cpus = set()
-    for part in filter(None, text.strip().split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def _siblings(cpus: set[int]) -> set[int]:
-    found = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as listed:
-                found |= _cpu_list(listed.read())
-        except OSError:
-            pass
-    return found - cpus
 
 
 def _busiest_thread(seconds: float = 1.0) -> tuple[int, float]:
@@ -56,8 +37,11 @@ def _busiest_thread(seconds: float = 1.0) -> tuple[int, float]:
     def ticks() -> dict[int, int]:
         used = {}
         for name in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+            try:
+                with open(f"/proc/self/task/{name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended since the listing
+                continue
             used[int(name)] = int(fields[11]) + int(fields[12])
         return used
     before = ticks()
@@ -89,9 +73,8 @@ def main() -> None:
     proxy, busy_seconds = _busiest_thread()
     placed_by_cuep = sorted(os.sched_getaffinity(proxy))
     own = os.sched_getaffinity(0)
-    siblings = _siblings(own)
-    others = set(range(os.cpu_count() or 1)) - own - siblings
-    placements = {"rank's own core": own, "its SMT siblings": siblings, "other cores": others}
+    siblings = affinity.smt_siblings(own) - own
+    placements = {"rank's own core": own, "its SMT siblings": siblings, "where cuep put it": set(placed_by_cuep)}
     placements = {name: cpus for name, cpus in placements.items() if cpus}
     device = cupy.cuda.Device()
     samples = {(place, call): [] for place in placements for call in calls}

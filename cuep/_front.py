@@ -22,7 +22,10 @@ _ARRAY_ALIGN = 128  # each carved array starts a cache line of its own
 
 
 class Front(Protocol):
-    """The array library and stream convention of one Buffer's callers."""
+    """The array library and stream convention of one Buffer's callers.
+
+    The core holds FP8 e4m3 data as ``uint8`` (CuPy has no FP8 dtype) and asks for ``uint8`` outputs only
+    for FP8 data, so a front may hand those out as its own FP8 type (the torch front does)."""
 
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         """An uninitialised output array of ``shape`` and NumPy ``dtype``, allocated for the current stream."""
@@ -36,11 +39,11 @@ class Front(Protocol):
         byte ``offset`` (``strides`` in bytes; ``None``: C order), of the callers' kind: the core hands it out
         and never reads it."""
 
-    def views(self, storage: Any, regions: tuple["View", ...]) -> list:
-        """:meth:`view` of each of ``regions`` (a tuple the caller keeps: a front may work out once what a
-        tuple's views need)."""
+    def views(self, storage: Any, regions: tuple[View, ...]) -> list:
+        """:meth:`view` of each of ``regions`` of ``storage`` (from :meth:`storage` only), ``regions`` a tuple
+        the caller keeps: a front may work out once what a tuple's views need."""
 
-    def readable_views(self, storage: Any, regions: tuple["View", ...]) -> list:
+    def readable_views(self, storage: Any, regions: tuple[View, ...]) -> list:
         """:meth:`views`, as the core reads arrays (as :meth:`empty` hands them out): for outputs that a kernel
         of this call or a later one is given too."""
 
@@ -67,7 +70,7 @@ class CupyFront:
              strides: tuple[int, ...] | None = None) -> Any:
         return _deps.cupy().ndarray(shape, dtype=dtype, memptr=storage + offset, strides=strides)
 
-    def views(self, storage: Any, regions: tuple["View", ...]) -> list:
+    def views(self, storage: Any, regions: tuple[View, ...]) -> list:
         ndarray = _deps.cupy().ndarray
         return [ndarray(view.shape, dtype=view.dtype, memptr=storage + view.offset, strides=view.strides)
                 for view in regions]

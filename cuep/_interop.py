@@ -51,8 +51,9 @@ _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 class TensorView:
     """A torch GPU tensor as the core reads a device array: the attributes of a CuPy array that the checks
     and the kernels' arguments use (``data.ptr``, ``shape``, ``dtype`` as a NumPy dtype, ``strides`` in
-    bytes, ``flags.c_contiguous``), read from the tensor, which it keeps alive. FP8 tensors read as
-    ``uint8``. :func:`to_cupy` gives a CuPy array over the same memory where the core needs one."""
+    bytes, ``flags.c_contiguous``), read from the tensor (or, through :meth:`known`, given by the code
+    that just made it), which it keeps alive. FP8 tensors read as ``uint8``. :func:`to_cupy` gives a CuPy
+    array over the same memory where the core needs one."""
 
     __slots__ = ("tensor", "shape", "dtype", "itemsize", "ptr", "device_id", "c_contiguous", "_strides")
 
@@ -63,12 +64,13 @@ class TensorView:
 
     @classmethod
     def known(cls, tensor, dtype: np.dtype, shape: tuple[int, ...], ptr: int, device_id: int,
-              strides: tuple[int, ...] | None) -> "TensorView":
+              strides: tuple[int, ...] | None = None, c_contiguous: bool = True) -> TensorView:
         """The view of a tensor the caller has just made with these attributes (``strides`` in bytes, ``None``
-        for C order): nothing is asked of the tensor, since every question to torch costs host time."""
+        to read them from the tensor when asked): nothing is asked of the tensor now, since every question to
+        torch costs host time."""
         view = cls.__new__(cls)
         view.tensor, view.shape, view.dtype, view.itemsize = tensor, shape, dtype, dtype.itemsize
-        view.ptr, view.device_id, view.c_contiguous, view._strides = ptr, device_id, strides is None, strides
+        view.ptr, view.device_id, view.c_contiguous, view._strides = ptr, device_id, c_contiguous, strides
         return view
 
     @property

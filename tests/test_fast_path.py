@@ -91,3 +91,23 @@ def test_carved_outputs_are_aligned_and_apart():
     assert [name for name in regions] == ["a", "b", "c", "d"]
     assert all(start % 128 == 0 for start, _ in spans) and spans[-1][1] <= total
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+
+
+def test_the_torch_front_judges_contiguity_as_torch_does():
+    """cuep.torch describes the views it makes without asking torch; its contiguity must be torch's own,
+    for every region a dispatch carves (the scales' column-major layout, one column included)."""
+    torch = pytest.importorskip("torch")
+    from cuep.torch.front import _c_contiguous
+    memory = torch.empty(1 << 16, dtype=torch.uint8)
+    cases = [((4, 8, 1), (8, 1, 8)), ((4, 8, 2), (16, 1, 8)), ((4, 8, 2), (16, 2, 1)), ((0, 3), (5, 7)),
+             ((1, 3), (99, 1)), ((3,), (2,)), ((2, 1, 5), (5, 7, 1))]
+    for use_fp8, use_ue8m0, hidden in ((True, False, 512), (True, True, 512), (False, False, 256)):
+        regions, _ = low_latency.dispatch_regions(2, 8, hidden, 8, 2, use_fp8, use_ue8m0, np.dtype(np.uint16))
+        for view in regions.values():
+            item = np.dtype(view.dtype).itemsize
+            strides = (tuple(s // item for s in view.strides) if view.strides is not None else
+                       torch.empty(view.shape).stride())
+            cases.append((view.shape, strides))
+    for shape, strides in cases:
+        tensor = memory.as_strided(shape, strides)
+        assert _c_contiguous(shape, strides) == tensor.is_contiguous(), (shape, strides)

@@ -272,10 +272,11 @@ def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> 
     """Where a non-cached dispatch's routing arrays (its handle's) sit in their one allocation, in the order
     the dispatch unpacks them, and its bytes."""
     regions, nbytes = carve([("send_pos", (num_tokens, num_ranks), np.int32, None),
-                  ("recv_info", (3 + num_ranks + num_local_experts,), np.int32, None),
-                  ("combine_offsets", (2 * num_ranks,), np.int32, None), ("send_offsets", (num_ranks,), np.int32, None),
-                  ("push_offsets", (2 * num_ranks,), np.int32, None),
-                  ("rank_prefix_matrix", (num_ranks, num_ranks), np.int32, None)])
+                             ("recv_info", (3 + num_ranks + num_local_experts,), np.int32, None),
+                             ("combine_offsets", (2 * num_ranks,), np.int32, None),
+                             ("send_offsets", (num_ranks,), np.int32, None),
+                             ("push_offsets", (2 * num_ranks,), np.int32, None),
+                             ("rank_prefix_matrix", (num_ranks, num_ranks), np.int32, None)])
     return tuple(regions.values()), nbytes
 
 

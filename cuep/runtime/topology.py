@@ -10,12 +10,12 @@ ranks_per_node)``; the split must agree with the hosts, which the checks below e
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import env
+from . import affinity
 
 
 @dataclass(frozen=True)
@@ -69,16 +69,8 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
-def own_cpus() -> frozenset[int]:
-    """The processors the calling thread may run on (empty where the OS does not say)."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return frozenset()
-
-
 def host_cpus(placements: list[tuple[str, frozenset[int]]], rank: int) -> frozenset[int]:
-    """The processors of every rank on ``rank``'s host, from each rank's ``(host identity, own_cpus())``."""
+    """The processors of every rank on ``rank``'s host, from each rank's ``(host identity, processors)``."""
     host = placements[rank][0]
     return frozenset().union(*(cpus for identity, cpus in placements if identity == host))
 
@@ -86,7 +78,7 @@ def host_cpus(placements: list[tuple[str, frozenset[int]]], rank: int) -> frozen
 def discover_topology(group) -> Topology:
     """Collective over ``group`` (a :class:`~cuep.runtime.group.Group`): which ranks share a host, and the
     processors they are bound to."""
-    placements = group.allgather((host_identity(), own_cpus()), "topology")
+    placements = group.allgather((host_identity(), affinity.own_cpus()), "topology")
     identities = [identity for identity, _ in placements]
     hosts = list(dict.fromkeys(identities))
     host_of_rank = [hosts.index(identity) for identity in identities]

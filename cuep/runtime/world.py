@@ -185,7 +185,7 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
     except Exception as exc:  # nvshmem4py raises NvshmemError; a transport plugin may fail otherwise
         from .. import doctor
         raise CuepError(doctor.start_error_message(topology.rank, exc, os.environ)) from exc
-    # NVSHMEM's polling proxy among them
+    # Its proxy thread inherited this thread's binding: off the ranks' cores, its polling stalls no rank.
     affinity.keep_off_rank_cores(affinity.thread_ids() - threads_before, topology.host_cpus)
     _world = World(group=group, topology=topology, device_id=device_id, heap_bytes=heap_bytes)
     atexit.register(_finalize_at_exit)

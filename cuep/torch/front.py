@@ -19,7 +19,8 @@ from .._front import View
 from .._interop import TensorView
 
 
-_MAX_VIEWS = 256  # regions remembered; a decode loop uses a handful
+_MAX_VIEWS = 256    # views of single regions remembered; a decode loop uses a handful
+_MAX_RECIPES = 64   # tuples of a call's regions remembered (one per plan, as the plans are bounded)
 
 
 class TorchFront:
@@ -48,9 +49,9 @@ class TorchFront:
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
         torch_dtype, numpy_dtype = self._dtypes[dtype]
         tensor = self._torch.empty(shape, dtype=torch_dtype, device=self.device)
-        return TensorView.known(tensor, numpy_dtype, tensor.shape, tensor.data_ptr(), self.device_index, None)
+        return TensorView.known(tensor, numpy_dtype, tensor.shape, tensor.data_ptr(), self.device_index)
 
-    def storage(self, nbytes: int) -> "Storage":
+    def storage(self, nbytes: int) -> Storage:
         return Storage(self._torch.empty(nbytes, dtype=self._uint8, device=self.device))
 
     def view(self, storage, shape: tuple[int, ...], dtype, offset: int, strides: tuple[int, ...] | None = None):
@@ -67,30 +68,32 @@ class TorchFront:
         typed = storage.tensor.view(torch_dtype)
         return typed.as_strided(shape, element_strides, typed.storage_offset() + element_offset)
 
-    def views(self, storage: "Storage", regions: tuple[View, ...]) -> list:
+    def views(self, storage: Storage, regions: tuple[View, ...]) -> list:
         typed = storage.typed
         return [typed(torch_dtype).as_strided(shape, strides, offset)
                 for torch_dtype, shape, strides, offset, _ in self._steps(regions)]
 
-    def readable_views(self, storage: "Storage", regions: tuple[View, ...]) -> list[TensorView]:
+    def readable_views(self, storage: Storage, regions: tuple[View, ...]) -> list[TensorView]:
         typed, known, base, device = storage.typed, TensorView.known, storage.ptr, self.device_index
         return [known(typed(torch_dtype).as_strided(shape, strides, offset), numpy_dtype, shape, base + view.offset,
-                      device, view.strides)
-                for torch_dtype, shape, strides, offset, (view, numpy_dtype) in self._steps(regions)]
+                      device, view.strides, contiguous)
+                for torch_dtype, shape, strides, offset, (view, numpy_dtype, contiguous) in self._steps(regions)]
 
     def _steps(self, regions: tuple[View, ...]) -> tuple:
         """Per View of ``regions``: ``(torch dtype, shape, element strides, element offset, (View, NumPy
-        dtype))``, worked out on the tuple's first use (a call's regions come from its plan, call after call)."""
+        dtype, C-contiguous))``, worked out on the tuple's first use (a call's regions come from its plan,
+        call after call)."""
         found = self._recipes.get(id(regions))
         if found is None or found[0] is not regions:
-            if len(self._recipes) >= _MAX_VIEWS:
+            if len(self._recipes) >= _MAX_RECIPES:
                 self._recipes.clear()
             steps = []
             for view in regions:
                 torch_dtype, element_strides, element_offset = self._element_view(view.shape, view.dtype,
                                                                                   view.offset, view.strides)
+                contiguous = _c_contiguous(view.shape, element_strides)
                 steps.append((torch_dtype, view.shape, element_strides, element_offset,
-                              (view, self._dtypes[view.dtype][1])))
+                              (view, self._dtypes[view.dtype][1], contiguous)))
             found = self._recipes[id(regions)] = (regions, tuple(steps))  # holds regions: its id stays its own
         return found[1]
 
@@ -132,6 +135,19 @@ class TorchFront:
         if array is None or isinstance(array, self._torch.Tensor):
             return array
         return self._torch.from_dlpack(array)  # a CuPy array the core made itself
+
+
+def _c_contiguous(shape: tuple[int, ...], element_strides: tuple[int, ...]) -> bool:
+    """Whether a view of ``shape`` with ``element_strides`` is C-contiguous, as torch and CuPy judge it: the
+    stride of a dimension of one element does not count, and an empty view is contiguous."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for n, stride in zip(reversed(shape), reversed(element_strides)):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True
 
 
 class Storage:
