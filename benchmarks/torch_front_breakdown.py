@@ -87,13 +87,11 @@ def _phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk) -> dict:
     for api, buffer, a, b in (("CuPy", cupy_buffer, x, topk_idx), ("torch", torch_buffer._core, tx, ttopk)):
         ctx, front = buffer._resources.low_latency, buffer._front
 
-        def checks(buffer=buffer, a=a, b=b, ctx=ctx) -> bool:
+        def checks(buffer=buffer, a=a, b=b, ctx=ctx) -> tuple:
             buffer._resources.low_latency_ready(call)
-            xa, ia = _checks.as_device_array(call, "x", a), _checks.as_device_array(call, "topk_idx", b)
-            signature = (xa.shape, xa.dtype, xa.strides, ia.shape, ia.dtype, ia.strides, int, TOKENS, int, EXPERTS,
-                         True, False, False)  # as low_latency_dispatch() builds it
-            assert signature in ctx.checked, "the dispatch's signature changed: update this copy of it"
-            return True
+            return _checks.low_latency_dispatch_inputs(call, a, b, TOKENS, EXPERTS, buffer.group_size,
+                                                       low_latency.MAX_TOPK, low_latency.MAX_TOKENS_PER_RANK, True,
+                                                       False, False, ctx.checked)
 
         xa, ia = _checks.as_device_array(call, "x", a), _checks.as_device_array(call, "topk_idx", b)
         launches = [low_latency.dispatch(ctx, half, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)[4]

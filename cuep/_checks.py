@@ -132,6 +132,24 @@ def check_hidden(call: str, hidden: int, fp8: bool) -> None:
         raise ValueError(f"{call}: hidden size must be a positive multiple of {multiple} for {kind}, got {hidden}")
 
 
+def low_latency_dispatch_inputs(call: str, x, topk_idx, max_tokens: Any, num_experts: Any, num_ranks: int,
+                                max_topk: int, max_tokens_limit: int, use_fp8: bool, round_scale: bool,
+                                use_ue8m0: bool, checked: CheckedSignatures | None = None) -> tuple[Any, Any]:
+    """A low-latency dispatch's ``x`` and ``topk_idx`` as device arrays, checked
+    (:func:`check_low_latency_dispatch`) unless their signature is in ``checked`` (this call's is added once
+    it passes)."""
+    x = as_device_array(call, "x", x)
+    topk_idx = as_device_array(call, "topk_idx", topk_idx)
+    signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides, type(max_tokens),
+                 max_tokens, type(num_experts), num_experts, use_fp8, round_scale, use_ue8m0)
+    if checked is None or signature not in checked:
+        check_low_latency_dispatch(call, x, topk_idx, max_tokens, num_experts, num_ranks, max_topk, max_tokens_limit,
+                                   use_fp8, round_scale, use_ue8m0)
+        if checked is not None:
+            checked.add(signature)
+    return x, topk_idx
+
+
 def check_low_latency_dispatch(call: str, x, topk_idx, max_tokens: Any, num_experts: Any, num_ranks: int,
                                max_topk: int, max_tokens_limit: int, use_fp8: bool, round_scale: bool,
                                use_ue8m0: bool) -> None:

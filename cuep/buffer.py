@@ -444,16 +444,9 @@ class Buffer:
         """
         call = "low_latency_dispatch()"
         ctx = self._resources.low_latency_ready(call)
-        x = _checks.as_device_array(call, "x", x)
-        topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
-        signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides,
-                     type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank, type(num_experts),
-                     num_experts, use_fp8, round_scale, use_ue8m0)
-        if signature not in ctx.checked:
-            _checks.check_low_latency_dispatch(call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                               self.group_size, low_latency.MAX_TOPK,
-                                               low_latency.MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0)
-            ctx.checked.add(signature)
+        x, topk_idx = _checks.low_latency_dispatch_inputs(
+            call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size, low_latency.MAX_TOPK,
+            low_latency.MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0, ctx.checked)
         stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                                         np.int32, num_experts // self.group_size)
         wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,

@@ -84,6 +84,36 @@ def test_a_signature_tells_apart_what_the_checks_tell_apart():
     assert ((128, 7168), (2, 256), int, 128) not in checked
 
 
+def test_a_low_latency_dispatch_checks_each_new_signature_once_and_every_other_one_in_full(monkeypatch):
+    """The real signature: a repeat skips the shape checks; a float token count, or other strides, is checked
+    (and raises) although an equal int, or the same shape, passed before."""
+    monkeypatch.setattr(_checks, "as_device_array", lambda call, name, value: value)
+    full_checks = []
+    real = _checks.check_low_latency_dispatch
+    monkeypatch.setattr(_checks, "check_low_latency_dispatch", lambda *a: (full_checks.append(a), real(*a)))
+
+    def matrix(shape, dtype, strides):
+        return types.SimpleNamespace(shape=shape, dtype=np.dtype(dtype), strides=strides, ndim=len(shape),
+                                     itemsize=np.dtype(dtype).itemsize,
+                                     flags=types.SimpleNamespace(c_contiguous=strides[-1] == np.dtype(dtype).itemsize))
+
+    x = matrix((8, 256), _checks.bf16_dtype(), (512, 2))
+    ids = matrix((8, 4), np.int64, (32, 8))
+    checked = _checks.CheckedSignatures()
+
+    def dispatch(x, max_tokens=16):
+        return _checks.low_latency_dispatch_inputs("low_latency_dispatch()", x, ids, max_tokens, 64, 4, 32, 1024,
+                                                   True, False, False, checked)
+
+    assert dispatch(x) == (x, ids) and dispatch(x) == (x, ids)
+    assert len(full_checks) == 1
+    with pytest.raises(TypeError, match="num_max_dispatch_tokens_per_rank"):
+        dispatch(x, 16.0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        dispatch(matrix((8, 256), _checks.bf16_dtype(), (2, 16)))
+    assert len(full_checks) == 3
+
+
 def test_carved_outputs_are_aligned_and_apart():
     regions, total = carve([("a", (3,), np.int32, None), ("b", (5, 7), np.bool_, None), ("c", (0, 8), np.int32, None),
                             ("d", (2,), np.int64, None)])
