@@ -149,7 +149,6 @@ def _normal_rows(comm, num_ranks: int) -> dict:
                   topk_idx=topk_idx, topk_weights=weights)
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
     from cuep.buffer import _layout_outputs
-    from cuep.kernels import layout as layout_kernel
     from cuep.modes import intranode
     call, resources, front = "get_dispatch_layout()", buffer._resources, buffer._front
     stream = cupy.cuda.get_current_stream()
@@ -169,9 +168,8 @@ def _normal_rows(comm, num_ranks: int) -> dict:
         "get_dispatch_layout, whole call": lambda: buffer.get_dispatch_layout(topk_idx, EXPERTS),
         "  its checks (alive, topk_idx, num_experts, event options)": layout_checks,
         "  its outputs (one allocation, three views)": lambda: front.readable_views(front.storage(nbytes), regions),
-        "  its launch (arguments, Launch, the driver's launch)": lambda: layout_kernel.launch(
-            resources.layout_library, stream, topk_idx, EXPERTS, num_ranks, 1, per_expert, per_rank, None, in_rank,
-            resources.status),
+        "  its launch (the Buffer's LayoutLaunches: fields, the driver's launch)": lambda: resources.layout.launch(
+            stream, topk_idx, EXPERTS, per_expert, per_rank, None, in_rank),
         "  the stream rule around it (CallStreams.run, nothing enqueued)": lambda: buffer._streams.run(
             None, False, False, lambda stream: ((), ())),
         "cached dispatch FP8, whole call": lambda: buffer.dispatch((x_fp8, scales), handle=handle),

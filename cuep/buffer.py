@@ -234,8 +234,7 @@ class Buffer:
             regions, nbytes = _layout_outputs(self.group_size, num_nodes, int(num_experts), num_tokens)
             per_rank, per_expert, in_rank, *per_node = front.readable_views(front.storage(nbytes), regions)
             per_node = per_node[0] if per_node else None
-            layout_kernel.launch(self._resources.layout_library, stream, topk_idx, int(num_experts), self.group_size,
-                                 num_nodes, per_expert, per_rank, per_node, in_rank, self._resources.status)
+            self._resources.layout.launch(stream, topk_idx, int(num_experts), per_expert, per_rank, per_node, in_rank)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)

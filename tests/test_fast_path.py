@@ -141,3 +141,84 @@ def test_the_torch_front_judges_contiguity_as_torch_does():
     for shape, strides in cases:
         tensor = memory.as_strided(shape, strides)
         assert _c_contiguous(shape, strides) == tensor.is_contiguous(), (shape, strides)
+
+
+def test_the_torch_low_latency_handle_makes_its_tensors_once_when_first_read(monkeypatch):
+    """cuep.torch's low-latency handle makes its two tensors when first read, not in the dispatch; whatever
+    reads it (indexing, unpacking, iteration, membership, comparison, concatenation, copies) gets DeepEP's
+    items, the same tensors each time, views of the dispatch's allocation at their regions."""
+    torch = pytest.importorskip("torch")
+    import copy
+
+    from cuep.torch.buffer import LowLatencyHandle
+    from cuep.torch.front import Storage, TorchFront
+    num_ranks, max_tokens, hidden, num_experts = 2, 8, 512, 8
+    regions, nbytes = low_latency.dispatch_regions(num_ranks, max_tokens, hidden, num_experts, 2, True, False,
+                                                   np.dtype(np.uint16))
+    storage = Storage(torch.empty(nbytes, dtype=torch.uint8))
+    core = types.SimpleNamespace(storage=storage, items=(regions["recv_src_info"], regions["layout_range"]),
+                                 num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
+    front, made = TorchFront(0), []
+
+    def views(*args):
+        made.append(args)
+        return front.views(*args)
+
+    owner = object()
+    handle = LowLatencyHandle.of(core, owner, views)
+    assert not made and len(handle) == 5 and isinstance(handle, tuple)
+    src_info, layout_range, tokens, hidden_, experts = handle
+    assert len(made) == 1
+    local, rows = num_experts // num_ranks, num_ranks * max_tokens
+    assert src_info.dtype == torch.int32 and tuple(src_info.shape) == (local, rows) and src_info.is_contiguous()
+    assert layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (local, num_ranks)
+    assert src_info.data_ptr() == storage.ptr + regions["recv_src_info"].offset
+    assert layout_range.data_ptr() == storage.ptr + regions["layout_range"].offset
+    assert (tokens, hidden_, experts) == (max_tokens, hidden, num_experts)
+    assert handle[0] is src_info and handle[1] is layout_range and handle[-1] == num_experts
+    assert list(handle) == list(tuple(handle)) and handle[2:] == (max_tokens, hidden, num_experts)
+    assert [*handle][1] is layout_range and list(reversed(handle))[-1] is src_info
+    assert src_info in handle and handle.index(src_info) == 0
+    assert handle == handle and handle == (src_info, layout_range, max_tokens, hidden, num_experts)
+    assert (handle + (1,))[0] is src_info and ((1,) + handle)[1] is src_info and (handle * 2)[5] is src_info
+    assert "made when first read" not in repr(handle) and hash(handle) == hash(handle.items())
+    copied = copy.copy(handle)
+    assert copied[0] is src_info and copied.core is core and copied.buffer is owner
+    rebuilt = LowLatencyHandle((src_info, layout_range, max_tokens, hidden, num_experts))
+    assert rebuilt[1] is layout_range and tuple.__getitem__(rebuilt, 0) is src_info
+    assert len(made) == 1
+
+
+def test_the_layout_launches_equal_a_launch_built_whole_for_every_call(monkeypatch):
+    """A Buffer's layout launches keep a struct per dtype and expert count and set only what changes: call
+    after call (dtypes, shapes, expert counts, per-node counts changing), each launch must carry the struct,
+    entry and grid that building them whole gives."""
+    from cuep.kernels import launcher
+    from cuep.kernels import layout as layout_kernel
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__",
+                        lambda self, stream: launched.append((self.entry, self.grid, self.block, bytes(self.args))))
+    library = types.SimpleNamespace(function=lambda name: 0x9000)
+    status = types.SimpleNamespace(device=_device_array(0x2000), host_ptr=0x3000)
+    num_ranks, num_nodes = 8, 2
+    launches = layout_kernel.LayoutLaunches(library, num_ranks, num_nodes, status)
+
+    def ids(ptr, shape, dtype):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr), shape=shape, dtype=np.dtype(dtype))
+
+    for call, (dtype, shape, num_experts, with_nodes) in enumerate(
+            [(np.int64, (4096, 8), 256, True), (np.int32, (128, 8), 256, True), (np.int64, (7, 2), 64, False),
+             (np.int64, (4096, 8), 256, False), (np.int32, (1, 1), 256, True)]):
+        base = 0x10_0000 * (call + 1)
+        per_node = _device_array(base + 0x300) if with_nodes else None
+        launches.launch(None, ids(base, shape, dtype), num_experts, _device_array(base + 0x100),
+                        _device_array(base + 0x200), per_node, _device_array(base + 0x400))
+        whole = layout_kernel.LayoutArgs(
+            topk_idx=base, num_tokens=shape[0], num_topk=shape[1], num_experts=num_experts, num_ranks=num_ranks,
+            num_nodes=num_nodes, num_tokens_per_expert=base + 0x100, num_tokens_per_rank=base + 0x200,
+            num_tokens_per_node=base + 0x300 if with_nodes else 0, is_token_in_rank=base + 0x400,
+            status_device=0x2000, status_host=0x3000)
+        entry = layout_kernel.LayoutArgs.entries[dtype == np.int64]
+        assert launched[-1] == (entry, layout_kernel.num_blocks(num_experts, num_ranks, num_nodes),
+                                layout_kernel.NUM_THREADS, bytes(whole)), call

@@ -64,26 +64,54 @@ def num_blocks(num_experts: int, num_ranks: int, num_nodes: int) -> int:
     return blocks + (ceil_div(num_nodes, GROUPS_PER_BLOCK) if num_nodes > 1 else 0)
 
 
-def launch(library: Library, stream, topk_idx, num_experts: int, num_ranks: int, num_nodes: int,
-           num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_node, is_token_in_rank,
-           status: StatusWords) -> None:
-    """Enqueue the layout kernel on ``stream`` (a CuPy stream); every output is overwritten.
+class LayoutLaunches:
+    """The layout kernel as one Buffer launches it: a filled :class:`LayoutArgs` and its
+    :class:`~cuep.kernels.launcher.Launch` per ``topk_idx`` dtype and expert count, made on first use; each
+    call sets the routing's address and shape and the outputs' addresses (a struct and a launch built per
+    call would cost host time on every eager layout).
 
     Arguments:
-        topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert; an id outside
-            `[-1, num_experts)` counts nowhere and is recorded in ``status`` (a later call raises it).
-        num_tokens_per_expert: `[num_experts]` `int32` out.
-        num_tokens_per_rank: `[num_ranks]` `int32` out.
-        num_tokens_per_node: `[num_nodes]` `int32` out, or ``None`` with one node.
-        is_token_in_rank: `[num_tokens, num_ranks]` `bool` out.
+        library: the layout family's compiled library.
+        num_ranks, num_nodes: the Buffer's ranks and nodes.
         status: the Buffer's status words.
     """
-    num_tokens, num_topk = topk_idx.shape
-    args = LayoutArgs(topk_idx=topk_idx.data.ptr, num_tokens=num_tokens, num_topk=num_topk, num_experts=num_experts,
-                      num_ranks=num_ranks, num_nodes=num_nodes, num_tokens_per_expert=num_tokens_per_expert.data.ptr,
-                      num_tokens_per_rank=num_tokens_per_rank.data.ptr,
-                      num_tokens_per_node=num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0,
-                      is_token_in_rank=is_token_in_rank.data.ptr, status_device=status.device.data.ptr,
-                      status_host=status.host_ptr)
-    launcher.launch(library, _ENTRY_BY_DTYPE[topk_idx.dtype], stream, num_blocks(num_experts, num_ranks, num_nodes),
-                    NUM_THREADS, args)
+
+    def __init__(self, library: Library, num_ranks: int, num_nodes: int, status: StatusWords):
+        self._library, self._num_ranks, self._num_nodes, self._status = library, num_ranks, num_nodes, status
+        self._launches: dict[tuple, launcher.Launch] = {}
+
+    def launch(self, stream, topk_idx, num_experts: int, num_tokens_per_expert, num_tokens_per_rank,
+               num_tokens_per_node, is_token_in_rank) -> None:
+        """Enqueue the layout kernel on ``stream`` (a CuPy stream); every output is overwritten.
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` `int32` or `int64`, `-1` for no expert; an id outside
+                `[-1, num_experts)` counts nowhere and is recorded in the status words (a later call raises it).
+            num_tokens_per_expert: `[num_experts]` `int32` out.
+            num_tokens_per_rank: `[num_ranks]` `int32` out.
+            num_tokens_per_node: `[num_nodes]` `int32` out, or ``None`` with one node.
+            is_token_in_rank: `[num_tokens, num_ranks]` `bool` out.
+        """
+        key = (topk_idx.dtype, num_experts)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._new_launch(topk_idx.dtype, num_experts)
+        args = launch.args
+        args.topk_idx, (args.num_tokens, args.num_topk) = topk_idx.data.ptr, topk_idx.shape
+        args.num_tokens_per_expert = num_tokens_per_expert.data.ptr
+        args.num_tokens_per_rank = num_tokens_per_rank.data.ptr
+        args.num_tokens_per_node = num_tokens_per_node.data.ptr if num_tokens_per_node is not None else 0
+        args.is_token_in_rank = is_token_in_rank.data.ptr
+        launch(stream)
+
+    def _new_launch(self, dtype, num_experts: int) -> launcher.Launch:
+        if len(self._launches) >= _MAX_LAUNCHES:
+            self._launches.clear()
+        num_ranks, num_nodes, status = self._num_ranks, self._num_nodes, self._status
+        args = LayoutArgs(num_experts=num_experts, num_ranks=num_ranks, num_nodes=num_nodes,
+                          status_device=status.device.data.ptr, status_host=status.host_ptr)
+        return launcher.Launch(self._library, _ENTRY_BY_DTYPE[dtype], num_blocks(num_experts, num_ranks, num_nodes),
+                               NUM_THREADS, args)
+
+
+_MAX_LAUNCHES = 16  # per Buffer: a model routes over one or two expert counts

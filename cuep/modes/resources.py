@@ -13,6 +13,7 @@ from ..errors import CuepError
 from ..jit import Library, start_libraries
 from ..kernels import barrier as barrier_kernel
 from ..kernels import buffer_specs
+from ..kernels import layout as layout_kernel
 from ..kernels.launcher import Launch
 from ..runtime import Group, NodeGroup, discover_topology
 from ..runtime import world as nvshmem_world
@@ -55,10 +56,12 @@ class Resources:
         self.device.use()
         # Loaded before anything is allocated: a failed compile or load leaves no symmetric memory behind.
         libraries = load_kernels()
-        self.layout_library, self._barrier_library = libraries["layout"], libraries["barrier"]
+        self._barrier_library = libraries["barrier"]
         self.front = front
         self.streams = CallStreams(front)
         self.status = StatusWords()
+        self.layout = layout_kernel.LayoutLaunches(libraries["layout"], self.num_ranks, self.topology.num_nodes,
+                                                   self.status)
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._barrier_launches: dict[float, Launch] = {}
         self.memory = SymmetricMemory(self.regions)

@@ -36,10 +36,95 @@ class LowLatencyHandle(tuple):
     """A low-latency dispatch's handle, DeepEP's five items: `recv_src_info` `[num_local_experts, num_ranks *
     num_max_dispatch_tokens_per_rank]` `int32` (each received row's token index on its source rank),
     `layout_range` `[num_local_experts, num_ranks]` `int64` (``(first row << 32) | rows`` from each source
-    rank), ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``."""
+    rank), ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``.
+
+    The two tensors are views of the dispatch's outputs made when the handle is first read (indexed,
+    unpacked or iterated), not by the dispatch: a decode step hands most handles straight to the combine,
+    and a torch view costs host time on every call. What reading gives is DeepEP's tuple either way; a
+    tuple of the same items (rebuilt after saving, say) is a handle too."""
 
     core: Any
     buffer: Any
+
+    def __new__(cls, items=()):
+        handle = super().__new__(cls, items)
+        handle._items = tuple.__getitem__(handle, slice(None))
+        return handle
+
+    @classmethod
+    def of(cls, core_handle: low_latency.Handle, buffer: Buffer, views) -> LowLatencyHandle:
+        """The handle of ``core_handle``, its tensors made by ``views(storage, regions)`` when first read."""
+        handle = tuple.__new__(cls, (_NOT_MADE, _NOT_MADE, core_handle.num_max_dispatch_tokens_per_rank,
+                                     core_handle.hidden, core_handle.num_experts))
+        handle.core, handle.buffer, handle._views, handle._items = core_handle, buffer, views, None
+        return handle
+
+    def items(self) -> tuple:
+        """The five items as a plain tuple, the two tensors made now if not yet."""
+        items = self._items
+        if items is None:
+            core = self.core
+            src_info, layout_range = self._views(core.storage, core.items)
+            items = self._items = (src_info, layout_range, *tuple.__getitem__(self, slice(2, None)))
+        return items
+
+    # Every way Python reads a tuple's items goes through items(): indexing, iteration (unpacking, ``*handle``,
+    # ``tuple()``, ``list()``), membership, comparison, concatenation, copies.
+    def __getitem__(self, index):
+        return self.items()[index]
+
+    def __iter__(self):
+        return iter(self.items())
+
+    def __reversed__(self):
+        return reversed(self.items())
+
+    def __contains__(self, value) -> bool:
+        return value in self.items()
+
+    def count(self, value) -> int:
+        return self.items().count(value)
+
+    def index(self, value, *bounds) -> int:
+        return self.items().index(value, *bounds)
+
+    def __eq__(self, other) -> bool:
+        return self.items() == (other.items() if isinstance(other, LowLatencyHandle) else other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.items())
+
+    def __add__(self, other):
+        return self.items() + (other.items() if isinstance(other, LowLatencyHandle) else other)
+
+    def __radd__(self, other):
+        return other + self.items()
+
+    def __mul__(self, times):
+        return self.items() * times
+
+    __rmul__ = __mul__
+
+    def __getnewargs__(self) -> tuple:  # copy and pickle rebuild the tuple from its real items
+        return (self.items(),)
+
+    def __repr__(self) -> str:
+        return f"LowLatencyHandle{self.items()!r}"
+
+
+class _NotMade:
+    """What a :class:`LowLatencyHandle` holds in place of a tensor not yet made (never handed out)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<tensor made when first read>"
+
+
+_NOT_MADE = _NotMade()
 
 
 class Buffer:
@@ -323,11 +408,7 @@ class Buffer:
         return handle  # None, or a rebuilt tuple the core checks item by item
 
     def _low_latency_handle(self, core_handle: low_latency.Handle) -> LowLatencyHandle:
-        src_info, layout_range = self._front.views(core_handle.storage, core_handle.items)
-        handle = LowLatencyHandle((src_info, layout_range, core_handle.num_max_dispatch_tokens_per_rank,
-                                   core_handle.hidden, core_handle.num_experts))
-        handle.core, handle.buffer = core_handle, self
-        return handle
+        return LowLatencyHandle.of(core_handle, self, self._front.views)
 
     def _core_low_latency_handle(self, call: str, handle: Any) -> low_latency.Handle:
         if not isinstance(handle, LowLatencyHandle):
