@@ -1,4 +1,4 @@
-"""Where the host time of a low-latency call goes, CuPy API against cuep.torch, piece by piece.
+"""Where the host time of a low-latency call and of the layout goes, CuPy API against cuep.torch, piece by piece.
 
     mpirun -np 1 python benchmarks/torch_front_breakdown.py      # from the repository root, PYTHONPATH=.
 
@@ -6,8 +6,8 @@
 low-latency dispatch and combine further: the CuPy API on CuPy arrays and on torch tensors (what reading a
 torch tensor in place costs), cuep.torch's core call (its outputs from torch's allocator) and its front
 (DeepEP's return values), then the single operations each path is made of, and the dispatch's phases
-(checks, build, launch) through each API. Each figure is the median over 9 bursts of the host
-microseconds per call in a burst without a sync (as ``--mode host``).
+(checks, build, launch) through each API; the layout the same way, whole and in its phases. Each figure is
+the median over 9 bursts of the host microseconds per call in a burst without a sync (as ``--mode host``).
 """
 
 from __future__ import annotations
@@ -70,9 +70,13 @@ def main() -> None:
         "a torch tensor read in place (TensorView)": lambda: _interop.as_array(tx),
         "FP8 view of the received rows": lambda: recv[0].view(torch.float8_e4m3fn),
         "DeepEP's low-latency handle": lambda: torch_buffer._low_latency_handle(core_handle),
+        "DeepEP's low-latency handle, its tensors read": lambda: torch_buffer._low_latency_handle(core_handle)[0],
         "EventOverlap of a call": lambda: wrap(event),
     }
     pieces.update(_phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk))
+    layout_calls, layout_pieces = _layout(comm, topk_idx, ttopk)
+    calls.update(layout_calls)
+    pieces.update(layout_pieces)
     for name, call in calls.items():
         print(f"{name:45s} {host_us(call):8.1f} us", flush=True)
     for name, call in pieces.items():
@@ -119,6 +123,55 @@ def _phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk) -> dict:
             f"{api}: as_device_array(x)": lambda a=a: _checks.as_device_array(call, "x", a),
         })
     return rows
+
+
+def _layout(comm, topk_idx, ttopk) -> tuple[dict, dict]:
+    """``get_dispatch_layout`` whole through each API (and the CuPy API on a torch tensor, and cuep.torch's
+    core), and its phases through each front, each timed alone as the call runs it."""
+    num_ranks = comm.Get_size()
+    nvl_bytes = cuep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, TOKENS)
+    cupy_buffer = cuep.Buffer(comm, nvl_bytes, 0)
+    torch_buffer = deep_ep.Buffer(None, nvl_bytes, 0, comm=comm)
+    core = torch_buffer._core
+    calls = {
+        "layout: CuPy API, CuPy array": lambda: cupy_buffer.get_dispatch_layout(topk_idx, EXPERTS),
+        "layout: CuPy API, torch tensor": lambda: cupy_buffer.get_dispatch_layout(ttopk, EXPERTS),
+        "layout: cuep.torch core": lambda: core.get_dispatch_layout(ttopk, EXPERTS),
+        "layout: cuep.torch": lambda: torch_buffer.get_dispatch_layout(ttopk, EXPERTS),
+    }
+    from cuep.buffer import _layout_outputs
+    regions, nbytes = _layout_outputs(num_ranks, 1, EXPERTS, TOKENS)
+    call = "get_dispatch_layout()"
+    pieces = {}
+    for api, buffer, ids in (("CuPy", cupy_buffer, topk_idx), ("torch", core, ttopk)):
+        front, resources = buffer._front, buffer._resources
+        per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes), regions)
+        ids_read = _checks.as_device_array(call, "topk_idx", ids)
+        stream = front.current_stream()
+
+        def checks(buffer=buffer, ids=ids) -> None:
+            buffer._check_alive(call)
+            read = _checks.as_device_array(call, "topk_idx", ids)
+            _checks.check_topk_idx(call, read, EXPERTS)
+            _checks.check_num_experts(call, EXPERTS, num_ranks)
+            _checks.check_event_options(call, None, False, False)
+
+        pieces.update({
+            f"layout {api}: checks (topk_idx read)": checks,
+            f"layout {api}: outputs (front.storage, readable_views)": lambda front=front: front.readable_views(
+                front.storage(nbytes), regions),
+            f"layout {api}: launch (LayoutLaunches)": lambda resources=resources, ids_read=ids_read, stream=stream,
+                views=(per_expert, per_rank, None, in_rank): resources.layout.launch(stream, ids_read, EXPERTS, *views),
+            f"layout {api}: stream rule (CallStreams.run, nothing enqueued)": lambda buffer=buffer: buffer._streams.run(
+                None, False, False, lambda stream: ((), ())),
+        })
+    outputs = core.get_dispatch_layout(ttopk, EXPERTS)
+    export = torch_buffer._front.export
+    pieces.update({
+        "layout torch: DeepEP's return values (exports, EventOverlap)": lambda: (
+            export(outputs[0]), export(outputs[1]), export(outputs[2]), export(outputs[3]), wrap(outputs[4])),
+    })
+    return calls, pieces
 
 
 if __name__ == "__main__":

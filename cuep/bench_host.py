@@ -16,6 +16,7 @@ call, whose send and receive get a row each.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, NamedTuple
 
@@ -129,22 +130,25 @@ class WaitTimer:
 
 class Split(NamedTuple):
     """A call timed in two parts (:func:`split_us`): its row, the part's row, and whether the part happened
-    inside the call (then the call's row shows the call without it)."""
+    inside the call (then the call's row shows the call without it, and ``whole_name`` names the row of the
+    whole call where the part cannot be timed apart)."""
 
     name: str
     part_name: str
     call: Callable[[], Callable[[], float]]
     part_inside: bool
+    whole_name: str = ""
 
 
 def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], as_fp8: Callable[[object], object],
-           wait: WaitTimer, args, num_ranks: int,
-           workload: tuple) -> tuple[dict[str, Callable[[], object]], list[Split]]:
+           wait: WaitTimer | None, args, num_ranks: int, workload: tuple,
+           with_low_latency: bool = True) -> tuple[dict[str, Callable[[], object]], list[Split]]:
     """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
     low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it, ``as_fp8`` turns FP8 bytes into
-    what the API takes; ``wait`` times a non-cached dispatch's CPU wait; ``workload`` holds the arrays.
-    Returns the calls timed whole, and those timed in two parts: a dispatch with a layout apart from its
-    CPU wait, and each hook-mode call's send apart from its receive."""
+    what the API takes; ``wait`` times a non-cached dispatch's CPU wait (``None``: it is not cuep's);
+    ``workload`` holds the arrays; ``with_low_latency=False`` leaves the low-latency calls out. Returns the calls
+    timed whole, and those timed in two parts: a dispatch with a layout apart from its CPU wait, and each
+    hook-mode call's send apart from its receive."""
     from .buffer import Buffer
     from .config import Config
     x, topk_idx, weights, x_fp8, scales, ll_x, ll_topk_idx, ll_weights = workload
@@ -155,16 +159,11 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
     recv_x, _, recv_weights, _, handle, _ = normal.dispatch(x, **layout)
     bias = zeros((x.shape[0], args.hidden))
     fp8_x = (as_fp8(x_fp8), scales)
-    ll_tokens = ll_x.shape[0]
-    low_latency = make_buffer(0, Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
-                                                                       args.experts), True)
-    ll_handle = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)[2]
-    expert_out = zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden))
 
     def dispatch_with_layout() -> Callable[[], float]:
-        before = wait.seconds
+        before = wait.seconds if wait is not None else 0.0
         normal.dispatch(x, **layout)
-        waited = wait.seconds - before
+        waited = wait.seconds - before if wait is not None else 0.0
         return lambda: waited
 
     def send_then_receive(send: Callable[[], tuple]) -> Callable[[], Callable[[], float]]:
@@ -184,6 +183,17 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
         "cached dispatch FP8": lambda: normal.dispatch(fp8_x, handle=handle),
         "combine": lambda: normal.combine(recv_x, handle),
         "combine, top-k weights and bias": lambda: normal.combine(recv_x, handle, topk_weights=recv_weights, bias=bias),
+    }
+    split = [Split("dispatch with a layout, without its wait", "dispatch with a layout: its CPU wait",
+                   dispatch_with_layout, part_inside=True, whole_name="dispatch with a layout, its wait included")]
+    if not with_low_latency:
+        return whole, split
+    ll_tokens = ll_x.shape[0]
+    low_latency = make_buffer(0, Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
+                                                                       args.experts), True)
+    ll_handle = low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts)[2]
+    expert_out = zeros((args.experts // num_ranks, num_ranks * ll_tokens, args.hidden))
+    whole.update({
         "low-latency dispatch FP8": lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens,
                                                                              args.experts),
         "low-latency dispatch BF16": lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens,
@@ -192,10 +202,8 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
                                                                             ll_handle),
         "low-latency combine LogFMT": lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights,
                                                                               ll_handle, use_logfmt=True),
-    }
-    split = [
-        Split("dispatch with a layout, without its wait", "dispatch with a layout: its CPU wait",
-              dispatch_with_layout, part_inside=True),
+    })
+    split += [
         Split("low-latency dispatch FP8, hook: send", "low-latency dispatch FP8, hook: receive", send_then_receive(
             lambda: low_latency.low_latency_dispatch(ll_x, ll_topk_idx, ll_tokens, args.experts,
                                                      return_recv_hook=True)), part_inside=False),
@@ -243,25 +251,11 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
                                lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
                                tuple(torch.from_dlpack(a) for a in workload))
     gpu_bound: set[str] = set()
-    for name in apis["CuPy"][0]:
-        barrier_and_sync()
-        gpu: dict[str, float] = {}
-        rows[name] = interleaved_us({api: calls[name] for api, (calls, _) in apis.items()}, barrier_and_sync,
-                                    gpu_us=gpu)
-        if any(gpu[api] > GPU_BOUND_SPAN * rows[name][api] for api in gpu):
-            gpu_bound.add(name)
-    with wait:
-        for index, split in enumerate(apis["CuPy"][1]):
-            for api, (_, splits) in apis.items():
-                barrier_and_sync()
-                whole, part = split_us(splits[index].call, barrier_and_sync)
-                rows.setdefault(split.name, {})[api] = whole - part if split.part_inside else whole
-                rows.setdefault(split.part_name, {})[api] = part
+    rows.update(time_apis(apis, barrier_and_sync, wait, gpu_bound))
     every_rank = comm.gather(rows, root=0)
     bound_anywhere = set().union(*comm.gather(gpu_bound, root=0) or [set()])
     if rank != 0:
         return
-    floor = np.mean([r["floor: empty kernel launch"]["CuPy"] for r in every_rank])
     print(f"cuep host time per eager call: {num_ranks} ranks, bursts of {BURST} calls without a sync, median of "
           f"{BURSTS} bursts; normal mode {args.tokens} tokens x {args.hidden}, low latency {args.low_latency_tokens} "
           f"tokens, {args.experts} experts, top-{args.topk}; us per rank (ratio to the empty launch, mean over ranks). "
@@ -269,16 +263,57 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
           f"dispatch with a layout waits for its counts (its CPU wait, shown apart). '*': on some rank the GPU's "
           f"span over a burst exceeded the host's time by more than {GPU_BOUND_SPAN - 1:.0%}, so the GPU set the "
           f"pace there (its queue grew; the host's figure is still the host's)")
-    print(f"{'call':40s} {'CuPy API':>24s} {'cuep.torch':>24s} {'torch/CuPy':>10s}")
-    for name in rows:
+    print_table(every_rank, bound_anywhere, {"CuPy": "CuPy API", "torch": "cuep.torch"}, ratio=("torch", "CuPy"))
+
+
+def time_apis(apis: dict[str, tuple[dict[str, Callable[[], object]], list[Split]]],
+              synchronize: Callable[[], None], wait: WaitTimer | None, gpu_bound: set[str]) -> dict:
+    """Rows ``call -> {api: us}`` of every call of ``apis`` (each API's calls from :func:`_calls`), the APIs'
+    bursts of one call taken in turn; names of the calls whose GPU set the pace go into ``gpu_bound``.
+    ``wait`` times a dispatch with a layout's CPU wait apart (``None``: the API's wait is not cuep's, and that
+    call's row holds it)."""
+    rows: dict[str, dict[str, float]] = {}
+    first = next(iter(apis.values()))
+    for name in first[0]:
+        synchronize()
+        gpu: dict[str, float] = {}
+        rows[name] = interleaved_us({api: calls[name] for api, (calls, _) in apis.items()}, synchronize, gpu_us=gpu)
+        if any(gpu[api] > GPU_BOUND_SPAN * rows[name][api] for api in gpu):
+            gpu_bound.add(name)
+    with wait or contextlib.nullcontext():
+        for index, split in enumerate(first[1]):
+            for api, (_, splits) in apis.items():
+                synchronize()
+                whole, part = split_us(splits[index].call, synchronize)
+                if split.part_inside and wait is None:  # the wait is in the call's row, and has none of its own
+                    rows.setdefault(split.whole_name, {})[api] = whole
+                    continue
+                rows.setdefault(split.name, {})[api] = whole - part if split.part_inside else whole
+                rows.setdefault(split.part_name, {})[api] = part
+    return rows
+
+
+def print_table(every_rank: list[dict], bound_anywhere: set[str], columns: dict[str, str],
+                ratio: tuple[str, str] | None = None) -> None:
+    """The rows of every rank (from :func:`time_apis`, with the floors), one column per API of ``columns``
+    (``api -> heading``): each rank's figure, and its mean's ratio to the mean empty launch of the same run;
+    ``ratio``: a last column, the first API's mean over the second's."""
+    floor = np.mean([r["floor: empty kernel launch"][api] for r in every_rank
+                     for api in r["floor: empty kernel launch"]])
+    heading = f"{'call':45s} " + " ".join(f"{title:>24s}" for title in columns.values())
+    print(heading + (f" {'/'.join(columns[api] for api in ratio):>22s}" if ratio else ""))
+    names = list(dict.fromkeys(name for r in every_rank for name in r))
+    for name in names:
         cells, means = [], {}
-        for api in ("CuPy", "torch"):
+        for api in columns:
             values = [r[name][api] for r in every_rank if api in r.get(name, {})]
             if values:
                 means[api] = float(np.mean(values))
                 cells.append(f"{' / '.join(f'{v:.1f}' for v in values)} ({means[api] / floor:.1f}x)")
             else:
                 cells.append("-")
-        ratio = f"{means['torch'] / means['CuPy']:.2f}" if len(means) == 2 else "-"
-        label = name + (" *" if name in bound_anywhere else "")
-        print(f"{label:40s} {cells[0]:>24s} {cells[1]:>24s} {ratio:>10s}")
+        line = f"{name + (' *' if name in bound_anywhere else ''):45s} " + " ".join(f"{cell:>24s}" for cell in cells)
+        if ratio:
+            line += f" {means[ratio[0]] / means[ratio[1]]:>22.2f}" if all(api in means for api in ratio) else \
+                f" {'-':>22s}"
+        print(line)

@@ -1,5 +1,7 @@
 """The benchmark's host-side decisions (no GPU)."""
 
+import types
+
 from cuep import bench
 from cuep.runtime import world
 
@@ -168,3 +170,36 @@ def test_host_bench_calls_fit_both_apis():
                 "low-latency combine LogFMT"} <= set(whole), api
         assert [entry.part_inside for entry in split] == [True, False, False], api
         assert calls.count("low_latency_dispatch hook") == 1 and calls.count("low_latency_combine hook") == 1, api
+
+
+def test_the_rows_of_several_apis_and_a_wait_that_is_not_cuep_s(monkeypatch, capsys):
+    """time_apis gives each call a row per API; a dispatch with a layout whose wait cuep cannot time (DeepEP's,
+    inside its C++) gets one row, the whole call, under its own name; print_table prints each API's column
+    and the ratio of two."""
+    from cuep import bench_host
+    clock = FakeClock()
+    monkeypatch.setattr(bench_host.time, "perf_counter", clock)
+    monkeypatch.setattr(bench_host, "_GpuSpan", lambda: types.SimpleNamespace(end=lambda: None, elapsed_us=lambda: 0.0))
+
+    def costing(us: float):
+        def call():
+            clock.now += us * 1e-6
+            return lambda: 1e-6  # a part of 1 us
+        return call
+
+    def apis(scale: float):
+        split = bench_host.Split("with a layout, without its wait", "with a layout: its wait", costing(5 * scale),
+                                 part_inside=True, whole_name="with a layout, its wait included")
+        return {"layout": costing(2 * scale)}, [split]
+
+    rows = bench_host.time_apis({"CuPy": apis(1), "torch": apis(2)}, lambda: None, bench_host.WaitTimer(), set())
+    assert {name: {api: round(us, 6) for api, us in row.items()} for name, row in rows.items()} == {
+        "layout": {"CuPy": 2.0, "torch": 4.0}, "with a layout, without its wait": {"CuPy": 4.0, "torch": 9.0},
+        "with a layout: its wait": {"CuPy": 1.0, "torch": 1.0}}
+    rows = bench_host.time_apis({"DeepEP": apis(3)}, lambda: None, None, set())
+    assert {name: {api: round(us, 6) for api, us in row.items()} for name, row in rows.items()} == {
+        "layout": {"DeepEP": 6.0}, "with a layout, its wait included": {"DeepEP": 15.0}}
+    every_rank = [{"floor: empty kernel launch": {"CuPy": 2.0}, "layout": {"CuPy": 4.0, "torch": 6.0}}]
+    bench_host.print_table(every_rank, {"layout"}, {"CuPy": "CuPy API", "torch": "cuep.torch"}, ratio=("torch", "CuPy"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split() == ["layout", "*", "4.0", "(2.0x)", "6.0", "(3.0x)", "1.50"]

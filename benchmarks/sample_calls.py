@@ -1,0 +1,78 @@
+"""One eager call of ``python -m cuep.bench --mode host``, repeated for a while, for a sampling profiler to read.
+
+    mpirun -np 1 py-spy record --native --rate 2000 --format raw -o calls.txt -- \\
+        python benchmarks/sample_calls.py --api torch --call "low-latency dispatch FP8" --seconds 8   # PYTHONPATH=.
+
+cProfile (``benchmarks/host_profile.py``) adds its own cost to every Python call, which at a few
+microseconds a call hides where the time goes. A sampler such as py-spy adds none to the process it reads,
+and with ``--native`` it sees into torch's, CuPy's and the driver's C code too. This runs the call in bursts
+of :data:`cuep.bench_host.BURST` with a sync between bursts, as ``--mode host`` times it, for ``--seconds``,
+and prints its host time per call. ``benchmarks/fold_samples.py`` sums the samples by function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import cupy
+from mpi4py import MPI
+
+import cuep
+from cuep import bench_host, fp8
+from cuep.bench import _workload
+
+HIDDEN, EXPERTS, TOPK = 7168, 256, 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--api", choices=["CuPy", "torch"], default="CuPy")
+    parser.add_argument("--call", required=True, help="a row name of --mode host (a hook row runs send and receive)")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--low-latency-tokens", type=int, default=128)
+    args = parser.parse_args()
+    args.hidden, args.experts, args.topk = HIDDEN, EXPERTS, TOPK
+    comm = MPI.COMM_WORLD
+    rank, num_ranks = comm.Get_rank(), comm.Get_size()
+    x, topk_idx, weights = _workload(rank, args.tokens, HIDDEN, EXPERTS, TOPK)
+    x_fp8, scales = fp8.quantize(x)
+    workload = (x, topk_idx, weights, x_fp8, scales, *_workload(rank, args.low_latency_tokens, HIDDEN, EXPERTS, TOPK))
+    wait = bench_host.WaitTimer()
+    if args.api == "torch":
+        import torch
+
+        import cuep.torch as deep_ep
+        torch.cuda.set_device(cupy.cuda.Device().id)
+        whole, split = bench_host._calls(
+            lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
+            lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+            lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
+            tuple(torch.from_dlpack(a) for a in workload))
+    else:
+        whole, split = bench_host._calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
+                                         lambda shape: cupy.zeros(shape, dtype=x.dtype), lambda data: data, wait,
+                                         args, num_ranks, workload)
+    calls = dict(whole)
+    for part in split:  # a split call runs its second part at once (a hook's receive), as --mode host runs it
+        calls[part.name] = calls[part.part_name] = lambda call=part.call: call()()
+    call = calls[args.call]
+    device = cupy.cuda.Device()
+    done, bursts, started = time.perf_counter() + args.seconds, 0, time.perf_counter()
+    timed = 0.0
+    while time.perf_counter() < done:
+        burst_start = time.perf_counter()
+        for _ in range(bench_host.BURST):
+            call()
+        timed += time.perf_counter() - burst_start
+        bursts += 1
+        device.synchronize()
+    elapsed = time.perf_counter() - started
+    print(f"[rank {rank}] {args.api} {args.call!r}: {bursts * bench_host.BURST} calls in {elapsed:.1f} s, "
+          f"{timed / (bursts * bench_host.BURST) * 1e6:.1f} us per call inside bursts "
+          f"({timed / elapsed:.0%} of the run)")
+
+
+if __name__ == "__main__":
+    main()
