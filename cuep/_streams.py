@@ -11,6 +11,7 @@ for ``cuep.Buffer``, torch's for ``cuep.torch``.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 from . import _deps
@@ -25,7 +26,9 @@ class CallStreams:
     def __init__(self, front: Front):
         self.front = front
         self.comm_stream = _deps.cupy().cuda.Stream(non_blocking=True)
-        self._in_flight: list[tuple[Any, tuple]] = []
+        # (event, arrays, whether the event is this object's own), oldest first
+        self._in_flight: collections.deque[tuple[Any, tuple, bool]] = collections.deque()
+        self._spare_events: list = []  # own events whose work is done, recorded again instead of made anew
         # (stream pointer, EventOverlap after it) of the last layout, dispatch or combine
         self._last_call: tuple[int, EventOverlap] | None = None
 
@@ -38,12 +41,24 @@ class CallStreams:
         capture runs would invalidate it."""
         if stream.is_capturing():
             return
-        self._in_flight = [(e, a) for e, a in self._in_flight if not e.done]
-        self._in_flight.append((event or record_event(stream), arrays))
+        in_flight = self._in_flight
+        # Oldest first, stopping at the first still running: a call queries one event or two, not every one
+        # held (a decode step's hooks can hold one per layer). An entry behind a slower stream's waits a
+        # little longer: held longer, never released early.
+        while in_flight and in_flight[0][0].done:
+            done, _, own = in_flight.popleft()
+            if own:
+                self._spare_events.append(done)
+        own = event is None
+        if own:
+            event = self._spare_events.pop() if self._spare_events else _deps.cupy().cuda.Event(disable_timing=True)
+            event.record(stream)
+        in_flight.append((event, arrays, own))
 
     def release(self) -> None:
         """Forget every held array (after a device synchronisation)."""
         self._in_flight.clear()
+        self._spare_events.clear()
 
     def run(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool,
             enqueue: Callable[[Any], tuple[tuple, tuple]]) -> tuple[tuple, EventOverlap]:
