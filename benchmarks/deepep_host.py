@@ -9,7 +9,8 @@ torch group; NCCL refuses two ranks on one GPU), sharing the GPUs there are. Run
 ``mpirun -np N python -m cuep.bench --mode host``, on the same machine: host figures only compare within one
 machine. DeepEP's one CPU wait (a dispatch with a layout waits for its counts) happens inside its C++ and is
 not timed apart: that call's row holds it. ``--no-low-latency`` leaves out the low-latency calls, for a build
-without NVSHMEM or a machine where its low-latency Buffer cannot start.
+without NVSHMEM or a machine where its low-latency Buffer cannot start. At one process only the layout and the
+low-latency calls run: DeepEP builds its normal-mode kernels for 2, 4 and 8 ranks.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
     workload = tuple(torch.from_dlpack(a) for a in (x, topk_idx, weights, x_fp8, scales,
                                                      *_workload(local_rank, args.low_latency_tokens, args.hidden,
                                                                 args.experts, args.topk)))
-    hidden_bytes = args.hidden * 2
-    nvl_bytes = max(deep_ep.Buffer.get_dispatch_config(num_processes).get_nvl_buffer_size_hint(hidden_bytes,
-                                                                                               num_processes),
-                    deep_ep.Buffer.get_combine_config(num_processes).get_nvl_buffer_size_hint(hidden_bytes,
-                                                                                              num_processes))
+    hidden_bytes, nvl_bytes = args.hidden * 2, 0  # one process: the layout alone, which needs no buffer
+    if num_processes > 1:
+        nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_processes)
+                        for config in (deep_ep.Buffer.get_dispatch_config(num_processes),
+                                       deep_ep.Buffer.get_combine_config(num_processes)))
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.low_latency_tokens, args.hidden, num_processes,
                                                                args.experts)
     local_experts = args.experts // num_processes
@@ -77,7 +78,7 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
     rows["floor: one-element torch op"] = {"DeepEP": bench_host.host_us(lambda: one.add_(1), torch.cuda.synchronize)}
     calls = bench_host._calls(make_buffer, lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
                               lambda data: data.view(torch.float8_e4m3fn), None, args, num_processes, workload,
-                              with_low_latency=not options.no_low_latency)
+                              with_low_latency=not options.no_low_latency, with_dispatch=num_processes > 1)
     gpu_bound: set[str] = set()
     rows.update(bench_host.time_apis({"DeepEP": calls}, synchronize, None, gpu_bound))
     every_rank: list = [None] * num_processes

@@ -1,11 +1,11 @@
 """Sum a sampling profile of ``benchmarks/sample_calls.py`` by function: where one eager call's host time goes.
 
-    python benchmarks/fold_samples.py calls.txt [--under "<lambda>"] [--top 40]
+    python benchmarks/fold_samples.py calls.txt [--under timed_call] [--top 40]
 
 The input is py-spy's ``--format raw`` (one line per distinct stack, ``frame;frame;...;frame count``, the
 outermost frame first). Only the samples taken inside a call count (stacks through a frame whose name is
-``--under``, the benchmark's closure around the call by default, its outermost one; a qualified name counts
-by its last part): the syncs between bursts
+``--under``, by default ``timed_call``, the function of ``sample_calls.py`` around each call; its outermost
+one, a qualified name counting by its last part): the syncs between bursts
 are left out. Prints
 each function's inclusive share of those samples (a function counted once per stack), then the innermost
 frames' own shares (a Python frame with its line: the statement running, C calls included), then the call's
@@ -59,7 +59,7 @@ def fold(lines, under: str) -> tuple[int, collections.Counter, collections.Count
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("raw", help="py-spy --format raw output")
-    parser.add_argument("--under", default="<lambda>", help="the frame name around each call (its last part)")
+    parser.add_argument("--under", default="timed_call", help="the frame name around each call (its last part)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     with open(args.raw) as source:

@@ -7,7 +7,8 @@ cProfile (``benchmarks/host_profile.py``) adds its own cost to every Python call
 microseconds a call hides where the time goes. A sampler such as py-spy adds none to the process it reads,
 and with ``--native`` it sees into torch's, CuPy's and the driver's C code too. This runs the call in bursts
 of :data:`cuep.bench_host.BURST` with a sync between bursts, as ``--mode host`` times it, for ``--seconds``,
-and prints its host time per call. ``benchmarks/fold_samples.py`` sums the samples by function.
+and prints its host time per call. ``benchmarks/fold_samples.py`` sums the samples by function, under the
+frame ``timed_call`` that wraps each call.
 """
 
 from __future__ import annotations
@@ -58,13 +59,17 @@ def main() -> None:
     for part in split:  # a split call runs its second part at once (a hook's receive), as --mode host runs it
         calls[part.name] = calls[part.part_name] = lambda call=part.call: call()()
     call = calls[args.call]
+
+    def timed_call():  # the frame fold_samples.py sums under
+        return call()
+
     device = cupy.cuda.Device()
     done, bursts, started = time.perf_counter() + args.seconds, 0, time.perf_counter()
     timed = 0.0
     while time.perf_counter() < done:
         burst_start = time.perf_counter()
         for _ in range(bench_host.BURST):
-            call()
+            timed_call()
         timed += time.perf_counter() - burst_start
         bursts += 1
         device.synchronize()

@@ -141,19 +141,35 @@ class Split(NamedTuple):
 
 
 def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object], as_fp8: Callable[[object], object],
-           wait: WaitTimer | None, args, num_ranks: int, workload: tuple,
-           with_low_latency: bool = True) -> tuple[dict[str, Callable[[], object]], list[Split]]:
+           wait: WaitTimer | None, args, num_ranks: int, workload: tuple, with_low_latency: bool = True,
+           with_dispatch: bool = True) -> tuple[dict[str, Callable[[], object]], list[Split]]:
     """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
     low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it, ``as_fp8`` turns FP8 bytes into
     what the API takes; ``wait`` times a non-cached dispatch's CPU wait (``None``: it is not cuep's);
-    ``workload`` holds the arrays; ``with_low_latency=False`` leaves the low-latency calls out. Returns the calls
-    timed whole, and those timed in two parts: a dispatch with a layout apart from its CPU wait, and each
-    hook-mode call's send apart from its receive."""
-    from .buffer import Buffer
+    ``workload`` holds the arrays; ``with_low_latency=False`` leaves the low-latency calls out, and
+    ``with_dispatch=False`` the normal mode's calls but the layout (DeepEP runs them on 2, 4 or 8 ranks only).
+    Returns the calls timed whole, and those timed in two parts: a dispatch with a layout apart from its CPU
+    wait, and each hook-mode call's send apart from its receive. ``workload``: ``(x, topk_idx, topk_weights,
+    x_fp8, scales)`` of the normal mode, then ``(x, topk_idx, topk_weights)`` of the low-latency calls."""
     from .config import Config
-    x, topk_idx, weights, x_fp8, scales, ll_x, ll_topk_idx, ll_weights = workload
+    topk_idx = workload[1]
     normal = make_buffer(Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks, args.tokens), 0, False)
     per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(topk_idx, args.experts)
+    whole: dict[str, Callable[[], object]] = {
+        "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts)}
+    split: list[Split] = []
+    if with_dispatch:
+        _add_dispatch_calls(normal, whole, split, zeros, as_fp8, wait, args, workload, (per_rank, per_expert, in_rank))
+    if with_low_latency:
+        _add_low_latency_calls(make_buffer, whole, split, zeros, args, num_ranks, workload)
+    return whole, split
+
+
+def _add_dispatch_calls(normal, whole: dict, split: list, zeros, as_fp8, wait: WaitTimer | None, args,
+                        workload: tuple, counts: tuple) -> None:
+    """The normal mode's dispatch and combine calls of :func:`_calls`, on the Buffer ``normal``."""
+    x, topk_idx, weights, x_fp8, scales = workload[:5]
+    per_rank, per_expert, in_rank = counts
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=weights)
     recv_x, _, recv_weights, _, handle, _ = normal.dispatch(x, **layout)
@@ -166,6 +182,22 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
         waited = wait.seconds - before if wait is not None else 0.0
         return lambda: waited
 
+    whole.update({
+        "cached dispatch BF16": lambda: normal.dispatch(x, handle=handle),
+        "cached dispatch FP8": lambda: normal.dispatch(fp8_x, handle=handle),
+        "combine": lambda: normal.combine(recv_x, handle),
+        "combine, top-k weights and bias": lambda: normal.combine(recv_x, handle, topk_weights=recv_weights, bias=bias),
+    })
+    split.append(Split("dispatch with a layout, without its wait", "dispatch with a layout: its CPU wait",
+                       dispatch_with_layout, part_inside=True, whole_name="dispatch with a layout, its wait included"))
+
+
+def _add_low_latency_calls(make_buffer, whole: dict, split: list, zeros, args, num_ranks: int,
+                           workload: tuple) -> None:
+    """The low-latency calls of :func:`_calls`, on a low-latency Buffer of their own."""
+    from .buffer import Buffer
+    ll_x, ll_topk_idx, ll_weights = workload[5:]
+
     def send_then_receive(send: Callable[[], tuple]) -> Callable[[], Callable[[], float]]:
         def call() -> Callable[[], float]:
             hook = send()[-1]
@@ -177,17 +209,6 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
             return receive
         return call
 
-    whole = {
-        "get_dispatch_layout": lambda: normal.get_dispatch_layout(topk_idx, args.experts),
-        "cached dispatch BF16": lambda: normal.dispatch(x, handle=handle),
-        "cached dispatch FP8": lambda: normal.dispatch(fp8_x, handle=handle),
-        "combine": lambda: normal.combine(recv_x, handle),
-        "combine, top-k weights and bias": lambda: normal.combine(recv_x, handle, topk_weights=recv_weights, bias=bias),
-    }
-    split = [Split("dispatch with a layout, without its wait", "dispatch with a layout: its CPU wait",
-                   dispatch_with_layout, part_inside=True, whole_name="dispatch with a layout, its wait included")]
-    if not with_low_latency:
-        return whole, split
     ll_tokens = ll_x.shape[0]
     low_latency = make_buffer(0, Buffer.get_low_latency_rdma_size_hint(ll_tokens, args.hidden, num_ranks,
                                                                        args.experts), True)
@@ -211,7 +232,6 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
             lambda: low_latency.low_latency_combine(expert_out, ll_topk_idx, ll_weights, ll_handle,
                                                     return_recv_hook=True)), part_inside=False),
     ]
-    return whole, split
 
 
 def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:

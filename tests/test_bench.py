@@ -203,3 +203,27 @@ def test_the_rows_of_several_apis_and_a_wait_that_is_not_cuep_s(monkeypatch, cap
     bench_host.print_table(every_rank, {"layout"}, {"CuPy": "CuPy API", "torch": "cuep.torch"}, ratio=("torch", "CuPy"))
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1].split() == ["layout", "*", "4.0", "(2.0x)", "6.0", "(3.0x)", "1.50"]
+
+
+def test_a_sampled_profile_counts_only_the_samples_inside_the_calls():
+    """benchmarks/fold_samples.py sums py-spy's raw stacks under the outermost ``timed_call`` frame: the syncs
+    between bursts and the set-up (a lambda of its own) count nowhere; shares are inclusive, leaves keep their
+    line, and the call's children are its direct callees."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fold_samples.py"
+    spec = importlib.util.spec_from_file_location("fold_samples", path)
+    fold_samples = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fold_samples)
+    root = "<module> (sample_calls.py:90);main (benchmarks/sample_calls.py:80)"
+    call = f"{root};main.<locals>.timed_call (benchmarks/sample_calls.py:70);_calls.<locals>.<lambda> (cuep/x.py:1)"
+    lines = [f"{call};Buffer.dispatch (cuep/buffer.py:10);TorchFront.views (cuep/torch/front.py:73) 6\n",
+             f"{call};Buffer.dispatch (cuep/buffer.py:12);timed_call (cuep/inner.py:5) 2\n",
+             f"{root};synchronize (cupy/cuda/device.pyx:1) 50\n",
+             f"{root};main.<locals>.<lambda> (benchmarks/sample_calls.py:40);Buffer.__init__ (cuep/buffer.py:3) 9\n",
+             "not a stack line\n"]
+    total, inclusive, leaves, children = fold_samples.fold(lines, "timed_call")
+    assert total == 8
+    assert inclusive["Buffer.dispatch (buffer.py)"] == 8 and inclusive["TorchFront.views (front.py)"] == 6
+    assert leaves == {"TorchFront.views (front.py:73)": 6, "timed_call (inner.py:5)": 2}
+    assert children == {"_calls.<locals>.<lambda> (x.py)": 8}
