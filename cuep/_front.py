@@ -30,8 +30,10 @@ class Front(Protocol):
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         """An uninitialised output array of ``shape`` and NumPy ``dtype``, allocated for the current stream."""
 
-    def storage(self, nbytes: int) -> Any:
-        """``nbytes`` of device memory for one call's outputs, with its address as ``.ptr``."""
+    def storage(self, nbytes: int, dtype=None) -> Any:
+        """``nbytes`` of device memory for one call's outputs, with its address as ``.ptr``; ``dtype``: the NumPy
+        dtype of the call's first view, which a front may allocate the memory as (the torch front does: its
+        first typed view is then the allocation itself)."""
 
     def view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,
              strides: tuple[int, ...] | None = None) -> Any:
@@ -63,7 +65,7 @@ class CupyFront:
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         return _deps.cupy().empty(shape, dtype=dtype)
 
-    def storage(self, nbytes: int) -> Any:
+    def storage(self, nbytes: int, dtype=None) -> Any:
         return _deps.cupy().cuda.alloc(nbytes)  # a pool allocation, without an array object around it
 
     def view(self, storage: Any, shape: tuple[int, ...], dtype, offset: int,

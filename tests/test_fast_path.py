@@ -222,3 +222,34 @@ def test_the_layout_launches_equal_a_launch_built_whole_for_every_call(monkeypat
         entry = layout_kernel.LayoutArgs.entries[dtype == np.int64]
         assert launched[-1] == (entry, layout_kernel.num_blocks(num_experts, num_ranks, num_nodes),
                                 layout_kernel.NUM_THREADS, bytes(whole)), call
+
+
+@pytest.mark.parametrize("dtype", [None, np.uint8, np.int32, np.float32, "bf16"])
+def test_the_torch_front_s_views_are_the_same_whatever_dtype_its_storage_is_made_as(monkeypatch, dtype):
+    """cuep.torch allocates a call's memory as the dtype of its first view (one torch view fewer a call): each
+    view must still have the dtype, shape, strides and address that a byte allocation gives, for the regions
+    of a low-latency dispatch (FP8, UE8M0, BF16), a layout and a non-cached dispatch's routing arrays."""
+    torch = pytest.importorskip("torch")
+    from cuep import buffer
+    from cuep.torch.front import TorchFront
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
+    front = TorchFront(0)
+    front.device = torch.device("cpu")
+    dtype = _checks.bf16_dtype() if dtype == "bf16" else dtype
+    bf16 = _checks.bf16_dtype()
+    calls = [tuple(low_latency.dispatch_regions(2, 8, 512, 8, 2, fp8, ue8m0, bf16)[0].values())
+             for fp8, ue8m0 in ((True, False), (True, True), (False, False))]
+    calls += [buffer._layout_outputs(8, 2, 64, 7)[0], intranode._routing_arrays(7, 8, 4)[0]]
+    for regions in calls:
+        nbytes = max(v.offset + int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in regions) + 128
+        nbytes += -nbytes % 128
+        made = front.storage(nbytes, dtype)
+        assert made.tensor.numel() * made.tensor.element_size() == nbytes
+        for view, tensor in zip(regions, front.readable_views(made, regions)):
+            assert tensor.ptr == made.ptr + view.offset
+            assert tensor.tensor.data_ptr() == (tensor.ptr if tensor.tensor.numel() else 0)  # torch: 0 when empty
+            item = np.dtype(view.dtype).itemsize
+            expected = view.strides or tuple(int(np.prod(view.shape[i + 1:])) * item for i in range(len(view.shape)))
+            assert tuple(tensor.tensor.shape) == view.shape and tensor.tensor.element_size() == item
+            assert tuple(s * item for s in tensor.tensor.stride()) == expected
+            assert tensor.c_contiguous == tensor.tensor.is_contiguous()

@@ -322,7 +322,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     num_local_experts = num_experts // ctx.num_ranks
     regions, nbytes = _routing_arrays(num_tokens, ctx.num_ranks, num_local_experts)
     send_pos, recv_info, combine_offsets, send_offsets, push_offsets, rank_prefix_matrix = front.readable_views(
-        front.storage(nbytes), regions)
+        front.storage(nbytes, regions[0].dtype), regions)
     stage = ctx.args_of(kernels.StageArgs)
     stage.tokens, stage.is_token_in_rank = tokens, _ptr(is_token_in_rank)
     stage.num_tokens_per_expert, stage.num_experts = _ptr(num_tokens_per_expert), num_experts

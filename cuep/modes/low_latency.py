@@ -419,7 +419,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
-    storage = front.storage(plan.storage_bytes)
+    storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
     recv_x, recv_count, *scales = front.views(storage, plan.outputs)
     recv_scales = scales[0] if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, plan.regions, plan.handle_items)

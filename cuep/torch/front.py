@@ -51,7 +51,11 @@ class TorchFront:
         tensor = self._torch.empty(shape, dtype=torch_dtype, device=self.device)
         return TensorView.known(tensor, numpy_dtype, tensor.shape, tensor.data_ptr(), self.device_index)
 
-    def storage(self, nbytes: int) -> Storage:
+    def storage(self, nbytes: int, dtype=None) -> Storage:
+        if dtype is not None:
+            torch_dtype, numpy_dtype = self._dtypes[dtype]
+            if nbytes % numpy_dtype.itemsize == 0:  # allocated as the first view's dtype: a typed view fewer
+                return Storage(self._torch.empty(nbytes // numpy_dtype.itemsize, dtype=torch_dtype, device=self.device))
         return Storage(self._torch.empty(nbytes, dtype=self._uint8, device=self.device))
 
     def view(self, storage, shape: tuple[int, ...], dtype, offset: int, strides: tuple[int, ...] | None = None):
