@@ -4,13 +4,15 @@ the same calls (``cuep.bench_host._calls``), workload, bursts and floors, throug
     python benchmarks/deepep_host.py --deepep /path/to/DeepEP --num-processes 2     # repository root, PYTHONPATH=.
 
 ``--deepep`` names a DeepEP V1 tree built in place (``python setup.py build_ext --inplace`` at its last V1
-layout, commit 567632d). The ranks are processes of ``torch.multiprocessing`` on a gloo group (DeepEP needs a
-torch group; NCCL refuses two ranks on one GPU), sharing the GPUs there are. Run it in the same command as
-``mpirun -np N python -m cuep.bench --mode host``, on the same machine: host figures only compare within one
-machine. DeepEP's one CPU wait (a dispatch with a layout waits for its counts) happens inside its C++ and is
-not timed apart: that call's row holds it. ``--no-low-latency`` leaves out the low-latency calls, for a build
-without NVSHMEM or a machine where its low-latency Buffer cannot start. At one process only the layout and the
-low-latency calls run: DeepEP builds its normal-mode kernels for 2, 4 and 8 ranks.
+layout, commit 567632d). The ranks are processes of ``torch.multiprocessing``, not bound to cores (as
+torchrun starts a framework's), handing DeepEP a gloo group as vLLM does (NCCL refuses two ranks on one GPU),
+sharing the GPUs there are; DeepEP loads its own NVSHMEM, so run this without cuep's devkit preload. Run it
+in the same command as ``mpirun -np N python -m cuep.bench --mode host``, on the same machine: host figures
+only compare within one machine. DeepEP's one CPU wait (a dispatch with a layout waits for its counts)
+happens inside its C++ and is not timed apart: that call's row holds it. ``--no-low-latency`` leaves out the
+low-latency calls, for a build without NVSHMEM or a machine where its low-latency Buffer cannot start. At one
+process only the layout and the low-latency calls run: DeepEP builds its normal-mode kernels for 2, 4 and 8
+ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -38,8 +41,9 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
     from cuep import bench_host, fp8
     from cuep.bench import _workload
 
-    if "cuep" in getattr(deep_ep, "__file__", "cuep"):
-        raise SystemExit(f"deepep_host.py: 'import deep_ep' found {deep_ep.__file__}, not DeepEP's build")
+    found = Path(getattr(deep_ep, "__file__", "") or "").resolve()
+    if Path(options.deepep).resolve() not in found.parents:
+        raise SystemExit(f"deepep_host.py: 'import deep_ep' found {found}, not the build under {options.deepep}")
     device = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(device)
     cupy.cuda.Device(device).use()

@@ -3,13 +3,11 @@
     python benchmarks/fold_samples.py calls.txt [--under timed_call] [--top 40]
 
 The input is py-spy's ``--format raw`` (one line per distinct stack, ``frame;frame;...;frame count``, the
-outermost frame first). Only the samples taken inside a call count (stacks through a frame whose name is
-``--under``, by default ``timed_call``, the function of ``sample_calls.py`` around each call; its outermost
-one, a qualified name counting by its last part): the syncs between bursts
-are left out. Prints
-each function's inclusive share of those samples (a function counted once per stack), then the innermost
-frames' own shares (a Python frame with its line: the statement running, C calls included), then the call's
-direct children.
+outermost frame first). Only the samples taken inside a call count: stacks through a frame named ``--under``
+(by default ``timed_call``, the function of ``sample_calls.py`` around each call; the outermost such frame; a
+qualified name counts by its last part). The syncs between bursts are left out. Prints each function's
+inclusive share of those samples (a function counted once per stack), then the innermost frames' own shares
+(a Python frame with its line: the statement running, C calls included), then the call's direct children.
 """
 
 from __future__ import annotations
@@ -22,15 +20,16 @@ _FRAME = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
 
 
 def frame_label(frame: str, line: bool = False) -> str:
-    """``name (file)``: a Python frame's function and file (with ``line``, its line too), or a native frame's
-    symbol and library."""
+    """``name (folder/file)``: a Python frame's function and the last two parts of its file's path (so that
+    ``cuep/buffer.py`` and ``cuep/torch/buffer.py`` stay apart; with ``line``, its line too), or a native
+    frame's symbol and library."""
     match = _FRAME.match(frame.strip())
     if not match:
         return frame.strip()
     where = match["where"]
     if not line and re.search(r":\d+$", where):
         where = where.rsplit(":", 1)[0]
-    return f"{match['name']} ({where.rsplit('/', 1)[-1]})"
+    return f"{match['name']} ({'/'.join(where.split('/')[-2:])})"
 
 
 def fold(lines, under: str) -> tuple[int, collections.Counter, collections.Counter, collections.Counter]:

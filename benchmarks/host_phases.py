@@ -153,7 +153,7 @@ def _normal_rows(comm, num_ranks: int) -> dict:
     call, resources, front = "get_dispatch_layout()", buffer._resources, buffer._front
     stream = cupy.cuda.get_current_stream()
     regions, nbytes = _layout_outputs(num_ranks, 1, EXPERTS, tokens)
-    per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes), regions)
+    per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
 
     def layout_checks() -> None:
         buffer._check_alive(call)
@@ -167,7 +167,8 @@ def _normal_rows(comm, num_ranks: int) -> dict:
     return {
         "get_dispatch_layout, whole call": lambda: buffer.get_dispatch_layout(topk_idx, EXPERTS),
         "  its checks (alive, topk_idx, num_experts, event options)": layout_checks,
-        "  its outputs (one allocation, three views)": lambda: front.readable_views(front.storage(nbytes), regions),
+        "  its outputs (one allocation, three views)": lambda: front.readable_views(
+            front.storage(nbytes, regions[0].dtype), regions),
         "  its launch (the Buffer's LayoutLaunches: fields, the driver's launch)": lambda: resources.layout.launch(
             stream, topk_idx, EXPERTS, per_expert, per_rank, None, in_rank),
         "  the stream rule around it (CallStreams.run, nothing enqueued)": lambda: buffer._streams.run(

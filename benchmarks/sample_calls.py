@@ -1,14 +1,17 @@
 """One eager call of ``python -m cuep.bench --mode host``, repeated for a while, for a sampling profiler to read.
 
-    mpirun -np 1 py-spy record --native --rate 2000 --format raw -o calls.txt -- \\
+    mpirun --bind-to none -np 1 py-spy record --rate 250 --format raw -o calls.txt -- \
         python benchmarks/sample_calls.py --api torch --call "low-latency dispatch FP8" --seconds 8   # PYTHONPATH=.
+    python benchmarks/fold_samples.py calls.txt
 
 cProfile (``benchmarks/host_profile.py``) adds its own cost to every Python call, which at a few
-microseconds a call hides where the time goes. A sampler such as py-spy adds none to the process it reads,
-and with ``--native`` it sees into torch's, CuPy's and the driver's C code too. This runs the call in bursts
-of :data:`cuep.bench_host.BURST` with a sync between bursts, as ``--mode host`` times it, for ``--seconds``,
-and prints its host time per call. ``benchmarks/fold_samples.py`` sums the samples by function, under the
-frame ``timed_call`` that wraps each call.
+microseconds a call hides where the time goes. A sampler adds nothing per call: py-spy pauses the process
+for each sample instead (at 250 samples a second, calls ran about 1.5x slower, evenly), and with
+``--native`` it would see into torch's, CuPy's and the driver's C code too, at a cost that kept it from
+keeping up here. Under mpirun's default binding the sampler shares the rank's one core: use ``--bind-to
+none``. This runs the call in bursts of :data:`cuep.bench_host.BURST` with a sync between bursts, as
+``--mode host`` times it, for ``--seconds``, and prints its host time per call. ``benchmarks/fold_samples.py``
+sums the samples by function, under the frame ``timed_call`` that wraps each call.
 """
 
 from __future__ import annotations

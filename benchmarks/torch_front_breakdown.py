@@ -110,14 +110,15 @@ def _phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk) -> dict:
             return low_latency.dispatch(ctx, ctx.half, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)
 
         plan = next(plan for key, plan in ctx.plans.items() if key[0] == "dispatch")
-        storage = front.storage(plan.storage_bytes)
+        storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
         rows.update({
             f"{api}: checks (two inputs read, signature known)": checks,
             f"{api}: build (plan, outputs, handle, arguments, Launch)": build,
             f"{api}: launch through run_with_hook": lambda buffer=buffer, next_launch=next_launch:
                 buffer._run_low_latency(next_launch(), False, False, ()),
             f"{api}: front.current_stream()": front.current_stream,
-            f"{api}: front.storage": lambda front=front, plan=plan: front.storage(plan.storage_bytes),
+            f"{api}: front.storage": lambda front=front, plan=plan: front.storage(plan.storage_bytes,
+                                                                                 plan.outputs[0].dtype),
             f"{api}: front.views of the outputs": lambda front=front, storage=storage, plan=plan: front.views(
                 storage, plan.outputs),
             f"{api}: as_device_array(x)": lambda a=a: _checks.as_device_array(call, "x", a),
@@ -145,7 +146,7 @@ def _layout(comm, topk_idx, ttopk) -> tuple[dict, dict]:
     pieces = {}
     for api, buffer, ids in (("CuPy", cupy_buffer, topk_idx), ("torch", core, ttopk)):
         front, resources = buffer._front, buffer._resources
-        per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes), regions)
+        per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
         ids_read = _checks.as_device_array(call, "topk_idx", ids)
         stream = front.current_stream()
 
@@ -159,7 +160,7 @@ def _layout(comm, topk_idx, ttopk) -> tuple[dict, dict]:
         pieces.update({
             f"layout {api}: checks (topk_idx read)": checks,
             f"layout {api}: outputs (front.storage, readable_views)": lambda front=front: front.readable_views(
-                front.storage(nbytes), regions),
+                front.storage(nbytes, regions[0].dtype), regions),
             f"layout {api}: launch (LayoutLaunches)": lambda resources=resources, ids_read=ids_read, stream=stream,
                 views=(per_expert, per_rank, None, in_rank): resources.layout.launch(stream, ids_read, EXPERTS, *views),
             f"layout {api}: stream rule (CallStreams.run, nothing enqueued)": lambda buffer=buffer: buffer._streams.run(

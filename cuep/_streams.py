@@ -50,9 +50,11 @@ class CallStreams:
             if own:
                 self._spare_events.append(done)
         own = event is None
-        if own:
-            event = self._spare_events.pop() if self._spare_events else _deps.cupy().cuda.Event(disable_timing=True)
+        if own and self._spare_events:
+            event = self._spare_events.pop()
             event.record(stream)
+        elif own:
+            event = record_event(stream)
         in_flight.append((event, arrays, own))
 
     def release(self) -> None:

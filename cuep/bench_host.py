@@ -146,7 +146,7 @@ def _calls(make_buffer: Callable[..., object], zeros: Callable[[tuple], object],
     """The eager calls timed, on Buffers of one API: ``make_buffer(num_nvl_bytes, num_rdma_bytes,
     low_latency_mode)`` makes one, ``zeros(shape)`` a `bfloat16` array of it, ``as_fp8`` turns FP8 bytes into
     what the API takes; ``wait`` times a non-cached dispatch's CPU wait (``None``: it is not cuep's);
-    ``workload`` holds the arrays; ``with_low_latency=False`` leaves the low-latency calls out, and
+    ``with_low_latency=False`` leaves the low-latency calls out, and
     ``with_dispatch=False`` the normal mode's calls but the layout (DeepEP runs them on 2, 4 or 8 ranks only).
     Returns the calls timed whole, and those timed in two parts: a dispatch with a layout apart from its CPU
     wait, and each hook-mode call's send apart from its receive. ``workload``: ``(x, topk_idx, topk_weights,

@@ -232,7 +232,8 @@ class Buffer:
 
         def enqueue(stream):
             regions, nbytes = _layout_outputs(self.group_size, num_nodes, int(num_experts), num_tokens)
-            per_rank, per_expert, in_rank, *per_node = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
+            storage = front.storage(nbytes, regions[0].dtype)
+            per_rank, per_expert, in_rank, *per_node = front.readable_views(storage, regions)
             per_node = per_node[0] if per_node else None
             self._resources.layout.launch(stream, topk_idx, int(num_experts), per_expert, per_rank, per_node, in_rank)
             return (per_rank, per_node, per_expert, in_rank), (topk_idx,)

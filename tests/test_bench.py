@@ -154,6 +154,33 @@ def _bench_calls_on(api, as_fp8):
     return whole, split, calls
 
 
+def test_the_calls_of_an_api_timed_in_part():
+    """DeepEP at one process times the layout and the low-latency calls only, with no wait of cuep's: no
+    dispatch is made while the calls are set up, and none is timed; without the low-latency calls, the layout
+    alone."""
+    from types import SimpleNamespace
+
+    import cuep
+    from cuep import bench_host
+    args = SimpleNamespace(hidden=7168, tokens=4096, experts=256, topk=8)
+    workload = (FakeArray(4096, 7168), FakeArray(4096, 8), FakeArray(4096, 8), FakeArray(4096, 7168),
+                FakeArray(4096, 56), FakeArray(128, 7168), FakeArray(128, 8), FakeArray(128, 8))
+    for with_low_latency in (True, False):
+        calls = []
+        whole, split = bench_host._calls(lambda nvl, rdma, ll: RecordingBuffer(cuep.Buffer, calls),
+                                         lambda shape: FakeArray(*shape), lambda data: data, None, args, 1, workload,
+                                         with_low_latency=with_low_latency, with_dispatch=False)
+        for call in whole.values():
+            call()
+        for entry in split:
+            entry.call()()
+        assert "dispatch" not in calls and "combine" not in calls
+        low_latency = {"low-latency dispatch FP8", "low-latency combine LogFMT"}
+        assert set(whole) >= {"get_dispatch_layout"} | low_latency if with_low_latency else \
+            set(whole) == {"get_dispatch_layout"}
+        assert [entry.part_inside for entry in split] == ([False, False] if with_low_latency else [])
+
+
 def test_host_bench_calls_fit_both_apis():
     """The calls ``--mode host`` makes bind to the real signatures of cuep.Buffer and of cuep.torch.Buffer
     (DeepEP's), and each hook-mode call's receive runs its hook."""
@@ -224,6 +251,6 @@ def test_a_sampled_profile_counts_only_the_samples_inside_the_calls():
              "not a stack line\n"]
     total, inclusive, leaves, children = fold_samples.fold(lines, "timed_call")
     assert total == 8
-    assert inclusive["Buffer.dispatch (buffer.py)"] == 8 and inclusive["TorchFront.views (front.py)"] == 6
-    assert leaves == {"TorchFront.views (front.py:73)": 6, "timed_call (inner.py:5)": 2}
-    assert children == {"_calls.<locals>.<lambda> (x.py)": 8}
+    assert inclusive["Buffer.dispatch (cuep/buffer.py)"] == 8 and inclusive["TorchFront.views (torch/front.py)"] == 6
+    assert leaves == {"TorchFront.views (torch/front.py:73)": 6, "timed_call (cuep/inner.py:5)": 2}
+    assert children == {"_calls.<locals>.<lambda> (cuep/x.py)": 8}

@@ -97,6 +97,22 @@ def test_previous_event_must_be_an_event(deep_ep):
         core_event("dispatch()", "yesterday")
 
 
+def test_a_low_latency_handle_goes_back_only_as_its_dispatch_returned_it(deep_ep):
+    """The combine takes the handle a dispatch returned (tests/test_fast_path.py checks that a copy keeps its
+    state); a plain tuple or a handle rebuilt from its items raises, naming the call, before any kernel runs."""
+    import types
+    buffer, other = deep_ep.Buffer.__new__(deep_ep.Buffer), deep_ep.Buffer.__new__(deep_ep.Buffer)
+    core = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, hidden=512, num_experts=8)
+    handle = deep_ep.LowLatencyHandle.of(core, buffer, views=None)
+    assert buffer._core_low_latency_handle("low_latency_combine()", handle) is core
+    rebuilt = deep_ep.LowLatencyHandle(("src", "range", 8, 512, 8))
+    for bad, what in ((rebuilt, "a handle rebuilt from its items"), (("src", "range", 8, 512, 8), "tuple")):
+        with pytest.raises(TypeError, match=f"low_latency_combine\\(\\): handle must be .* got {what}"):
+            buffer._core_low_latency_handle("low_latency_combine()", bad)
+    with pytest.raises(ValueError, match="another Buffer"):
+        other._core_low_latency_handle("low_latency_combine()", handle)
+
+
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:
     hide_torch = "import sys; sys.modules['torch'] = None\n"  # `import torch` then fails, as with no torch
     return subprocess.run([sys.executable, "-c", hide_torch + code], capture_output=True, text=True, timeout=120)

@@ -31,6 +31,7 @@ NUM_THREADS = 256
 EXPERTS_PER_BLOCK = 8
 GROUPS_PER_BLOCK = 8
 CONSTANTS = {"num_threads": NUM_THREADS, "experts_per_block": EXPERTS_PER_BLOCK, "groups_per_block": GROUPS_PER_BLOCK}
+_MAX_LAUNCHES = 16  # per Buffer (LayoutLaunches): a model routes over one or two expert counts
 
 
 class LayoutArgs(KernelArgs):
@@ -112,6 +113,3 @@ class LayoutLaunches:
                           status_device=status.device.data.ptr, status_host=status.host_ptr)
         return launcher.Launch(self._library, _ENTRY_BY_DTYPE[dtype], num_blocks(num_experts, num_ranks, num_nodes),
                                NUM_THREADS, args)
-
-
-_MAX_LAUNCHES = 16  # per Buffer: a model routes over one or two expert counts

@@ -38,17 +38,18 @@ class LowLatencyHandle(tuple):
     `layout_range` `[num_local_experts, num_ranks]` `int64` (``(first row << 32) | rows`` from each source
     rank), ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``.
 
-    The two tensors are views of the dispatch's outputs made when the handle is first read (indexed,
-    unpacked or iterated), not by the dispatch: a decode step hands most handles straight to the combine,
-    and a torch view costs host time on every call. What reading gives is DeepEP's tuple either way; a
-    tuple of the same items (rebuilt after saving, say) is a handle too."""
+    The two tensors are views of the dispatch's outputs made when the handle is first read from Python
+    (indexed, unpacked, iterated, searched, compared, concatenated or copied), not by the dispatch: a decode
+    step hands most handles straight to the combine, and a torch view costs host time on every call. C code
+    that reads the tuple's slots directly (``%``-formatting does) finds placeholders until then. Only the
+    handle a dispatch returned (or a copy of it) goes back to this Buffer's combine."""
 
-    core: Any
-    buffer: Any
+    core: Any = None     # the core's low_latency.Handle
+    buffer: Any = None   # the Buffer whose dispatch made it
 
     def __new__(cls, items=()):
         handle = super().__new__(cls, items)
-        handle._items = tuple.__getitem__(handle, slice(None))
+        handle._made = tuple.__getitem__(handle, slice(None))
         return handle
 
     @classmethod
@@ -56,63 +57,62 @@ class LowLatencyHandle(tuple):
         """The handle of ``core_handle``, its tensors made by ``views(storage, regions)`` when first read."""
         handle = tuple.__new__(cls, (_NOT_MADE, _NOT_MADE, core_handle.num_max_dispatch_tokens_per_rank,
                                      core_handle.hidden, core_handle.num_experts))
-        handle.core, handle.buffer, handle._views, handle._items = core_handle, buffer, views, None
+        handle.core, handle.buffer, handle._views, handle._made = core_handle, buffer, views, None
         return handle
 
-    def items(self) -> tuple:
+    def _made_items(self) -> tuple:
         """The five items as a plain tuple, the two tensors made now if not yet."""
-        items = self._items
-        if items is None:
+        made = self._made
+        if made is None:
             core = self.core
             src_info, layout_range = self._views(core.storage, core.items)
-            items = self._items = (src_info, layout_range, *tuple.__getitem__(self, slice(2, None)))
-        return items
+            made = self._made = (src_info, layout_range, *tuple.__getitem__(self, slice(2, None)))
+        return made
 
-    # Every way Python reads a tuple's items goes through items(): indexing, iteration (unpacking, ``*handle``,
-    # ``tuple()``, ``list()``), membership, comparison, concatenation, copies.
+    # The ways Python reads a tuple's items, each through _made_items().
     def __getitem__(self, index):
-        return self.items()[index]
+        return self._made_items()[index]
 
     def __iter__(self):
-        return iter(self.items())
+        return iter(self._made_items())
 
     def __reversed__(self):
-        return reversed(self.items())
+        return reversed(self._made_items())
 
     def __contains__(self, value) -> bool:
-        return value in self.items()
+        return value in self._made_items()
 
     def count(self, value) -> int:
-        return self.items().count(value)
+        return self._made_items().count(value)
 
     def index(self, value, *bounds) -> int:
-        return self.items().index(value, *bounds)
+        return self._made_items().index(value, *bounds)
 
     def __eq__(self, other) -> bool:
-        return self.items() == (other.items() if isinstance(other, LowLatencyHandle) else other)
+        return self._made_items() == (other._made_items() if isinstance(other, LowLatencyHandle) else other)
 
     def __ne__(self, other) -> bool:
         return not self == other
 
     def __hash__(self) -> int:
-        return hash(self.items())
+        return hash(self._made_items())
 
     def __add__(self, other):
-        return self.items() + (other.items() if isinstance(other, LowLatencyHandle) else other)
+        return self._made_items() + (other._made_items() if isinstance(other, LowLatencyHandle) else other)
 
     def __radd__(self, other):
-        return other + self.items()
+        return other + self._made_items()
 
     def __mul__(self, times):
-        return self.items() * times
+        return self._made_items() * times
 
     __rmul__ = __mul__
 
     def __getnewargs__(self) -> tuple:  # copy and pickle rebuild the tuple from its real items
-        return (self.items(),)
+        return (self._made_items(),)
 
     def __repr__(self) -> str:
-        return f"LowLatencyHandle{self.items()!r}"
+        return f"LowLatencyHandle{self._made_items()!r}"
 
 
 class _NotMade:
@@ -411,9 +411,10 @@ class Buffer:
         return LowLatencyHandle.of(core_handle, self, self._front.views)
 
     def _core_low_latency_handle(self, call: str, handle: Any) -> low_latency.Handle:
-        if not isinstance(handle, LowLatencyHandle):
+        if not isinstance(handle, LowLatencyHandle) or handle.core is None:
+            what = "a handle rebuilt from its items" if isinstance(handle, LowLatencyHandle) else type(handle).__name__
             raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned, "
-                            f"got {type(handle).__name__}")
+                            f"got {what}")
         if handle.buffer is not self:
             raise ValueError(f"{call}: handle comes from another Buffer's low_latency_dispatch(); pass a handle of "
                              f"this one")

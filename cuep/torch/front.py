@@ -155,8 +155,9 @@ def _c_contiguous(shape: tuple[int, ...], element_strides: tuple[int, ...]) -> b
 
 
 class Storage:
-    """One call's outputs in one ``uint8`` tensor (``.ptr`` its address), and its typed views, made once each:
-    every torch op costs host time, so a region is one ``as_strided`` of its dtype's view."""
+    """One call's outputs in one tensor (``.ptr`` its address; of the first view's dtype, else ``uint8``), and its
+    typed views, made once each: every torch op costs host time, so a region is one ``as_strided`` of its
+    dtype's view (the tensor itself for its own dtype)."""
 
     __slots__ = ("tensor", "ptr", "_typed")
 
