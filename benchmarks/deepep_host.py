@@ -38,7 +38,7 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
     import torch.distributed as dist
 
     import deep_ep
-    from cuep import bench_host, fp8
+    from cuep import bench_host
     from cuep.bench import _workload
 
     found = Path(getattr(deep_ep, "__file__", "") or "").resolve()
@@ -51,11 +51,8 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
     group = dist.new_group(list(range(num_processes)))
     args = SimpleNamespace(tokens=options.tokens, hidden=options.hidden, experts=options.experts, topk=options.topk,
                            low_latency_tokens=options.low_latency_tokens)
-    x, topk_idx, weights = _workload(local_rank, args.tokens, args.hidden, args.experts, args.topk)
-    x_fp8, scales = fp8.quantize(x)
-    workload = tuple(torch.from_dlpack(a) for a in (x, topk_idx, weights, x_fp8, scales,
-                                                     *_workload(local_rank, args.low_latency_tokens, args.hidden,
-                                                                args.experts, args.topk)))
+    workload = tuple(torch.from_dlpack(a) for a in bench_host.workload_arrays(
+        local_rank, args, lambda rank, tokens: _workload(rank, tokens, args.hidden, args.experts, args.topk)))
     hidden_bytes, nvl_bytes = args.hidden * 2, 0  # one process: the layout alone, which needs no buffer
     if num_processes > 1:
         nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_processes)
@@ -74,12 +71,8 @@ def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Name
         torch.cuda.synchronize()
         dist.barrier(group)
 
-    rows: dict[str, dict[str, float]] = {}
-    empty = cupy.RawKernel(bench_host._EMPTY_KERNEL, "cuep_bench_empty")
-    rows["floor: empty kernel launch"] = {"DeepEP": bench_host.host_us(lambda: empty((1,), (1,), ()),
-                                                                       cupy.cuda.Device().synchronize)}
-    one = torch.zeros(1, device="cuda")
-    rows["floor: one-element torch op"] = {"DeepEP": bench_host.host_us(lambda: one.add_(1), torch.cuda.synchronize)}
+    rows = {"floor: empty kernel launch": {"DeepEP": bench_host.empty_launch_us()},
+            "floor: one-element torch op": {"DeepEP": bench_host.torch_op_us()}}
     calls = bench_host._calls(make_buffer, lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
                               lambda data: data.view(torch.float8_e4m3fn), None, args, num_processes, workload,
                               with_low_latency=not options.no_low_latency, with_dispatch=num_processes > 1)

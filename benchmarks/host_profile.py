@@ -19,8 +19,7 @@ import pstats
 import cupy
 from mpi4py import MPI
 
-import cuep
-from cuep import bench_host, fp8
+from cuep import bench_host
 from cuep.bench import _workload
 
 
@@ -56,32 +55,17 @@ def main() -> None:
     args = parser.parse_args()
     args.tokens, args.low_latency_tokens, args.hidden, args.experts, args.topk = 4096, 128, 7168, 256, 8
     comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
-    x_fp8, scales = fp8.quantize(x)
-    workload = (x, topk_idx, weights, x_fp8, scales,
-                *_workload(rank, args.low_latency_tokens, args.hidden, args.experts, args.topk))
+    rank = comm.Get_rank()
+    workload = bench_host.workload_arrays(
+        rank, args, lambda r, tokens: _workload(r, tokens, args.hidden, args.experts, args.topk))
     device = cupy.cuda.Device()
 
     def synchronize() -> None:
         device.synchronize()
         comm.Barrier()
 
-    import torch
-
-    import cuep.torch as deep_ep
-    torch.cuda.set_device(device.id)
     wait = bench_host.WaitTimer()
-    apis = {
-        "CuPy": bench_host._calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
-                                  lambda shape: cupy.zeros(shape, dtype=x.dtype), lambda data: data, wait, args,
-                                  num_ranks, workload),
-        "torch": bench_host._calls(lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll,
-                                                                        comm=comm),
-                                   lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
-                                   lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
-                                   tuple(torch.from_dlpack(a) for a in workload)),
-    }
+    apis = {api: bench_host.cuep_calls(api, comm, args, workload, wait) for api in ("CuPy", "torch")}
     for api, (whole, splits) in apis.items():
         calls = {**whole, **{split.name: split.call for split in splits}}
         for name, call in calls.items():

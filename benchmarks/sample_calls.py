@@ -22,8 +22,7 @@ import time
 import cupy
 from mpi4py import MPI
 
-import cuep
-from cuep import bench_host, fp8
+from cuep import bench_host
 from cuep.bench import _workload
 
 HIDDEN, EXPERTS, TOPK = 7168, 256, 8
@@ -39,25 +38,9 @@ def main() -> None:
     args = parser.parse_args()
     args.hidden, args.experts, args.topk = HIDDEN, EXPERTS, TOPK
     comm = MPI.COMM_WORLD
-    rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    x, topk_idx, weights = _workload(rank, args.tokens, HIDDEN, EXPERTS, TOPK)
-    x_fp8, scales = fp8.quantize(x)
-    workload = (x, topk_idx, weights, x_fp8, scales, *_workload(rank, args.low_latency_tokens, HIDDEN, EXPERTS, TOPK))
-    wait = bench_host.WaitTimer()
-    if args.api == "torch":
-        import torch
-
-        import cuep.torch as deep_ep
-        torch.cuda.set_device(cupy.cuda.Device().id)
-        whole, split = bench_host._calls(
-            lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
-            lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
-            lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
-            tuple(torch.from_dlpack(a) for a in workload))
-    else:
-        whole, split = bench_host._calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
-                                         lambda shape: cupy.zeros(shape, dtype=x.dtype), lambda data: data, wait,
-                                         args, num_ranks, workload)
+    rank = comm.Get_rank()
+    workload = bench_host.workload_arrays(rank, args, lambda r, tokens: _workload(r, tokens, HIDDEN, EXPERTS, TOPK))
+    whole, split = bench_host.cuep_calls(args.api, comm, args, workload, bench_host.WaitTimer())
     calls = dict(whole)
     for part in split:  # a split call runs its second part at once (a hook's receive), as --mode host runs it
         calls[part.name] = calls[part.part_name] = lambda call=part.call: call()()

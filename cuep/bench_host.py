@@ -237,39 +237,25 @@ def _add_low_latency_calls(make_buffer, whole: dict, split: list, zeros, args, n
 def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
     """``workload_of(rank, tokens)``: ``(x, topk_idx, topk_weights)`` CuPy arrays of this rank."""
     cupy, mpi = _deps.cupy(), _deps.mpi()
-    from . import fp8
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
-    x, topk_idx, weights = workload_of(rank, args.tokens)
-    x_fp8, scales = fp8.quantize(x)
-    workload = (x, topk_idx, weights, x_fp8, scales, *workload_of(rank, args.low_latency_tokens))
+    workload = workload_arrays(rank, args, workload_of)
     device = cupy.cuda.Device()
-    rows: dict[str, dict[str, float]] = {}
 
     def barrier_and_sync() -> None:
         device.synchronize()
         comm.Barrier()
 
-    empty = cupy.RawKernel(_EMPTY_KERNEL, "cuep_bench_empty")
-    rows["floor: empty kernel launch"] = {"CuPy": host_us(lambda: empty((1,), (1,), ()), device.synchronize)}
-    import cuep
+    rows: dict[str, dict[str, float]] = {"floor: empty kernel launch": {"CuPy": empty_launch_us()}}
     wait = WaitTimer()
-    apis = {"CuPy": _calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
-                           lambda shape: cupy.zeros(shape, dtype=x.dtype), lambda data: data, wait, args, num_ranks,
-                           workload)}
+    apis = {"CuPy": cuep_calls("CuPy", comm, args, workload, wait)}
     try:
-        torch = _deps.torch()
+        _deps.torch()
     except ImportError:
-        torch = None
-    if torch is not None:
-        import cuep.torch as deep_ep
-        torch.cuda.set_device(device.id)
-        one = torch.zeros(1, device="cuda")
-        rows["floor: one-element torch op"] = {"torch": host_us(lambda: one.add_(1), torch.cuda.synchronize)}
-        apis["torch"] = _calls(lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
-                               lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
-                               lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
-                               tuple(torch.from_dlpack(a) for a in workload))
+        pass
+    else:
+        apis["torch"] = cuep_calls("torch", comm, args, workload, wait)
+        rows["floor: one-element torch op"] = {"torch": torch_op_us()}
     gpu_bound: set[str] = set()
     rows.update(time_apis(apis, barrier_and_sync, wait, gpu_bound))
     every_rank = comm.gather(rows, root=0)
@@ -284,6 +270,50 @@ def bench_host(args, workload_of: Callable[[int, int], tuple]) -> None:
           f"span over a burst exceeded the host's time by more than {GPU_BOUND_SPAN - 1:.0%}, so the GPU set the "
           f"pace there (its queue grew; the host's figure is still the host's)")
     print_table(every_rank, bound_anywhere, {"CuPy": "CuPy API", "torch": "cuep.torch"}, ratio=("torch", "CuPy"))
+
+
+def workload_arrays(rank: int, args, workload_of: Callable[[int, int], tuple]) -> tuple:
+    """The arrays the calls of :func:`_calls` take, CuPy arrays of ``rank``: ``(x, topk_idx, topk_weights,
+    x_fp8, scales)`` of ``args.tokens`` tokens, then ``(x, topk_idx, topk_weights)`` of
+    ``args.low_latency_tokens``; ``workload_of(rank, tokens)`` makes each ``(x, topk_idx, topk_weights)``."""
+    from . import fp8
+    x, topk_idx, weights = workload_of(rank, args.tokens)
+    return (x, topk_idx, weights, *fp8.quantize(x), *workload_of(rank, args.low_latency_tokens))
+
+
+def empty_launch_us() -> float:
+    """The floor: :func:`host_us` of an empty kernel launched through CuPy on the current device."""
+    cupy = _deps.cupy()
+    empty = cupy.RawKernel(_EMPTY_KERNEL, "cuep_bench_empty")
+    return host_us(lambda: empty((1,), (1,), ()), cupy.cuda.Device().synchronize)
+
+
+def torch_op_us() -> float:
+    """The torch floor: :func:`host_us` of a one-element in-place torch op on the current CUDA device."""
+    torch = _deps.torch()
+    one = torch.zeros(1, device="cuda")
+    return host_us(lambda: one.add_(1), torch.cuda.synchronize)
+
+
+def cuep_calls(api: str, comm, args, workload: tuple,
+               wait: WaitTimer) -> tuple[dict[str, Callable[[], object]], list[Split]]:
+    """:func:`_calls` through one of cuep's APIs, on Buffers of ``comm``: ``"CuPy"`` (``cuep.Buffer`` on the
+    CuPy arrays of ``workload``, from :func:`workload_arrays`) or ``"torch"`` (``cuep.torch.Buffer`` on torch
+    tensors over the same memory, torch's device set to CuPy's)."""
+    num_ranks = comm.Get_size()
+    if api == "CuPy":
+        import cuep
+        cupy = _deps.cupy()
+        return _calls(lambda nvl, rdma, ll: cuep.Buffer(comm, nvl, rdma, low_latency_mode=ll),
+                      lambda shape: cupy.zeros(shape, dtype=workload[0].dtype), lambda data: data, wait, args,
+                      num_ranks, workload)
+    torch = _deps.torch()
+    import cuep.torch as deep_ep
+    torch.cuda.set_device(_deps.cupy().cuda.Device().id)
+    return _calls(lambda nvl, rdma, ll: deep_ep.Buffer(None, nvl, rdma, low_latency_mode=ll, comm=comm),
+                  lambda shape: torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+                  lambda data: data.view(torch.float8_e4m3fn), wait, args, num_ranks,
+                  tuple(torch.from_dlpack(a) for a in workload))
 
 
 def time_apis(apis: dict[str, tuple[dict[str, Callable[[], object]], list[Split]]],

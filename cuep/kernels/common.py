@@ -17,13 +17,13 @@ CONSTANTS = {"warp_size": WARP_SIZE, "scale_block": SCALE_BLOCK, **status.CONSTA
 phase codes of :mod:`cuep.kernels.status`."""
 
 
+NETWORK_DEFINE = "network"
+
+
 def network_defines(across_hosts: bool) -> dict[str, int]:
     """The compile-time switch of the network families' build for ranks across hosts (``CUEP_NETWORK``,
     read by ``cuda_src/cuep/network.cuh``'s families), or none for the one-host build."""
     return {NETWORK_DEFINE: 1} if across_hosts else {}
-
-
-NETWORK_DEFINE = "network"
 
 
 def family_constants(own: dict[str, int] | None = None) -> dict[str, int]:
