@@ -69,18 +69,11 @@ def main() -> None:
         _checks.check_hook_options(call, False, False)
 
     def dispatch_build():
-        return low_latency.dispatch(ctx, ctx.half, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)
+        return low_latency.dispatch(ctx, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)
 
     handle = dispatch()[2]
-    # Launched alone, calls still alternate buffer halves, as the kernels' protocol expects.
-    launches = [low_latency.dispatch(ctx, half, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)[4]
-                for half in (0, 1)]
-    launch = launches[0]
-    turn = [0]
-
-    def next_launch():
-        turn[0] ^= 1
-        return launches[turn[0]]
+    # One launch, relaunched: each run is a new call, whose buffer the kernel picks.
+    launch = low_latency.dispatch(ctx, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)[4]
 
     stream = cupy.cuda.get_current_stream()
     expert_out = cupy.zeros((EXPERTS // num_ranks, num_ranks * TOKENS, HIDDEN), dtype=x.dtype)
@@ -93,8 +86,8 @@ def main() -> None:
         "low_latency_dispatch FP8, whole call": dispatch,
         "  its checks in full (a new signature), dispatch": dispatch_checks,
         "  its build (plan, outputs, handle, arguments, Launch)": dispatch_build,
-        "  its launch through run_with_hook": lambda: buffer._run_low_latency(next_launch(), False, False, ()),
-        "  its launch alone": lambda: next_launch()(stream),
+        "  its launch through run_with_hook": lambda: buffer._run_low_latency(launch, False, False, ()),
+        "  its launch alone": lambda: launch(stream),
         "low_latency_combine BF16, whole call": lambda: buffer.low_latency_combine(expert_out, topk_idx, weights,
                                                                                  handle),
         "  its checks in full (a new signature), combine": lambda: _checks.low_latency_combine_inputs(

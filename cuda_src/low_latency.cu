@@ -1,10 +1,11 @@
 // Low-latency (decode) dispatch and combine through NVSHMEM, for any number of ranks.
 //
-// Each rank's low-latency buffer (NVSHMEM symmetric memory; cuep/modes/low_latency.py lays it out)
-// has two halves that calls alternate between, so one call's data can still be in flight while the
-// next is sent. Every flag is a uint64 that only grows: a call numbered `seq` (counted on the device,
-// equal on every rank; see call_number) raises flags to `seq`, so nothing is ever reset between calls
-// and a CUDA graph that replays a call keeps counting.
+// Each rank's low-latency region (NVSHMEM symmetric memory; cuep/modes/low_latency.py lays it out)
+// holds kNumBuffers buffers. Calls are numbered on the device (1, 2, ... equal on every rank; see
+// "Call order" below) and call `seq` uses buffer seq % kNumBuffers, so which buffer a call uses, and
+// what it waits for, follow from device state: a CUDA graph that replays a call, a hook's receive
+// replayed from another graph than its send, or eager calls between replays all keep counting. Every
+// flag is a uint64 that only grows: call `seq` raises its flags to `seq`, so nothing is ever reset.
 //
 // Dispatch (rank s sends its T tokens; every rank holds L = E / R experts):
 //   send: s publishes its routing table (T and its top-k ids) to every rank, each block the rows of
@@ -124,15 +125,22 @@ constexpr int kReceiverBarrier = 2;
 
 // Words of the per-Buffer sequence state (device memory, not symmetric; the host allocates
 // kSeqWords of them, zeroed).
-constexpr int kSeqLatest = CUEP_SEQ_LATEST;    // number of the newest call sent
-constexpr int kSeqOfHalf = CUEP_SEQ_OF_HALF;   // [2]: number of the newest call sent on each half
-static_assert(kSeqLatest == 0 && kSeqOfHalf == 1, "the words below follow these two");
-constexpr int kSeqBlocksDone = 3;        // [2]: blocks of the running launch on each half that finished
-constexpr int kSeqTablesDone = 5;        // [2]: routing tables the running dispatch send published
-constexpr int kSeqTablesSent = 7;        // number of the newest dispatch whose routing tables all went out
-constexpr int kSeqRowsPublished = 8;     // [2], shrink mode: blocks of the running dispatch whose routing rows went out
+constexpr int kNumBuffers = CUEP_NUM_BUFFERS;
+constexpr int kSeqLatest = CUEP_SEQ_LATEST;      // number of the newest call sent
+constexpr int kSeqReceived = CUEP_SEQ_RECEIVED;  // [kNumBuffers]: number of the newest call received on each buffer
+static_assert(kSeqLatest == 0 && kSeqReceived == 1, "the words below follow these two");
+constexpr int kSeqBlocksDone = kSeqReceived + kNumBuffers;  // [kNumBuffers]: blocks of the running launch that finished
+constexpr int kSeqTablesDone = kSeqBlocksDone + kNumBuffers;  // [kNumBuffers]: routing tables the running send published
+constexpr int kSeqTablesSent = kSeqTablesDone + kNumBuffers;  // newest dispatch whose routing tables all went out
+constexpr int kSeqRowsPublished = kSeqTablesSent + 1;  // [kNumBuffers], shrink mode: blocks whose routing rows went out
 constexpr int kSeqWords = CUEP_SEQ_WORDS;
-static_assert(kSeqRowsPublished + 1 < kSeqWords, "the sequence state outgrew SEQ_WORDS");
+static_assert(kSeqRowsPublished + kNumBuffers == kSeqWords, "SEQ_WORDS is the sequence state's size");
+
+// Which rule of the call order a call broke (status word kStatusCallOrder; cuep/kernels/status.py names them).
+constexpr int kCallOrderInFlight = CUEP_CALL_ORDER_IN_FLIGHT;
+constexpr int kCallOrderUnsent = CUEP_CALL_ORDER_UNSENT;
+constexpr int kCallOrderReceived = CUEP_CALL_ORDER_RECEIVED;
+constexpr int kCallOrderOvertaken = CUEP_CALL_ORDER_OVERTAKEN;
 
 // ---------------------------------------------------------------------------------------------
 // Shrink mode
@@ -160,8 +168,27 @@ struct MaskedStatus {
 
     __device__ bool is_masked(int peer) const { return masked != nullptr && ld_volatile_global(masked + peer) != 0; }
 
-    // wait_until's policy (cuep/sync.cuh).
-    __device__ bool gives_up_on(int peer) const { return masked != nullptr ? is_masked(peer) : plain().timed_out(); }
+    __device__ bool broke_call_order() const { return ld_volatile_global(device + kStatusCallOrder) != 0; }
+
+    // wait_until's policy (cuep/sync.cuh). A broken call order ends every wait at once, in shrink mode too.
+    __device__ bool gives_up_on(int peer) const {
+        return masked != nullptr ? is_masked(peer) || broke_call_order() : plain().timed_out();
+    }
+
+    // The call `seq` broke `rule` of the call order (seen from `peer`'s messages, or -1). The first record
+    // wins; the device's timeout word is set too (not its mirror), so that every wait of the launch ends
+    // at once, and the host raises CallOrderError, not a timeout.
+    __device__ void break_call_order(int32_t rule, uint64_t seq, int32_t peer) const {
+        if (atomicCAS(device + kStatusCallOrder, 0, rule) != 0)
+            return;
+        const auto call = static_cast<int32_t>(seq & 0x7fffffffu);
+        device[kStatusCallOrderCall] = host[kStatusCallOrderCall] = call;
+        device[kStatusCallOrderPeer] = host[kStatusCallOrderPeer] = peer;
+        atomicExch(device + kStatusTimedOut, 1);
+        __threadfence_system();
+        *reinterpret_cast<volatile int32_t*>(host + kStatusCallOrder) = rule;
+        __threadfence_system();
+    }
 
     __device__ void time_out(int32_t peer, int32_t phase) const {
         if (masked == nullptr)
@@ -204,12 +231,56 @@ struct MaskedStatus {
 // ---------------------------------------------------------------------------------------------
 // Launch bookkeeping
 
-// A launch with the send phase numbers a new call; a receive-only launch (a hook) completes the
-// newest call sent on its half, which may be older than the newest call (the other half may have
-// sent since): hence a number per half (why intranode counts its calls otherwise: cuep/sync.cuh).
-__device__ __forceinline__ uint64_t call_number(uint64_t* seq_state, int phases, int half) {
-    return (phases & kSendPhase) ? ld_volatile_global(seq_state + kSeqLatest) + 1
-                                 : ld_volatile_global(seq_state + kSeqOfHalf + half);
+// ---------------------------------------------------------------------------------------------
+// Call order
+//
+// A launch with the send phase numbers a new call: the newest number sent, plus one. A receive-only
+// launch (a hook) completes the call its send recorded in the call's own record (`call_record`, a
+// word of the dispatch's allocation that the host keeps with the handle), so a hook finds its call
+// whatever was captured or replayed in between.
+//
+// The rules (the README's "Low-latency call order"): every rank makes the same low-latency calls in
+// the same order, and a rank sends call n only once it has received every call up to n - 2 (at most
+// two results in flight, DeepEP's rule). Under them no send ever waits for a peer, and kNumBuffers =
+// 4 buffers are enough: this rank's send of n runs after its receive of n - 2 (stream order), which
+// waited for every peer's send of n - 2 (a dispatch's routing table, a combine's weights flag), which
+// each peer ran after its own receive of n - 4, the last call on n's buffer. Each rank checks its own
+// rule when it sends (kCallOrderInFlight) and when it receives (kCallOrderUnsent, kCallOrderReceived),
+// and a receiver that meets a flag or tag newer than its call reports the peer (kCallOrderOvertaken):
+// each an error at once, never a wait that times out or data overwritten unseen.
+__device__ __forceinline__ int buffer_of(uint64_t seq) { return static_cast<int>(seq % kNumBuffers); }
+
+// The call this launch makes or completes, and whether it may go on (every block reaches the same
+// answer; block 0 records a broken rule). Nothing a launch writes changes what its blocks read here.
+template <typename Args>
+__device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
+    const uint64_t* received = a.seq_state + kSeqReceived;
+    int32_t broken = 0;
+    if (a.phases & kSendPhase) {
+        seq = ld_volatile_global(a.seq_state + kSeqLatest) + 1;
+        // Every call up to seq - 2 received (the sends before this one checked the older ones).
+        if ((seq > 2 && ld_volatile_global(received + buffer_of(seq - 2)) < seq - 2) ||
+            (seq > 3 && ld_volatile_global(received + buffer_of(seq - 3)) < seq - 3))
+            broken = kCallOrderInFlight;
+    } else {
+        // The record is the call's own allocation, unwritten until its send ran: a number that is not one
+        // of the two newest sends (a pending receive's, under the rules) is no call of this handle's.
+        seq = ld_volatile_global(a.call_record);
+        const uint64_t latest = ld_volatile_global(a.seq_state + kSeqLatest);
+        if (seq == 0 || seq > latest || seq + 1 < latest)
+            broken = kCallOrderUnsent;
+        else if (ld_volatile_global(received + buffer_of(seq)) >= seq)
+            broken = kCallOrderReceived;
+    }
+    if (broken != 0 && blockIdx.x == 0 && threadIdx.x == 0)
+        a.status.break_call_order(broken, seq, -1);
+    return broken == 0;
+}
+
+// The launch's arguments with the buffer pointers moved to call seq's buffer (the host passes buffer 0's).
+template <typename Byte>
+__device__ __forceinline__ Byte* in_buffer(Byte* pointer, int64_t offset) {
+    return reinterpret_cast<Byte*>(reinterpret_cast<uintptr_t>(pointer) + offset);
 }
 
 // Shrink mode, by the last thread of a launch: tell the other ranks of each peer masked here but not
@@ -222,18 +293,21 @@ __device__ __forceinline__ void tell_pending_masks(const MaskedStatus& status) {
             status.tell(peer);
 }
 
-// The last block of a launch publishes a send's call number (every block has read the old one; only
-// this GPU reads it, so a GPU-scope fence orders it after every block's reads) and, in shrink mode,
-// tells the other ranks of masks set by hand.
+// The last block of a launch publishes a send's call number, in the sequence state and in the call's
+// record, and a receive's (every block has read the old ones; only this GPU reads them, so a GPU-scope
+// fence orders them after every block's reads) and, in shrink mode, tells the other ranks of masks set
+// by hand. A call that broke a rule counts as made, so that the ranks' numbers stay equal.
 template <typename Args>
 __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq) {
-    if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.half))
+    if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.buffer))
         return;
-    a.seq_state[kSeqBlocksDone + a.half] = 0;
+    a.seq_state[kSeqBlocksDone + a.buffer] = 0;
     if (a.phases & kSendPhase) {
         a.seq_state[kSeqLatest] = seq;
-        a.seq_state[kSeqOfHalf + a.half] = seq;
+        *a.call_record = seq;
     }
+    if (a.phases & kRecvPhase)
+        a.seq_state[kSeqReceived + a.buffer] = seq;
     tell_pending_masks(a.status);
 }
 
@@ -261,8 +335,8 @@ __device__ __forceinline__ void add_wait(int64_t* wait_stats, int peer, uint64_t
 // first, they land in a few microseconds and the receivers' layout overlaps the flood. (Direct peers
 // need no such wait: each block's routing rows lead its own tokens.) By a team's leader, after the
 // team stored one table (or, on the put path, its put was issued).
-__device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int half, int num_ranks, uint64_t seq) {
-    auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + half);
+__device__ __forceinline__ void count_table_sent(uint64_t* seq_state, int buffer, int num_ranks, uint64_t seq) {
+    auto* done = reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesDone + buffer);
     if (atomicAdd(done, 1ull) == static_cast<unsigned long long>(num_ranks) - 1) {
         *done = 0;
         atomicMax(reinterpret_cast<unsigned long long*>(seq_state + kSeqTablesSent), seq);
@@ -292,12 +366,38 @@ __device__ __forceinline__ bool has_tag(uint64_t word, uint64_t seq) {
     return static_cast<uint32_t>(word >> 32) == word_tag(seq);
 }
 
+// Whether a table word carries the tag of a call after seq: the peer's next call on this buffer
+// overtook the one awaited (a broken call order; tags wrap after 2^32 - 1 calls, beyond any run).
+__device__ __forceinline__ bool has_newer_tag(uint64_t word, uint64_t seq) {
+    const auto tag = static_cast<uint32_t>(word >> 32);
+    return tag != 0 && static_cast<int32_t>(tag - word_tag(seq)) > 0;
+}
+
 // Table word `word` (already loaded once into `value`) once it carries seq's tag; false if the wait
-// gave up (wait_until, as every wait of this family).
+// gave up (wait_until, as every wait of this family) or met a newer call's tag (reported).
 __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq, uint64_t deadline_ns,
                                               const MaskedStatus& status, int peer, int phase, uint64_t& value) {
-    return wait_until([&] { return has_tag(value, seq); }, [&] { value = ld_volatile_global(word); }, deadline_ns,
-                      status, peer, phase);
+    return wait_until([&] { return has_tag(value, seq); },
+                      [&] {
+                          if (has_newer_tag(value, seq))
+                              status.break_call_order(kCallOrderOvertaken, seq, peer);
+                          value = ld_volatile_global(word);
+                      },
+                      deadline_ns, status, peer, phase);
+}
+
+// Wait until `peer`'s flag reaches call seq (acquire); false if the wait gave up, or if the flag went
+// past seq: a newer call of the peer overtook this one (reported; its data may be overwritten).
+__device__ __forceinline__ bool wait_for_call(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
+                                              const MaskedStatus& status, int peer, int phase) {
+    uint64_t value = 0;
+    if (!wait_until([&] { return (value = ld_acquire_sys_global(flag)) >= seq; }, [] {}, deadline_ns, status, peer,
+                    phase))
+        return false;
+    if (value == seq)
+        return true;
+    status.break_call_order(kCallOrderOvertaken, seq, peer);
+    return false;
 }
 
 // Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
@@ -423,7 +523,7 @@ __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t s
                                                 int phase) {
     if (direct_address(flag, pe, rank, force_put) != nullptr)
         return true;
-    return wait_at_least(flag, seq, deadline_ns, status, pe, phase);
+    return wait_for_call(flag, seq, deadline_ns, status, pe, phase);
 }
 
 // Slot of token t from `source` in a [num_ranks][max_tokens][slot_bytes] message region.
@@ -478,12 +578,15 @@ __device__ __forceinline__ float power_of_two_at_least(float value) {
 
 // cuep::low_latency::dispatch's one argument, passed by value (mirror: DispatchArgs in cuep/kernels/low_latency.py).
 struct DispatchArgs {
-    int phases, half;
+    int phases;
+    int buffer;                    // the call's buffer: set on the device (in_buffer), 0 from the host
+    int64_t buffer_bytes;          // from one buffer to the next
+    uint64_t* call_record;         // the number of this call, written by its send, read by a receive-only launch
     const int4* x;                 // [num_tokens, hidden] bf16
     int num_tokens, hidden, use_fp8, round_scale, use_ue8m0;
     const void* topk_idx;          // [num_tokens, num_topk], int64 or int32
     int ids_are_int64, num_topk, num_experts, rank, num_ranks, max_tokens, force_put;
-    // This half of the buffer (symmetric addresses; the same offsets on every rank)
+    // The call's buffer (symmetric addresses; the same offsets on every rank; buffer 0's from the host)
     uint64_t* routing_flags;       // [num_ranks]
     uint64_t* token_flags;         // [num_ranks][flag_stride]
     int flag_stride;
@@ -503,7 +606,7 @@ struct DispatchArgs {
     int32_t* combine_rows;         // [num_ranks][max_tokens][num_topk]: flat row in x of combine, or -1
     int32_t* source_tokens;        // [num_ranks]: tokens each source sent
     int32_t* cumulative_stats;     // [L] or nullptr
-    uint64_t* source_decisions;    // shrink mode: [2][num_ranks], see agree_on_source; else nullptr
+    uint64_t* source_decisions;    // shrink mode: [kNumBuffers][num_ranks], see agree_on_source; else nullptr
     int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each source, added
     int num_parts;                 // blocks that share one local expert's rows
     uint64_t* seq_state;
@@ -515,6 +618,19 @@ struct DispatchArgs {
 // Words per token in a routing table: its choices, rounded up to even so that each token's row is
 // 16-byte aligned and a receiver loads two tagged words at a time.
 __device__ __forceinline__ int ids_stride(const DispatchArgs& a) { return (a.num_topk + 1) & ~1; }
+
+// The arguments of call seq: its buffer's pointers (start_call, "Call order").
+__device__ __forceinline__ DispatchArgs in_buffer(DispatchArgs a, uint64_t seq) {
+    a.buffer = buffer_of(seq);
+    const int64_t offset = a.buffer * a.buffer_bytes;
+    a.routing_flags = in_buffer(a.routing_flags, offset);
+    a.token_flags = in_buffer(a.token_flags, offset);
+    a.routing = in_buffer(a.routing, offset);
+    a.slots = in_buffer(a.slots, offset);
+    a.routing_staging = in_buffer(a.routing_staging, offset);
+    a.slot_staging = in_buffer(a.slot_staging, offset);
+    return a;
+}
 
 __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
     return a.use_fp8 ? a.hidden + a.hidden / kScaleBlock * static_cast<int64_t>(sizeof(float))
@@ -722,7 +838,7 @@ __device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, int i) {
 // middle of its send (agree_on_source).
 static __device__ void publish_header_last(const DispatchArgs& a, uint64_t seq) {
     __threadfence_system();  // this block's rows (the team's barrier ordered them before this thread)
-    auto* published = reinterpret_cast<unsigned long long*>(a.seq_state + kSeqRowsPublished + a.half);
+    auto* published = reinterpret_cast<unsigned long long*>(a.seq_state + kSeqRowsPublished + a.buffer);
     if (atomicAdd(published, 1ull) != gridDim.x - 1)
         return;
     *published = 0;
@@ -790,7 +906,7 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
                           [&](int i) { return routing_word(a, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
                           a.force_put);
         if (team.leader())
-            count_table_sent(a.seq_state, a.half, a.num_ranks, seq);
+            count_table_sent(a.seq_state, a.buffer, a.num_ranks, seq);
     }
     publish_own_routing_rows(team, a, seq);
     if (team.leader())
@@ -824,7 +940,7 @@ static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int
     const int64_t flat_row = e * rows_per_expert + row;
     const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
     const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
-    const bool arrived = wait_at_least(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns,
+    const bool arrived = wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns,
                                        a.status, s, kPhaseLowLatencyToken);
     if (lane == 0)
         add_wait(a.wait_stats, s, started);
@@ -889,7 +1005,7 @@ static __device__ ReceiveState receive_state(const DispatchArgs& a) {
 
 // Shrink mode: what every block of this call takes source s to have sent, given what this block saw
 // (`sent`: its token count, or -1 when its table never came): the first block to decide decides for
-// all (`decision`: this half's word of s, (call number << 12) | (count + 1)). A block that gave up on s
+// all (`decision`: this buffer's word of s, (call number << 12) | (count + 1)). A block that gave up on s
 // while another saw its header then reads its table like the other (the header came last, so every
 // word is there), and one that saw it while another gave up drops it: the blocks lay out the same rows.
 __device__ __forceinline__ int agree_on_source(uint64_t* decision, uint64_t seq, int sent) {
@@ -921,7 +1037,7 @@ static __device__ void read_source_tokens(const Team& team, const DispatchArgs& 
         if (blockIdx.x == 0)  // every block waits for every table; one counts it
             add_wait(a.wait_stats, s, started);
         if (a.source_decisions != nullptr)
-            sent = agree_on_source(a.source_decisions + static_cast<int64_t>(a.half) * a.num_ranks + s, seq, sent);
+            sent = agree_on_source(a.source_decisions + static_cast<int64_t>(a.buffer) * a.num_ranks + s, seq, sent);
         r.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = r.source_tokens[s];
@@ -1069,7 +1185,10 @@ static __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t de
 
 // cuep::low_latency::combine's one argument, passed by value (mirror: CombineArgs in cuep/kernels/low_latency.py).
 struct CombineArgs {
-    int phases, half;
+    int phases;
+    int buffer;                    // as DispatchArgs
+    int64_t buffer_bytes;
+    uint64_t* call_record;
     const int4* x;                 // [L * num_ranks * max_tokens][hidden] bf16: the expert outputs
     const void* topk_idx;          // [num_tokens, num_topk] of this rank's tokens, int64 or int32
     int ids_are_int64;
@@ -1077,7 +1196,7 @@ struct CombineArgs {
     int num_tokens, num_topk, hidden, num_experts, rank, num_ranks, max_tokens, force_put;
     const int32_t* combine_rows;   // from the dispatch, see DispatchArgs
     const int32_t* source_tokens;
-    // This half of the buffer
+    // The call's buffer
     uint64_t* weight_flags;        // [num_ranks]
     uint64_t* token_flags;         // [num_ranks][flag_stride]
     int flag_stride;
@@ -1099,6 +1218,19 @@ struct CombineArgs {
 
 // Warp group `group` of the combine send, with named barrier group + 1 (0 is the whole block's).
 __device__ __forceinline__ Team warp_group(int group) { return Team{group * kGroupThreads, kGroupThreads, group + 1}; }
+
+// The arguments of call seq: its buffer's pointers (as the dispatch's).
+__device__ __forceinline__ CombineArgs in_buffer(CombineArgs a, uint64_t seq) {
+    a.buffer = buffer_of(seq);
+    const int64_t offset = a.buffer * a.buffer_bytes;
+    a.weight_flags = in_buffer(a.weight_flags, offset);
+    a.token_flags = in_buffer(a.token_flags, offset);
+    a.weights = in_buffer(a.weights, offset);
+    a.slots = in_buffer(a.slots, offset);
+    a.weight_staging = in_buffer(a.weight_staging, offset);
+    a.slot_staging = in_buffer(a.slot_staging, offset);
+    return a;
+}
 
 // What a warp group knows about its pair: this rank's rows holding the token's experts and their weights.
 struct PairRows {
@@ -1280,7 +1412,7 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
             const int holder = ranks[threadIdx.x];
             const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
             // A partial that never came (shrink mode: its rank was masked meanwhile) adds nothing.
-            if (!wait_at_least(a.token_flags + static_cast<int64_t>(holder) * a.flag_stride + t, seq, deadline_ns,
+            if (!wait_for_call(a.token_flags + static_cast<int64_t>(holder) * a.flag_stride + t, seq, deadline_ns,
                                a.status, holder, kPhaseLowLatencyPartial))
                 ranks[threadIdx.x] = -1;
             add_wait(a.wait_stats, holder, started);
@@ -1338,6 +1470,12 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
 }
 
 static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
+    // The receive completes only once every live peer has sent this call (its weights flag, raised first):
+    // a partial-free peer too, so that the call order's bound on how far a peer runs ahead holds.
+    if (blockIdx.x == 0)
+        for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x)
+            if (!a.status.is_masked(s))
+                wait_for_call(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
     for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
         combine_token(a, t, seq, deadline_ns);
     trace_block(a.trace, kTraceTokensSummed);
@@ -1347,11 +1485,13 @@ static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t
 
 namespace cuep::low_latency {
 
-__global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs args) {
-    const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs launched) {
+    uint64_t seq;
+    const bool in_order = cuep::start_call(launched, seq);
+    const cuep::DispatchArgs args = cuep::in_buffer(launched, seq);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    if (!cuep::sits_out(args))
+    if (in_order && !cuep::sits_out(args))
         cuep::dispatch(args, seq, deadline_ns);
     if constexpr (cuep::kTrace)
         __syncthreads();  // the end is the last team's
@@ -1360,11 +1500,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs ar
 }
 
 
-__global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs args) {
-    const uint64_t seq = cuep::call_number(args.seq_state, args.phases, args.half);
+__global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs launched) {
+    uint64_t seq;
+    const bool in_order = cuep::start_call(launched, seq);
+    const cuep::CombineArgs args = cuep::in_buffer(launched, seq);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    const bool sits_out = cuep::sits_out(args);
+    const bool sits_out = !in_order || cuep::sits_out(args);
     // Shrink mode: the send's waits (a source's weights) end at half the timeout. A warp group that waits
     // for a lost source sends its next pairs only then, and their ranks' waits for them must not run
     // out first, or they would mask a live rank.

@@ -9,8 +9,9 @@ __version__ = "0.1.0"
 
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
-from .errors import CompileError, CuepError, MaskedRankError, MissingDependencyError, PeerTimeoutError  # noqa: E402
+from .errors import (CallOrderError, CompileError, CuepError, MaskedRankError, MissingDependencyError,  # noqa: E402
+                     PeerTimeoutError)
 from .event import EventOverlap  # noqa: E402
 
-__all__ = ["Buffer", "CompileError", "Config", "CuepError", "EventOverlap", "MaskedRankError", "MissingDependencyError",
-           "PeerTimeoutError", "__version__"]
+__all__ = ["Buffer", "CallOrderError", "CompileError", "Config", "CuepError", "EventOverlap", "MaskedRankError",
+           "MissingDependencyError", "PeerTimeoutError", "__version__"]

@@ -453,7 +453,7 @@ class Buffer:
                                              np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
         recv_x, recv_scales, recv_count, handle, launch = low_latency.dispatch(
-            ctx, ctx.next_half(), x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), stats,
+            ctx, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), stats,
             wait_stats, use_fp8, round_scale, use_ue8m0)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
                                             (x, topk_idx, stats, wait_stats, recv_x, recv_scales, recv_count, handle))
@@ -503,7 +503,7 @@ class Buffer:
         _checks.check_hook_options(call, async_finish, return_recv_hook)
         if out is None:
             out = self._front.empty((handle.num_tokens, handle.hidden), _checks.bf16_dtype())
-        launch = low_latency.combine(ctx, ctx.next_half(), x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
+        launch = low_latency.combine(ctx, x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
                                      wait_stats)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
                                             (x, topk_idx, topk_weights, handle, out, wait_stats))
@@ -558,10 +558,10 @@ class Buffer:
         x, out = front.empty((0, hidden), bf16), front.empty((0, hidden), bf16)
         topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
         stream = front.current_stream()
-        *_, handle, dispatch = low_latency.dispatch(ctx, ctx.next_half(), x, topk_idx, max_tokens, num_experts, None,
+        *_, handle, dispatch = low_latency.dispatch(ctx, x, topk_idx, max_tokens, num_experts, None,
                                                     None, False, False, False)
         dispatch(stream)
-        low_latency.combine(ctx, ctx.next_half(), x, topk_idx, weights, handle, out)(stream)
+        low_latency.combine(ctx, x, topk_idx, weights, handle, out)(stream)
         stream.synchronize()
         self._resources.raise_if_failed()
 

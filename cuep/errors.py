@@ -37,3 +37,22 @@ class MaskedRankError(CuepError):
     """This rank's peers masked it in shrink mode (``Buffer(..., enable_shrink=True)``): it did not
     answer within ``CUEP_TIMEOUT_S``, and its low-latency calls do nothing until every rank calls
     ``Buffer.low_latency_clean_mask_buffer()``."""
+
+
+class CallOrderError(CuepError):
+    """Low-latency calls broke a rule of their order (the README's "Low-latency call order"), found on the
+    device: too many results in flight on this rank, a receive run for a call whose send never ran or that
+    was already received, or a peer whose newer call reached this rank's buffer before this rank read the
+    call it waits for (the ranks' calls differ). The call it met, and every call after it until this error
+    is raised, moved nothing.
+
+    Attributes:
+        rank: the rank that found it.
+        rule: which rule (a sentence).
+        call: the number of the low-latency call (counted from 1 on every rank) that met it.
+        peer: the peer whose newer call arrived (``-1`` when the rule is this rank's own).
+    """
+
+    def __init__(self, rank: int, rule: str, call: int, peer: int = -1):
+        self.rank, self.rule, self.call, self.peer = rank, rule, call, peer
+        super().__init__(f"low-latency call {call} on rank {rank}: {rule}")

@@ -7,7 +7,7 @@ import pytest
 
 import cuep
 from cuep import _checks, _deps, env
-from cuep.errors import CuepError, MissingDependencyError
+from cuep.errors import CallOrderError, CuepError, MissingDependencyError
 from cuep.jit import toolchain
 from cuep.kernels import status
 from cuep.kernels.status import BadIdsCall
@@ -65,6 +65,26 @@ def test_expert_id_out_of_range(call, bad_id, message):
     assert status.holds_a_record(words)
     with pytest.raises(ValueError, match=message):
         status.raise_if_failed(words, 3, 1.0)
+
+
+@pytest.mark.parametrize("rule, peer, message", [
+    (status.CallOrderRule.IN_FLIGHT, -1, r"low-latency call 9 on rank 2: a send while two earlier low-latency calls"),
+    (status.CallOrderRule.UNSENT, -1, r"call 9 on rank 2: a receive hook .* whose send never ran"),
+    (status.CallOrderRule.RECEIVED, -1, r"call 9 on rank 2: a receive hook .* already received"),
+    (status.CallOrderRule.OVERTAKEN, 3, r"call 9 on rank 2: a newer call of the peer reached"),
+])
+def test_call_order_record_raises_naming_the_rule(rule, peer, message):
+    """A broken low-latency call order (cuda_src/low_latency.cu, break_call_order) raises CallOrderError in
+    the Buffer's next call, naming the rule, the call and (for an overtaking peer) the peer, before any timeout
+    the same launch recorded on the device."""
+    words = np.zeros(status.STATUS_WORDS, np.int32)
+    words[[status.CALL_ORDER_CALL, status.CALL_ORDER_PEER]] = 9, peer
+    assert not status.holds_a_record(words)  # the details land first
+    words[status.CALL_ORDER] = int(rule)
+    words[[status.TIMED_OUT, status.PEER, status.PHASE]] = 1, 0, 2
+    with pytest.raises(CallOrderError, match=message) as error:
+        status.raise_if_failed(words, 2, 1.0)
+    assert (error.value.rank, error.value.call, error.value.peer) == (2, 9, peer)
 
 
 def test_a_record_without_its_flag_is_still_being_written():

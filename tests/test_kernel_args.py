@@ -126,7 +126,10 @@ def test_phase_codes_have_no_holes_and_a_name_each():
     assert codes == list(range(1, len(codes) + 1))
     assert set(status.PHASE_NAMES) == set(status.Phase)
     words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.LANDING_ROWS,
-             status.SELF_MASKED, status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH, status.BAD_EXPERT_LIMIT]
+             status.SELF_MASKED, status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH, status.BAD_EXPERT_LIMIT,
+             status.CALL_ORDER, status.CALL_ORDER_CALL, status.CALL_ORDER_PEER]
     assert sorted(words) == list(range(status.STATUS_WORDS))
+    rules = sorted(int(rule) for rule in status.CallOrderRule)
+    assert rules == list(range(1, len(rules) + 1)) and set(status.CALL_ORDER_RULES) == set(status.CallOrderRule)
     calls = sorted(int(call) for call in status.BadIdsCall)
     assert calls == list(range(1, len(calls) + 1)) and set(status.BAD_IDS_CALL_NAMES) == set(status.BadIdsCall)

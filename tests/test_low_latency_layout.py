@@ -12,7 +12,7 @@ from cuep.modes import low_latency
 
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
-    layout = low_latency.half_layout(128, 7168, 4)
+    layout = low_latency.data_layout(128, 7168, 4)
     names = ("dispatch_slots", "combine_slots", "routing_staging", "dispatch_staging", "weight_staging",
              "combine_staging")
     offsets = sorted(getattr(layout, f) for f in names)
@@ -24,18 +24,29 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     assert layout.routing_staging_words >= kernels.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
     assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
     hint = low_latency.size_hint(128, 7168, 4)
-    assert low_latency.half_data_bytes(hint, 4) >= layout.end
-    assert low_latency.half_data_bytes(hint - 8192, 4) < layout.end  # the hint is tight to a page
-    # per-rank slots, not per-expert: the whole buffer stays far below DeepEP's ~GB hint
-    assert hint < 64 << 20
+    assert low_latency.data_bytes(hint, 4) >= layout.end
+    assert low_latency.data_bytes(hint - 4 * 4096, 4) < layout.end  # the hint is tight to a page per buffer
+    # per-rank slots, not per-expert: four buffers stay far below DeepEP's ~GB hint
+    assert hint < 128 << 20
+
+
+def test_four_buffers_follow_the_mask_and_fill_the_region():
+    hint = low_latency.size_hint(128, 7168, 4)
+    assert kernels.NUM_BUFFERS == 4
+    per_buffer = low_latency.buffer_bytes(hint, 4)
+    assert per_buffer % 4096 == 0 and low_latency.mask_bytes(4) % 4096 == 0
+    assert low_latency.mask_bytes(4) + kernels.NUM_BUFFERS * per_buffer <= hint
+    assert per_buffer == low_latency.fixed_bytes(4) + low_latency.data_bytes(hint, 4)
+    # a region too small for even the fixed part of a buffer has no data capacity, not a negative one
+    assert low_latency.data_bytes(low_latency.mask_bytes(4) + 4096, 4) == 0
 
 
 def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
     # polled words never alias message data of another shape: only the data regions depend on it
     small, large = low_latency.size_hint(8, 256, 4), low_latency.size_hint(1024, 7168, 4)
     fixed = low_latency.fixed_bytes(4)
-    assert fixed >= low_latency.flags_bytes(4) + 2 * 4 * (low_latency.ROUTING_WORDS + low_latency.WEIGHT_WORDS) * 8
-    assert small > fixed and large > small
+    assert fixed >= low_latency.flags_bytes(4) + 4 * (low_latency.ROUTING_WORDS + low_latency.WEIGHT_WORDS) * 8
+    assert small > kernels.NUM_BUFFERS * fixed and large > small
     assert low_latency.flags_bytes(4) % 4096 == 0 and fixed % 4096 == 0
 
 

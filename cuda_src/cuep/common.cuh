@@ -65,12 +65,16 @@ constexpr int kStatusSelfMasked = CUEP_STATUS_SELF_MASKED;      // shrink mode: 
 constexpr int kStatusBadExpertIdLow = CUEP_STATUS_BAD_EXPERT_ID_LOW;    // that id's low 32 bits
 constexpr int kStatusBadExpertIdHigh = CUEP_STATUS_BAD_EXPERT_ID_HIGH;  // and its high 32 bits
 constexpr int kStatusBadExpertLimit = CUEP_STATUS_BAD_EXPERT_LIMIT;     // that call's num_experts
+constexpr int kStatusCallOrder = CUEP_STATUS_CALL_ORDER;                // low latency: the rule (kCallOrder*) broken
+constexpr int kStatusCallOrderCall = CUEP_STATUS_CALL_ORDER_CALL;       // the call that broke it
+constexpr int kStatusCallOrderPeer = CUEP_STATUS_CALL_ORDER_PEER;       // the peer that overtook it, or -1
 constexpr int kStatusWords = CUEP_STATUS_WORDS;
 static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kStatusPhase < kStatusWords &&
               kStatusOverflow < kStatusWords && kStatusBadExpertIds < kStatusWords &&
               kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords &&
               kStatusBadExpertIdLow < kStatusWords && kStatusBadExpertIdHigh < kStatusWords &&
-              kStatusBadExpertLimit < kStatusWords,
+              kStatusBadExpertLimit < kStatusWords && kStatusCallOrder < kStatusWords &&
+              kStatusCallOrderCall < kStatusWords && kStatusCallOrderPeer < kStatusWords,
               "a status word outside the status array");
 // Which call met an out-of-range expert id (the value of word kStatusBadExpertIds; never 0).
 constexpr int kBadIdsLowLatency = CUEP_BAD_IDS_LOW_LATENCY;

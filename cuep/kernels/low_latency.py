@@ -27,10 +27,14 @@ from .status import MaskedStatus
 
 NUM_THREADS = 512               # threads per block; the kernels' registers are budgeted for it
 MAX_TOPK = 32                   # experts per token (a warp's lanes hold one each)
-MAX_TOKENS_PER_RANK = 1024      # the largest num_max_dispatch_tokens_per_rank (flags per half and source)
+MAX_TOKENS_PER_RANK = 1024      # the largest num_max_dispatch_tokens_per_rank (flags per buffer and source)
 SEND_PHASE, RECV_PHASE = 1, 2   # a launch's phases (bits): both for a whole call, one each for a hook
-SEQ_WORDS = 10                  # uint64 words of the device's sequence state (their meaning: low_latency.cu)
-SEQ_LATEST, SEQ_OF_HALF = 0, 1  # in it: the newest call number sent, then the newest of each buffer half
+# The low-latency region holds NUM_BUFFERS buffers; call n uses buffer n % NUM_BUFFERS, decided on the device. Four,
+# because with at most two results in flight per rank a peer can be at most three calls ahead of a buffer's
+# reader (low_latency.cu, "Call order").
+NUM_BUFFERS = 4
+SEQ_WORDS = 18                  # uint64 words of the device's sequence state (their meaning: low_latency.cu)
+SEQ_LATEST, SEQ_RECEIVED = 0, 1  # in it: the newest call number sent, then the newest received on each buffer
 # A shrink-mode mask entry (cuep::MaskedStatus::masked): 0 for a live peer, else masked, and whether this
 # rank still has to tell the other ranks (masked by hand) or has told them (or was told).
 MASKED_TO_TELL, MASKED_TOLD = 1, 2
@@ -74,7 +78,8 @@ def _trace_constants() -> dict[str, int]:
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_rank": MAX_TOKENS_PER_RANK,
              "send_phase": SEND_PHASE, "recv_phase": RECV_PHASE,
-             "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST, "seq_of_half": SEQ_OF_HALF,
+             "num_buffers": NUM_BUFFERS, "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST,
+             "seq_received": SEQ_RECEIVED,
              "masked_to_tell": MASKED_TO_TELL, "masked_told": MASKED_TOLD,
              "routing_header_words": ROUTING_HEADER_WORDS, **logfmt.CONSTANTS,
              "ue8m0_scales_per_word": UE8M0_SCALES_PER_WORD, "trace_points": TRACE_POINTS, **_trace_constants()}
@@ -96,7 +101,8 @@ class DispatchArgs(KernelArgs):
     cxx_name = "DispatchArgs"
     entry = "cuep::low_latency::dispatch"
     _fields_ = [
-        ("phases", ctypes.c_int), ("half", ctypes.c_int),
+        ("phases", ctypes.c_int), ("buffer", ctypes.c_int), ("buffer_bytes", ctypes.c_int64),
+        ("call_record", ctypes.c_void_p),
         ("x", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int), ("hidden", ctypes.c_int), ("use_fp8", ctypes.c_int),
         ("round_scale", ctypes.c_int), ("use_ue8m0", ctypes.c_int),
@@ -123,7 +129,8 @@ class CombineArgs(KernelArgs):
     cxx_name = "CombineArgs"
     entry = "cuep::low_latency::combine"
     _fields_ = [
-        ("phases", ctypes.c_int), ("half", ctypes.c_int),
+        ("phases", ctypes.c_int), ("buffer", ctypes.c_int), ("buffer_bytes", ctypes.c_int64),
+        ("call_record", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("topk_idx", ctypes.c_void_p), ("ids_are_int64", ctypes.c_int),
         ("topk_weights", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int), ("num_topk", ctypes.c_int), ("hidden", ctypes.c_int),

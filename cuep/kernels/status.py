@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import enum
 
-from ..errors import MaskedRankError, PeerTimeoutError
+from ..errors import CallOrderError, MaskedRankError, PeerTimeoutError
 from .launcher import KernelArgs
 
 # Index of each int32 status word.
@@ -25,10 +25,13 @@ SELF_MASKED = 6     # shrink mode: this rank's peers masked it, so its low-laten
 BAD_EXPERT_ID_LOW = 7   # the first such id, its low 32 bits
 BAD_EXPERT_ID_HIGH = 8  # and its high 32 bits (ids may be int64)
 BAD_EXPERT_LIMIT = 9    # that call's num_experts
-STATUS_WORDS = 10
+CALL_ORDER = 10     # low latency: the rule of the call order a call broke (a CallOrderRule)
+CALL_ORDER_CALL = 11    # the number of that call, its low 31 bits
+CALL_ORDER_PEER = 12    # the peer whose newer call arrived (OVERTAKEN), else -1
+STATUS_WORDS = 13
 # The words that say a record is complete: a kernel writes a record's details (PEER and PHASE, the bad id
 # and its limit) first and its flag last, behind a fence, so a host that sees only details waits.
-FLAG_WORDS = (TIMED_OUT, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS, SELF_MASKED)
+FLAG_WORDS = (TIMED_OUT, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS, SELF_MASKED, CALL_ORDER)
 
 
 class BadIdsCall(enum.IntEnum):
@@ -43,6 +46,30 @@ class BadIdsCall(enum.IntEnum):
 
 BAD_IDS_CALL_NAMES = {BadIdsCall.LOW_LATENCY: "low_latency_dispatch()/low_latency_combine()",
                       BadIdsCall.LAYOUT: "get_dispatch_layout()"}
+
+
+class CallOrderRule(enum.IntEnum):
+    """Which rule of the low-latency call order a call broke (status word :data:`CALL_ORDER`); the kernels
+    name each ``kCallOrder<Name>``. The README's "Low-latency call order" states the rules."""
+
+    IN_FLIGHT = 1    # a send while two earlier calls of this rank were not received yet
+    UNSENT = 2       # a receive (a hook) of a call whose send never ran, or is not one of the two newest
+    RECEIVED = 3     # a receive of a call already received (a receive graph replayed without its send)
+    OVERTAKEN = 4    # a peer's newer call reached the buffer this receive reads: the ranks' calls differ
+
+
+CALL_ORDER_RULES = {
+    CallOrderRule.IN_FLIGHT: "a send while two earlier low-latency calls of this rank were not received yet "
+                             "(at most two results may be in flight: call each hook, or replay each receive graph, "
+                             "before the second send after its own)",
+    CallOrderRule.UNSENT: "a receive hook (or a replayed receive graph) of a call whose send never ran, or is not "
+                          "one of this rank's two newest sends",
+    CallOrderRule.RECEIVED: "a receive hook (or a replayed receive graph) of a call that was already received; "
+                            "replay a hook's send graph before each replay of its receive graph",
+    CallOrderRule.OVERTAKEN: "a newer call of the peer reached the buffer this receive reads before this rank read it: "
+                             "every rank must make the same low-latency calls in the same order, each within the "
+                             "two-in-flight rule"}
+"""What each rule says, as CallOrderError words it."""
 
 
 class Phase(enum.IntEnum):
@@ -84,7 +111,9 @@ CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase":
              "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
              "status_self_masked": SELF_MASKED, "status_bad_expert_id_low": BAD_EXPERT_ID_LOW,
              "status_bad_expert_id_high": BAD_EXPERT_ID_HIGH, "status_bad_expert_limit": BAD_EXPERT_LIMIT,
-             "status_words": STATUS_WORDS,
+             "status_call_order": CALL_ORDER, "status_call_order_call": CALL_ORDER_CALL,
+             "status_call_order_peer": CALL_ORDER_PEER, "status_words": STATUS_WORDS,
+             **{f"call_order_{rule.name.lower()}": int(rule) for rule in CallOrderRule},
              **{f"phase_{phase.name.lower()}": int(phase) for phase in Phase},
              **{f"bad_ids_{call.name.lower()}": int(call) for call in BadIdsCall}}
 """The status layout, phase codes and bad-id call codes as the kernels see them (``CUEP_<NAME>``)."""
@@ -144,6 +173,10 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
         raise ValueError(f"{call} on rank {rank}: topk_idx held expert id {bad_expert_id(status_host)}, but "
                          f"num_experts={limit} (valid ids: -1 for none, 0..{limit - 1}); the kernel treated it as -1, "
                          f"so that call's result is wrong")
+    if int(status_host[CALL_ORDER]):
+        code = int(status_host[CALL_ORDER])
+        rule = CALL_ORDER_RULES.get(code, f"rule {code}")  # CallOrderRule members hash as their codes
+        raise CallOrderError(rank, rule, int(status_host[CALL_ORDER_CALL]), int(status_host[CALL_ORDER_PEER]))
     if int(status_host[SELF_MASKED]):
         raise MaskedRankError(f"low_latency_dispatch()/low_latency_combine() on rank {rank}: the other ranks masked "
                               f"this rank (shrink mode: it did not answer within {timeout_s:g} s), so its "

@@ -5,21 +5,24 @@ and turns each call into one kernel launch: :func:`dispatch` and :func:`combine`
 struct of :mod:`cuep.kernels.low_latency` and return a :class:`~cuep.kernels.launcher.Launch`, which
 the Buffer runs with the phases it wants (both, or the send now and the receive from a hook)::
 
-    launch = low_latency.dispatch(ctx, half, x, topk_idx, ...)[-1]
+    launch = low_latency.dispatch(ctx, x, topk_idx, ...)[-1]
     launch.args.phases = SEND_PHASE | RECV_PHASE
     launch(stream)
 
-Buffer layout (byte offsets from the start of the low-latency region, the same on every rank)::
+Region layout (byte offsets from the start of the low-latency region, the same on every rank)::
 
-    [flags: 2 halves x (routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS)]
-    [tables: 2 halves x (routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS)]   tagged 64-bit words
-    [mask: R int32]                 shrink mode: this rank's mask of its peers (cuep::MaskedStatus::masked)
-    [half 0 data][half 1 data]      each: see HalfLayout
+    [mask: R int32]        shrink mode: this rank's mask of its peers (cuep::MaskedStatus::masked)
+    [buffer 0][buffer 1][buffer 2][buffer 3]     NUM_BUFFERS of buffer_bytes each; call n uses buffer n % 4
+    buffer: [flags: routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS]
+            [tables: routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS]   tagged 64-bit words
+            [data: see DataLayout]
 
-Flags and tables are polled, so they sit at fixed offsets whatever the call's shape: a flag word only
-ever holds call numbers (which only grow) and a table word only zeros or tagged words of earlier calls,
-never message bytes that could pass for a tag. Data regions move with ``(max_tokens, hidden)`` and are
-never polled.
+Which buffer a call uses is decided on the device from its call number (``cuda_src/low_latency.cu``, "Call
+order"): the host passes buffer 0's addresses and the distance between buffers, so a captured graph
+never bakes a buffer in. Flags and tables are polled, so they sit at fixed offsets whatever the call's
+shape: a flag word only ever holds call numbers (which only grow) and a table word only zeros or tagged
+words of earlier calls, never message bytes that could pass for a tag. Data regions move with
+``(max_tokens, hidden)`` and are never polled.
 
 The eager decode path is host-bound, so what every call of one shape shares is worked out on its first
 call and kept (:class:`Plan`): a later call copies a filled struct and sets its own arrays.
@@ -45,8 +48,7 @@ from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch
 from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK,
-                                   NUM_THREADS, RECV_PHASE,
-                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_OF_HALF, SEQ_WORDS, TRACE_POINTS,
+                                   NUM_BUFFERS, NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS,
                                    CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
@@ -60,28 +62,28 @@ _SLOT_ALIGN = 128               # a message never shares a cache line with the n
 _REGION_ALIGN = REGION_ALIGN  # flags, tables and halves start on pages, like the regions
 
 
+def mask_bytes(num_ranks: int) -> int:
+    """Bytes of the shrink-mode mask at the start of the region (page-aligned)."""
+    return align_up(num_ranks * _MASK_ENTRY_BYTES, _REGION_ALIGN)
+
+
 def flags_bytes(num_ranks: int) -> int:
-    """Bytes of the flags of both halves, at the start of the region."""
-    per_half = (2 * num_ranks + 2 * num_ranks * MAX_TOKENS_PER_RANK) * _FLAG_BYTES
-    return align_up(2 * per_half, _REGION_ALIGN)
+    """Bytes of one buffer's flags, at its start."""
+    return align_up((2 * num_ranks + 2 * num_ranks * MAX_TOKENS_PER_RANK) * _FLAG_BYTES, _REGION_ALIGN)
 
 
-def _tables_half_bytes(num_ranks: int) -> int:
+def _tables_bytes(num_ranks: int) -> int:
     return num_ranks * (ROUTING_WORDS + WEIGHT_WORDS) * _TABLE_WORD_BYTES
 
 
-def _mask_offset(num_ranks: int) -> int:
-    return flags_bytes(num_ranks) + align_up(2 * _tables_half_bytes(num_ranks), _REGION_ALIGN)
-
-
 def fixed_bytes(num_ranks: int) -> int:
-    """Bytes at the start of the region that never move: the flags, both halves' tables, the mask."""
-    return _mask_offset(num_ranks) + align_up(num_ranks * _MASK_ENTRY_BYTES, _REGION_ALIGN)
+    """Bytes at the start of each buffer that never move with the calls' shape: its flags and tables."""
+    return flags_bytes(num_ranks) + align_up(_tables_bytes(num_ranks), _REGION_ALIGN)
 
 
 @dataclass(frozen=True)
-class HalfLayout:
-    """Byte offsets inside one half's data region for calls of ``max_tokens`` tokens of ``hidden``."""
+class DataLayout:
+    """Byte offsets inside one buffer's data region for calls of ``max_tokens`` tokens of ``hidden``."""
 
     dispatch_slot_bytes: int
     combine_slot_bytes: int
@@ -97,8 +99,8 @@ class HalfLayout:
 
 
 @functools.lru_cache(maxsize=64)  # every eager call asks; a decode loop asks for one shape
-def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
-    """Where each region of a half's data sits for calls of up to ``max_tokens`` tokens of ``hidden``."""
+def data_layout(max_tokens: int, hidden: int, num_ranks: int) -> DataLayout:
+    """Where each region of a buffer's data sits for calls of up to ``max_tokens`` tokens of ``hidden``."""
     fp8_message = hidden + hidden // SCALE_BLOCK * 4  # e4m3 bytes, then a float32 scale per block
     dispatch_slot = align_up(max(2 * hidden, fp8_message), _SLOT_ALIGN)  # BF16, or FP8 + scales
     # A partial as BF16, or as LogFMT, whose message with every block fallen back is a little larger.
@@ -117,17 +119,23 @@ def half_layout(max_tokens: int, hidden: int, num_ranks: int) -> HalfLayout:
     for name, size in sizes:
         offsets[name] = cursor
         cursor += align_up(size, _SLOT_ALIGN)
-    return HalfLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
+    return DataLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
 
 
 def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
     """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank need."""
-    return fixed_bytes(num_ranks) + 2 * align_up(half_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+    data = align_up(data_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+    return mask_bytes(num_ranks) + NUM_BUFFERS * (fixed_bytes(num_ranks) + data)
 
 
-def half_data_bytes(region_bytes: int, num_ranks: int) -> int:
-    """Capacity of each half's data region in a low-latency region of ``region_bytes``."""
-    return max(0, (region_bytes - fixed_bytes(num_ranks)) // 2 // _REGION_ALIGN * _REGION_ALIGN)
+def buffer_bytes(region_bytes: int, num_ranks: int) -> int:
+    """Bytes of each of the NUM_BUFFERS buffers of a low-latency region of ``region_bytes`` (page-aligned)."""
+    return max(0, (region_bytes - mask_bytes(num_ranks)) // NUM_BUFFERS // _REGION_ALIGN * _REGION_ALIGN)
+
+
+def data_bytes(region_bytes: int, num_ranks: int) -> int:
+    """Capacity of each buffer's data region in a low-latency region of ``region_bytes``."""
+    return max(0, buffer_bytes(region_bytes, num_ranks) - fixed_bytes(num_ranks))
 
 
 @dataclass
@@ -135,7 +143,7 @@ class Context:
     """What a Buffer's low-latency calls share: its region, its device state and the compiled family.
 
     ``seq_state`` and ``status`` are the kernels' own (zeroed at creation and never reset): the call
-    numbers count on across calls, graph replays included.
+    numbers, and with them which buffer each call uses, count on across calls, graph replays included.
     """
 
     library: Library
@@ -153,13 +161,13 @@ class Context:
     trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
     status_words: StatusWords | None = None  # owner of ``status`` and its host mirror
     shrink: bool = False          # a timed-out peer is masked instead of failing the call (enable_shrink)
-    source_decisions: Any = None  # shrink mode: [2, num_ranks] uint64, what each call's receive counts each source sent
+    source_decisions: Any = None  # shrink mode: [NUM_BUFFERS, num_ranks] uint64, what each receive counts each source sent
 
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
     checked: CheckedSignatures = field(default_factory=CheckedSignatures)  # argument signatures that passed
-    half: int = 0                 # DeepEP's buffer index: the half the next call uses
-    combine_buffers: dict = field(default_factory=dict)  # (half, shape) -> array, for zero-copy callers
+    combine_buffers: dict = field(default_factory=dict)  # (parity, shape) -> array, for zero-copy callers
+    combine_parity: int = 0       # which of the two zero-copy arrays of a shape the next caller gets
 
     @classmethod
     def create(cls, library: Library, front: Front, region_ptr: int, region_bytes: int, rank: int, num_ranks: int,
@@ -172,14 +180,14 @@ class Context:
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
                    trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink,
-                   source_decisions=cupy.zeros((2, num_ranks), dtype=cupy.uint64) if shrink else None)
+                   source_decisions=cupy.zeros((NUM_BUFFERS, num_ranks), dtype=cupy.uint64) if shrink else None)
 
     @functools.cached_property
     def mask(self):
         """This rank's mask of its peers, `[num_ranks]` `int32` in the region (non-zero: masked; the
         kernels' values are :data:`~cuep.kernels.low_latency.MASKED_TO_TELL` and ``MASKED_TOLD``)."""
         cupy = _deps.cupy()
-        address = self.region_ptr + _mask_offset(self.num_ranks)
+        address = self.region_ptr
         memory = cupy.cuda.UnownedMemory(address, self.num_ranks * _MASK_ENTRY_BYTES, self)
         return cupy.ndarray((self.num_ranks,), dtype=cupy.int32, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
@@ -198,25 +206,20 @@ class Context:
 
     def restart(self, call_number: int) -> None:
         """Unmask every rank and go on from ``call_number`` (every rank the same; nothing in flight), in
-        stream order: a rank that sat calls out catches up with the others' call numbers, and every
-        rank's next call uses half 0."""
+        stream order: a rank that sat calls out catches up with the others' call numbers, and every call
+        up to it counts as received."""
         self.mask.fill(0)
         self.seq_state.fill(0)  # the launch counts too: a launch that sat out in some blocks left them behind
-        self.seq_state[SEQ_LATEST:SEQ_OF_HALF + 2] = call_number
-        self.half = 0
-
-    def next_half(self) -> int:
-        """The half this call uses; every call flips it."""
-        half = self.half
-        self.half ^= 1
-        return half
+        self.seq_state[SEQ_LATEST] = call_number
+        self.seq_state[SEQ_RECEIVED:SEQ_RECEIVED + NUM_BUFFERS] = call_number
 
     def combine_buffer(self, handle: "Handle"):
         """A `[num_local_experts, num_ranks * max_tokens, hidden]` `bfloat16` array for the next combine of
-        ``handle``'s shape, one per half, reused."""
+        ``handle``'s shape: two per shape, handed out in turn (at most two results are in flight), reused."""
         shape = (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
                  handle.hidden)
-        key = (self.half, shape)
+        key = (self.combine_parity, shape)
+        self.combine_parity ^= 1
         if key not in self.combine_buffers:
             self.combine_buffers = {k: v for k, v in self.combine_buffers.items() if k[1] == shape}
             self.combine_buffers[key] = self.front.empty(shape, bf16_dtype())
@@ -229,36 +232,38 @@ class Context:
             self.functions[entry] = self.library.function(entry)
         return self.functions[entry]
 
-    def flags(self, half: int) -> tuple[int, int, int, int]:
-        """Addresses of (routing, weights, dispatch token, combine token) flags of ``half``."""
+    # The region's layout depends only on the rank count and the region's size: worked out once, not
+    # on every call (the eager decode path counts microseconds). The kernels take buffer 0's addresses
+    # and buffer_bytes, and move to their call's buffer themselves.
+    @functools.cached_property
+    def buffer_bytes(self) -> int:
+        """Bytes from one buffer to the next (``buffer_bytes`` of this region)."""
+        return buffer_bytes(self.region_bytes, self.num_ranks)
+
+    @functools.cached_property
+    def data_capacity(self) -> int:
+        """Bytes of each buffer's data region (``data_bytes`` of this region)."""
+        return data_bytes(self.region_bytes, self.num_ranks)
+
+    @functools.cached_property
+    def _buffer_start(self) -> int:
+        return self.region_ptr + mask_bytes(self.num_ranks)
+
+    def flags(self) -> tuple[int, int, int, int]:
+        """Addresses of buffer 0's (routing, weights, dispatch token, combine token) flags."""
         per_source = self.num_ranks * _FLAG_BYTES
         per_tokens = self.num_ranks * MAX_TOKENS_PER_RANK * _FLAG_BYTES
-        base = self.region_ptr + half * (2 * per_source + 2 * per_tokens)
+        base = self._buffer_start
         return base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens
 
-    # The region's layout depends only on the rank count and the region's size: worked out once, not
-    # on every call (the eager decode path counts microseconds).
-    @functools.cached_property
-    def _tables_start(self) -> int:
-        return self.region_ptr + flags_bytes(self.num_ranks)
-
-    @functools.cached_property
-    def _data_start(self) -> int:
-        return self.region_ptr + fixed_bytes(self.num_ranks)
-
-    @functools.cached_property
-    def half_capacity(self) -> int:
-        """Bytes of each half's data region (``half_data_bytes`` of this region)."""
-        return half_data_bytes(self.region_bytes, self.num_ranks)
-
-    def tables(self, half: int) -> tuple[int, int]:
-        """Addresses of the (routing, weights) tables of ``half``."""
-        base = self._tables_start + half * _tables_half_bytes(self.num_ranks)
+    def tables(self) -> tuple[int, int]:
+        """Addresses of buffer 0's (routing, weights) tables."""
+        base = self._buffer_start + flags_bytes(self.num_ranks)
         return base, base + self.num_ranks * ROUTING_WORDS * _TABLE_WORD_BYTES
 
-    def data(self, half: int) -> int:
-        """Address of ``half``'s data region (laid out by :func:`half_layout`)."""
-        return self._data_start + half * self.half_capacity
+    def data(self) -> int:
+        """Address of buffer 0's data region (laid out by :func:`data_layout`)."""
+        return self._buffer_start + fixed_bytes(self.num_ranks)
 
 
 @dataclass
@@ -269,7 +274,10 @@ class Handle:
     read through their addresses: ``recv_src_info[e, i]``, source token of row ``i`` of local expert
     ``e``; ``layout_range[e, s]``, ``(first row << 32) | rows`` that came from rank ``s``;
     ``combine_rows[s, t, k]``, the flat row of the combine input holding choice ``k`` of token ``t`` of
-    rank ``s`` (-1 when the expert is elsewhere); ``source_tokens[s]``, tokens rank ``s`` sent.
+    rank ``s`` (-1 when the expert is elsewhere); ``source_tokens[s]``, tokens rank ``s`` sent;
+    ``call_record[i]``, the call number of the dispatch (``i = 0``) and of its latest combine (``1``),
+    written by their sends on the device, from which a receive-only launch (a hook, or a receive replayed
+    from its own graph) learns which call, and so which buffer, it completes.
     """
 
     num_max_dispatch_tokens_per_rank: int
@@ -286,11 +294,11 @@ class Handle:
         return self.storage.ptr + self.regions[name].offset
 
 
-def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> HalfLayout:
-    """The half layout of calls of this shape, or ValueError (naming ``call`` and the size to ask for)
+def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> DataLayout:
+    """The data layout of calls of this shape, or ValueError (naming ``call`` and the size to ask for)
     when this Buffer's region is too small for it."""
-    layout = half_layout(max_tokens, hidden, ctx.num_ranks)
-    capacity = ctx.half_capacity
+    layout = data_layout(max_tokens, hidden, ctx.num_ranks)
+    capacity = ctx.data_capacity
     if layout.end > capacity:
         need = size_hint(max_tokens, hidden, ctx.num_ranks)
         raise ValueError(f"{call}: {max_tokens} tokens per rank of hidden {hidden} need a low-latency buffer of "
@@ -326,6 +334,7 @@ _MAX_PLANS = 64  # per Context; a decode loop uses a handful of shapes
 # A dispatch's output addresses: adjacent pointer fields of DispatchArgs, written with one pack per call.
 _OUTPUT_FIELDS = ("recv_x", "recv_scales", "recv_count", "recv_src_info", "layout_range", "combine_rows",
                   "source_tokens")
+_RECORD_BYTES = 8  # a call record's word
 _OUTPUT_POINTERS = struct.Struct(f"<{len(_OUTPUT_FIELDS)}Q")
 _OUTPUT_START = DispatchArgs.recv_x.offset
 assert [getattr(DispatchArgs, name).offset for name in _OUTPUT_FIELDS] == \
@@ -341,8 +350,8 @@ def _plan(ctx: Context, key: tuple, build: Callable[[], Plan]) -> Plan:
     return plan
 
 
-def _common(ctx: Context, args, half: int) -> None:
-    args.phases, args.half = SEND_PHASE | RECV_PHASE, half
+def _common(ctx: Context, args) -> None:
+    args.phases, args.buffer, args.buffer_bytes = SEND_PHASE | RECV_PHASE, 0, ctx.buffer_bytes
     args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
     args.flag_stride = MAX_TOKENS_PER_RANK
     args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
@@ -368,24 +377,25 @@ def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: 
         ("recv_src_info", (num_local, rows), np.int32, None),
         ("layout_range", (num_local, num_ranks), np.int64, None),
         ("combine_rows", (num_ranks, max_tokens, num_topk), np.int32, None),
-        ("source_tokens", (num_ranks,), np.int32, None)])
+        ("source_tokens", (num_ranks,), np.int32, None),
+        ("call_record", (2,), np.uint64, None)])
 
 
-def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
                    use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> Plan:
     """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
     shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
     regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                               use_ue8m0, x_dtype)
-    routing_flags, _, token_flags, _ = ctx.flags(half)
-    data = ctx.data(half)
+    routing_flags, _, token_flags, _ = ctx.flags()
+    data = ctx.data()
     a = DispatchArgs()
-    _common(ctx, a, half)
+    _common(ctx, a)
     a.hidden, a.num_topk, a.num_experts, a.max_tokens = hidden, num_topk, num_experts, max_tokens
     a.use_fp8, a.round_scale, a.use_ue8m0 = int(use_fp8), int(round_scale), int(use_ue8m0)
     a.routing_flags, a.token_flags = routing_flags, token_flags
-    a.routing, a.routing_words = ctx.tables(half)[0], ROUTING_WORDS
+    a.routing, a.routing_words = ctx.tables()[0], ROUTING_WORDS
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
     a.staging_words = layout.routing_staging_words
@@ -398,14 +408,13 @@ def _dispatch_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_ex
                 (regions["recv_src_info"], regions["layout_range"]))
 
 
-def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
+def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
              use_fp8: bool, round_scale: bool, use_ue8m0: bool):
     """Allocate a dispatch's outputs (on the current stream) and build its launch.
 
     Arguments are the Buffer's, checked: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx``
     `[num_tokens, num_topk]` `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or
-    ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``; ``half``: the buffer half this call
-    uses (calls alternate).
+    ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``. The kernel picks the call's buffer.
 
     Returns:
         ``(recv_x, recv_scales, recv_count, handle, launch)``: the outputs (views of one allocation that
@@ -415,8 +424,8 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     front = ctx.front
     num_tokens, hidden = x.shape
     num_topk = topk_idx.shape[1]
-    key = ("dispatch", half, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
-    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, half, max_tokens, hidden, num_experts, num_topk, use_fp8,
+    key = ("dispatch", max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path).
     storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
@@ -428,6 +437,7 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     _OUTPUT_POINTERS.pack_into(a, _OUTPUT_START, *[base + offset for offset in plan.output_offsets])
     if not use_fp8:
         a.recv_scales = 0
+    a.call_record = base + plan.regions["call_record"].offset
     a.x, a.num_tokens = x.data.ptr, num_tokens
     a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
     a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
@@ -437,15 +447,15 @@ def dispatch(ctx: Context, half: int, x, topk_idx, max_tokens: int, num_experts:
     return recv_x, recv_scales, recv_count, handle, launch
 
 
-def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_experts: int) -> Plan:
+def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> Plan:
     layout = check_fits("low_latency_combine()", ctx, max_tokens, hidden, num_experts)
-    _, weight_flags, _, token_flags = ctx.flags(half)
-    data = ctx.data(half)
+    _, weight_flags, _, token_flags = ctx.flags()
+    data = ctx.data()
     a = CombineArgs()
-    _common(ctx, a, half)
+    _common(ctx, a)
     a.hidden, a.num_experts, a.max_tokens = hidden, num_experts, max_tokens
     a.weight_flags, a.token_flags = weight_flags, token_flags
-    a.weights, a.weight_words = ctx.tables(half)[1], WEIGHT_WORDS
+    a.weights, a.weight_words = ctx.tables()[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
@@ -453,7 +463,7 @@ def _combine_plan(ctx: Context, half: int, max_tokens: int, hidden: int, num_exp
     return Plan(COMBINE_ENTRY, grid(ctx.num_sms), bytes(a))
 
 
-def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, out, use_logfmt: bool = False,
+def combine(ctx: Context, x, topk_idx, topk_weights, handle: Handle, out, use_logfmt: bool = False,
             wait_stats=None) -> Launch:
     """Build a combine's launch, writing into ``out``.
 
@@ -466,19 +476,21 @@ def combine(ctx: Context, half: int, x, topk_idx, topk_weights, handle: Handle, 
         the :class:`Launch`, its phases set to both (the caller sets ``launch.args.phases`` for a hook).
     """
     max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-    plan = _plan(ctx, ("combine", half, max_tokens, hidden, num_experts),
-                 lambda: _combine_plan(ctx, half, max_tokens, hidden, num_experts))
+    plan = _plan(ctx, ("combine", max_tokens, hidden, num_experts),
+                 lambda: _combine_plan(ctx, max_tokens, hidden, num_experts))
     a = plan.arguments(CombineArgs)
     a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
     a.topk_weights = topk_weights.data.ptr
     a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
     a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
+    a.call_record = handle.address("call_record") + _RECORD_BYTES
     a.combined_x = out.data.ptr
     a.use_logfmt = int(use_logfmt)
     a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
     return Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
 
 
-__all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
-           "TRACE_POINTS", "WEIGHT_WORDS", "Context", "Handle", "HalfLayout", "Plan", "View", "check_fits", "combine",
-           "dispatch", "dispatch_regions", "fixed_bytes", "flags_bytes", "half_data_bytes", "half_layout", "size_hint"]
+__all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
+           "TRACE_POINTS", "WEIGHT_WORDS", "Context", "DataLayout", "Handle", "Plan", "View", "buffer_bytes",
+           "check_fits", "combine", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
+           "flags_bytes", "mask_bytes", "size_hint"]
