@@ -296,15 +296,17 @@ __device__ __forceinline__ void tell_pending_masks(const MaskedStatus& status) {
 // The last block of a launch publishes a send's call number, in the sequence state and in the call's
 // record, and a receive's (every block has read the old ones; only this GPU reads them, so a GPU-scope
 // fence orders them after every block's reads) and, in shrink mode, tells the other ranks of masks set
-// by hand. A call that broke a rule counts as made, so that the ranks' numbers stay equal.
+// by hand. A send refused by the call order counts as made, so that the ranks' numbers stay equal,
+// but records no call: its receive is refused at once (kCallOrderUnsent) instead of waiting for data
+// no rank sent.
 template <typename Args>
-__device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq) {
+__device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq, bool in_order) {
     if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.buffer))
         return;
     a.seq_state[kSeqBlocksDone + a.buffer] = 0;
     if (a.phases & kSendPhase) {
         a.seq_state[kSeqLatest] = seq;
-        *a.call_record = seq;
+        *a.call_record = in_order ? seq : 0;
     }
     if (a.phases & kRecvPhase)
         a.seq_state[kSeqReceived + a.buffer] = seq;
@@ -1496,7 +1498,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs la
     if constexpr (cuep::kTrace)
         __syncthreads();  // the end is the last team's
     cuep::trace_block(args.trace, cuep::kTraceEnd);
-    cuep::finish_launch(args, seq);
+    cuep::finish_launch(args, seq, in_order);
 }
 
 
@@ -1517,7 +1519,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs laun
     if (!sits_out && (args.phases & cuep::kRecvPhase))
         cuep::combine_recv(args, seq, deadline_ns);
     cuep::trace_block(args.trace, cuep::kTraceEnd);
-    cuep::finish_launch(args, seq);
+    cuep::finish_launch(args, seq, in_order);
 }
 
 }  // namespace cuep::low_latency

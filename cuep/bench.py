@@ -470,6 +470,16 @@ def bench_ceiling(args) -> None:
               f"{remote_rows * row_bytes / us / 1e3:12.1f}")
 
 
+def _phase_labels(row: str, phases: int) -> tuple[str, ...]:
+    """Labels of a low-latency row's timed phases: a hook step's four, a hooked call's send and receive, a
+    step's dispatch and combine, or none for one call."""
+    if phases == 4:
+        return "d send", "d recv", "c send", "c recv"
+    if phases == 2:
+        return ("send", "recv") if "hook" in row else ("dispatch", "combine")
+    return ("",)
+
+
 class _Graphs:
     """CUDA graphs captured on one stream; what each capture returned is kept (its graph writes there)."""
 
@@ -560,10 +570,21 @@ def bench_low_latency(args) -> None:
             hook()
         return run
 
+    def hook_step(mark):
+        """A decode step through hooks, as a user's loop runs it: each send, then its receive."""
+        received = dispatch_send()
+        mark()
+        received[-1]()
+        mark()
+        hook = buffer.low_latency_combine(expert_out, topk_idx, weights, received[2], return_recv_hook=True)[-1]
+        mark()
+        hook()
+
     runs = {"dispatch fp8": (lambda _: dispatch(), 1), "combine bf16": (lambda _: combine(), 1),
             "combine logfmt": (lambda _: combine_logfmt(), 1), "dispatch + combine": (both, 2),
             "dispatch hook (send | recv)": (hooked(dispatch_send), 2),
-            "combine hook (send | recv)": (hooked(combine_send), 2)}
+            "combine hook (send | recv)": (hooked(combine_send), 2),
+            "hook step": (hook_step, 4)}
     times = {name: _times_us(fn, args.warmup, args.iters, phases) for name, (fn, phases) in runs.items()}
 
     # The same calls replayed from CUDA graphs (how decode engines run them): no Python in the loop.
@@ -574,6 +595,8 @@ def bench_low_latency(args) -> None:
     recv_graph = graphs.capture(lambda: graphs.kept[-1][-1]())  # the hook of the send just captured
     combine_send_graph = graphs.capture(combine_send)
     combine_recv_graph = graphs.capture(lambda: graphs.kept[-1][-1]())
+    step_graph = graphs.capture(lambda: both(lambda: None))  # a whole decode step in one graph
+    hook_step_graph = graphs.capture(lambda: hook_step(lambda: None))
     scratch = cupy.zeros(1, dtype=cupy.int32)
     floor_graph = graphs.capture(lambda: cupy.add(scratch, 1, out=scratch))  # one tiny kernel: the timing floor
     with graphs.stream:
@@ -591,6 +614,9 @@ def bench_low_latency(args) -> None:
                                      ("graph: combine hook (send | recv)", combine_send_graph, combine_recv_graph)):
             times[name] = _times_us(lambda mark, s=send_g, r=recv_g: (graphs.launch(s), mark(), graphs.launch(r)),
                                     args.warmup, args.iters, 2)
+        times["graph: dispatch + combine step"] = _times_us(lambda _: graphs.launch(step_graph), args.warmup,
+                                                            args.iters)
+        times["graph: hook step"] = _times_us(lambda _: graphs.launch(hook_step_graph), args.warmup, args.iters)
         graphs.stream.synchronize()
     buffer.barrier()  # raises what the timed kernels recorded (a peer that timed out): then no time is honest
     traces = {}
@@ -617,16 +643,23 @@ def bench_low_latency(args) -> None:
         return
     print(f"cuep low-latency mode: {num_ranks} ranks, {tokens} tokens/rank, hidden {hidden}, top-{args.topk} of "
           f"{experts} experts; {args.iters} iterations; means over ranks")
-    print(f"{'operation':30s} {'phase':>6s} {'median us':>10s} {'p99 us':>8s} {'p99/med':>8s} {'GB/s':>7s}")
+    print(f"{'operation':34s} {'phase':>8s} {'median us':>10s} {'worst rank':>10s} {'p99 us':>8s} {'p99/med':>8s} "
+          f"{'GB/s':>7s}")
     for name in times:
         per_rank = np.stack([g[name] for g in gathered])  # [ranks, iters, phases]
-        for phase in range(per_rank.shape[2]):
+        phases = per_rank.shape[2]
+        labels = _phase_labels(name, phases)
+        if phases > 1:  # the whole step too: what a user's loop pays per iteration
+            per_rank = np.concatenate([per_rank, per_rank.sum(axis=2, keepdims=True)], axis=2)
+            labels = (*labels, "step")
+        for phase, label in enumerate(labels):
             median = float(np.mean(np.median(per_rank[:, :, phase], axis=1)))
             p99 = float(np.mean(np.percentile(per_rank[:, :, phase], 99, axis=1)))
-            label = ("send", "recv")[phase] if "hook" in name else ("dispatch", "combine")[phase] if "+" in name else ""
+            worst = float(np.max(np.median(per_rank[:, :, phase], axis=1)))
             moved = combine_bytes if ("combine" in name and "+" not in name) or label == "combine" else dispatch_bytes
-            gbps = f"{moved / median / 1e3:7.1f}" if "hook" not in name and "empty" not in name else "      -"
-            print(f"{name:30s} {label:>6s} {median:10.1f} {p99:8.1f} {p99 / median:8.2f} {gbps}")
+            gbps = (f"{moved / median / 1e3:7.1f}" if "hook" not in name and "step" not in name and label != "step"
+                    and "empty" not in name else "      -")
+            print(f"{name:34s} {label:>8s} {median:10.1f} {worst:10.1f} {p99:8.1f} {p99 / median:8.2f} {gbps}")
     if args.trace:
         print("(times above are of the CUEP_TRACE build)")
         _print_trace("dispatch fp8", DISPATCH_TRACE, [g["dispatch"] for g in gathered_traces])

@@ -532,7 +532,9 @@ class Buffer:
 
         cuep's flags and table words carry call numbers that only grow, at offsets that do not move with
         the shapes, so its kernels never need this, even when the shapes change between calls; it exists
-        for DeepEP compatibility. Without shrink mode it zeroes the buffer, collectively over every rank.
+        for DeepEP compatibility, and to start over after a :class:`~cuep.CallOrderError` (results left in
+        flight are dropped: their hooks are refused). Without shrink mode it zeroes the buffer and the
+        call order's state, collectively over every rank.
         In shrink mode, as DeepEP's, only the live ranks take part: they run one empty low-latency round
         (a dispatch and a combine of no tokens) on the device, which masks any rank that does not arrive
         within ``CUEP_TIMEOUT_S``, and the masks stay (:meth:`low_latency_clean_mask_buffer` lifts them).
@@ -547,6 +549,7 @@ class Buffer:
         self._resources.device.synchronize()
         self.group.wait_for_all(call)
         _deps.cupy().cuda.runtime.memset(ctx.region_ptr, 0, ctx.region_bytes)
+        ctx.restart(max(self.group.allgather(ctx.newest_call(), call)))
         self._resources.device.synchronize()
         self.group.wait_for_all(call)
 

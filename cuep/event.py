@@ -44,11 +44,12 @@ class EventOverlap:
         return self._event
 
     def current_stream_wait(self) -> None:
-        """Make the current CuPy stream wait until the event's work is done (no host block)."""
+        """Make the current CuPy stream wait until the event's work is done (no host block). An
+        EventOverlap of no work (a call without ``async_finish`` ran on the current stream) has nothing
+        to wait for: this does nothing, as ``with event:`` does."""
         event = self.event
-        if event is None:
-            raise ValueError("EventOverlap.current_stream_wait(): this EventOverlap holds no event")
-        _deps.cupy().cuda.get_current_stream().wait_event(event)
+        if event is not None:
+            _deps.cupy().cuda.get_current_stream().wait_event(event)
 
     def __enter__(self) -> "EventOverlap":
         return self

@@ -63,10 +63,10 @@ class EventOverlap:
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
-        """Make torch's current stream wait for the event's work to finish."""
-        if self.event is None:
-            raise ValueError("EventOverlap.current_stream_wait(): this EventOverlap holds no event")
-        self.event.current_stream_wait()
+        """Make torch's current stream wait for the event's work to finish; nothing to do for an
+        EventOverlap of no work (a call without ``async_finish``), as ``with event:``."""
+        if self.event is not None:
+            self.event.current_stream_wait()
 
     def __enter__(self) -> "EventOverlap":
         return self

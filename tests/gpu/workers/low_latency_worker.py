@@ -241,6 +241,194 @@ def cuda_graph_capture_then_1000_replays(buffer):
             check_combined(combined, inputs, [e.recv_x for e in expected], FEW_EXPERTS)
 
 
+# ------------------------------------------------------------------------------------------------------
+# The call order across real GPUs: which buffer a call uses is decided on the device, in every pattern the
+# rules allow (cuda_src/low_latency.cu, "Call order"). Each step is a BF16 dispatch, then the combine of the
+# received rows as the experts' outputs; a small shape keeps thousands of reference checks short.
+
+STEP_TOKENS, STEP_HIDDEN, STEP_TOPK = 64, 512, 4
+
+
+def step_inputs(count: int):
+    """``count`` fresh inputs (every rank's, for the reference) and this rank's of each on the GPU."""
+    inputs = [all_inputs(STEP_TOKENS, STEP_HIDDEN, FEW_EXPERTS, STEP_TOPK) for _ in range(count)]
+    return inputs, [i[rank].on_gpu() for i in inputs]
+
+
+def check_step(inputs: AllInputs, received, recv_count, combined) -> None:
+    """A step's received rows bit for bit, and its combined tokens within the combine's rounding."""
+    expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, FEW_EXPERTS, MAX_TOKENS, False)
+    check_received(received, recv_count, expected[rank], False)
+    check_combined(combined, inputs, [e.recv_x for e in expected], FEW_EXPERTS)
+
+
+def eager_step(buffer, mine, hooks: bool = False):
+    """One step's calls, the receives from hooks if asked; returns (received, recv_count, combined)."""
+    received, recv_count, handle, _, hook = buffer.low_latency_dispatch(mine.x, mine.topk_idx, MAX_TOKENS, FEW_EXPERTS,
+                                                                        use_fp8=False, return_recv_hook=hooks)
+    if hooks:
+        hook()
+    combined, _, hook = buffer.low_latency_combine(received, mine.topk_idx, mine.topk_weights, handle,
+                                                   return_recv_hook=hooks)
+    if hooks:
+        hook()
+    return received, recv_count, combined
+
+
+def thousand_eager_steps_without_a_sync(buffer):
+    """1000 steps issued 100 at a time with no host sync between calls (inputs uploaded beforehand), half of
+    them through hooks; every step's received rows and combined tokens checked against the reference."""
+    for window in range(10):
+        inputs, on_gpu = step_inputs(100)
+        results = [eager_step(buffer, mine, hooks=bool(i % 2)) for i, mine in enumerate(on_gpu)]
+        for step, result in zip(inputs, results, strict=True):
+            check_step(step, *result)
+
+
+def hook_send_and_receive_replayed_from_separate_graphs(buffer):
+    """A step as three CUDA graphs replayed in turn 1000 times: the dispatch's send; its receive (the hook)
+    with the combine's send; the combine's receive. No graph holds a whole call, so a buffer baked into one
+    would break at once. Fresh inputs copied in on the device before each replay, each replay's results copied
+    aside on the device, checked 100 replays at a time (no host sync between replays)."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        _, (first,) = step_inputs(1)
+        x, topk, weights = first.x.copy(), first.topk_idx.copy(), first.topk_weights.copy()  # the graphs read these
+        eager_step(buffer, first, hooks=True)  # compiled and planned before the capture
+        stream.synchronize()
+        graphs, captured = [], {}
+
+        def capture(body) -> None:
+            stream.begin_capture()
+            body()
+            graphs.append(stream.end_capture())
+
+        def send_dispatch():
+            captured["received"], captured["recv_count"], captured["handle"], _, captured["dispatch_hook"] = \
+                buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS, use_fp8=False, return_recv_hook=True)
+
+        def receive_dispatch_send_combine():
+            captured["dispatch_hook"]()
+            captured["combined"], _, captured["combine_hook"] = buffer.low_latency_combine(
+                captured["received"], topk, weights, captured["handle"], return_recv_hook=True)
+
+        capture(send_dispatch)
+        capture(receive_dispatch_send_combine)
+        capture(lambda: captured["combine_hook"]())
+        for window in range(10):
+            inputs, on_gpu = step_inputs(100)
+            kept = []
+            for mine in on_gpu:
+                x[...], topk[...], weights[...] = mine.x, mine.topk_idx, mine.topk_weights
+                for graph in graphs:
+                    graph.launch(stream)
+                kept.append(tuple(captured[name].copy() for name in ("received", "recv_count", "combined")))
+            stream.synchronize()
+            for step, result in zip(inputs, kept, strict=True):
+                check_step(step, *result)
+
+
+def graph_of_three_calls_with_eager_calls_between_replays(buffer):
+    """A graph of three low-latency calls (a dispatch, its combine, another dispatch) replayed 100 times; after
+    each replay the second dispatch is combined eagerly and an eager step of other tokens follows (so the
+    graph's calls land on a different buffer at each replay). Every result checked."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        _, (a, b) = step_inputs(2)
+        graph_inputs = [tuple(array.copy() for array in (i.x, i.topk_idx, i.topk_weights)) for i in (a, b)]
+        (xa, topka, weightsa), (xb, topkb, _) = graph_inputs
+        eager_step(buffer, a)
+        stream.synchronize()
+        stream.begin_capture()
+        first = eager_step(buffer, a._replace(x=xa, topk_idx=topka, topk_weights=weightsa))
+        second, second_count, second_handle, _, _ = buffer.low_latency_dispatch(xb, topkb, MAX_TOKENS, FEW_EXPERTS,
+                                                                                use_fp8=False)
+        graph = stream.end_capture()
+        for _ in range(100):
+            inputs, (mine_a, mine_b, mine_c) = step_inputs(3)
+            for (x, topk, weights), mine in zip(graph_inputs, (mine_a, mine_b)):
+                x[...], topk[...], weights[...] = mine.x, mine.topk_idx, mine.topk_weights
+            graph.launch(stream)
+            combined, _, _ = buffer.low_latency_combine(second, graph_inputs[1][1], graph_inputs[1][2], second_handle)
+            third = eager_step(buffer, mine_c)
+            stream.synchronize()
+            check_step(inputs[0], *first)
+            check_step(inputs[1], second, second_count, combined)
+            check_step(inputs[2], *third)
+
+
+def one_rank_late_before_each_call(buffer):
+    """The last rank sleeps 1-5 ms before each call and each hook, for 30 steps (every other one through
+    hooks): its peers wait for it on the device, and every result is right."""
+    lag = np.random.default_rng([SEED, rank])
+
+    def late() -> None:
+        if rank == num_ranks - 1:
+            time.sleep(lag.uniform(1e-3, 5e-3))
+
+    for i in range(30):
+        inputs, (mine,) = step_inputs(1)
+        hooks = bool(i % 2)
+        late()
+        received, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            mine.x, mine.topk_idx, MAX_TOKENS, FEW_EXPERTS, use_fp8=False, return_recv_hook=hooks)
+        if hooks:
+            late()
+            hook()
+        late()
+        combined, _, hook = buffer.low_latency_combine(received, mine.topk_idx, mine.topk_weights, handle,
+                                                       return_recv_hook=hooks)
+        if hooks:
+            late()
+            hook()
+        check_step(inputs[0], received, recv_count, combined)
+
+
+def calls_outside_the_order_are_refused_within_a_second(buffer):
+    """Three dispatch sends with no receive: the third breaks the two-in-flight rule, moves nothing, and the
+    rank's next call raises CallOrderError naming the rule within a second (no wait for a timeout). The refused
+    send's hook is refused too; clean_low_latency_buffer then starts over and a step is right again."""
+    _, (mine,) = step_inputs(1)
+
+    def send():
+        return buffer.low_latency_dispatch(mine.x, mine.topk_idx, MAX_TOKENS, FEW_EXPERTS, use_fp8=False,
+                                           return_recv_hook=True)
+
+    comm.Barrier()
+    started = time.monotonic()
+    sent = [send() for _ in range(3)]
+    cupy.cuda.Device().synchronize()
+    error = expect_error(cuep.CallOrderError, send, "a third result in flight was not refused",
+                         match="at most two results may be in flight")
+    assert error.call > 0 and error.peer == -1, error
+    assert time.monotonic() - started < 1.0, time.monotonic() - started
+    sent[2][4]()  # the refused send's receive
+    cupy.cuda.Device().synchronize()
+    expect_error(cuep.CallOrderError, send, "the refused send's receive ran", match="whose send never ran")
+    cupy.cuda.Device().synchronize()
+    comm.Barrier()
+    buffer.clean_low_latency_buffer(MAX_TOKENS, STEP_HIDDEN, FEW_EXPERTS)
+    inputs, (mine,) = step_inputs(1)
+    check_step(inputs[0], *eager_step(buffer, mine, hooks=True))
+
+
+def zeroed_buffer_and_cleaned_masks_serve_again():
+    """vLLM's fault-tolerant reset on a shrink-mode Buffer: every rank zeroes its whole low-latency buffer
+    (get_local_buffer_tensor(int8, use_rdma_buffer=True)), then calls low_latency_clean_mask_buffer(); the
+    steps after it are right."""
+    shrink = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True, enable_shrink=True)
+    for _ in range(2):
+        inputs, (mine,) = step_inputs(1)
+        check_step(inputs[0], *eager_step(shrink, mine, hooks=True))
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        shrink.get_local_buffer_tensor(np.int8, use_rdma_buffer=True).fill(0)
+        shrink.low_latency_clean_mask_buffer()
+    inputs, (mine,) = step_inputs(1)
+    check_step(inputs[0], *eager_step(shrink, mine))
+    shrink.destroy()
+
+
 def thousand_calls_hold_no_memory(buffer):
     x, _, topk, weights = all_inputs(64, 1024, FEW_EXPERTS, 4)[rank].on_gpu()
 
@@ -471,6 +659,14 @@ def main() -> None:
         ("async_finish and cumulative stats", on_buffer(async_finish_and_cumulative_stats)),
         ("forced NVSHMEM put path", forced_put_path),
         ("CUDA graph: capture once, 1000 replays with fresh inputs", on_buffer(cuda_graph_capture_then_1000_replays)),
+        ("1000 eager steps without a host sync, half through hooks", on_buffer(thousand_eager_steps_without_a_sync)),
+        ("a hook's send and receive replayed from separate CUDA graphs, 1000 times",
+         on_buffer(hook_send_and_receive_replayed_from_separate_graphs)),
+        ("a graph of three calls, eager calls between its replays",
+         on_buffer(graph_of_three_calls_with_eager_calls_between_replays)),
+        ("one rank 1-5 ms late before each call", on_buffer(one_rank_late_before_each_call)),
+        ("calls outside the order are refused within a second", on_buffer(calls_outside_the_order_are_refused_within_a_second)),
+        ("vLLM's reset: the whole buffer zeroed, masks cleaned", zeroed_buffer_and_cleaned_masks_serve_again),
         ("1000 calls without memory growth", on_buffer(thousand_calls_hold_no_memory)),
         ("an out-of-range expert id is reported", on_buffer(bad_expert_id_is_reported_by_the_next_call)),
         ("argument errors name the argument", on_buffer(argument_errors_name_the_argument)),
