@@ -284,8 +284,23 @@ def tokens(call: str, x) -> tuple[Any, Any]:
     num_tokens, hidden = x.shape
     check_hidden(call, hidden, fp8)
     if fp8:
-        check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // SCALE_BLOCK, contiguous=False)
+        check_fp8_scales(call, scales, num_tokens, hidden)
     return x, scales
+
+
+def check_fp8_scales(call: str, scales, num_tokens: int, hidden: int) -> None:
+    """FP8 dispatch scales: `float32` `[num_tokens, hidden / 128]`, or DeepGEMM's packed UE8M0 exponents,
+    `int32` `[num_tokens, hidden / 512]` (four per word). The kernels move them as 4-byte words and return
+    them as given, as DeepEP does (any strides)."""
+    if scales.dtype == np.int32:
+        if hidden % (SCALE_BLOCK * UE8M0_SCALES_PER_WORD):
+            raise ValueError(f"{call}: packed UE8M0 (int32) x scales need a hidden size that is a multiple of "
+                             f"{SCALE_BLOCK * UE8M0_SCALES_PER_WORD}, got {hidden}")
+        check_matrix(call, "x scales", scales, [np.int32], num_tokens,
+                     hidden // (SCALE_BLOCK * UE8M0_SCALES_PER_WORD), contiguous=False)
+    else:
+        check_matrix(call, "x scales", scales, [np.float32, np.int32], num_tokens, hidden // SCALE_BLOCK,
+                     contiguous=False)
 
 
 def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int, max_experts: int,

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _checks, _deps, env
 from ._front import CupyFront, Front, carve
-from .config import Config, get_combine_config, get_dispatch_config
+from .config import DEFAULT_NUM_SMS, Config, get_combine_config, get_dispatch_config
 from .event import EventOverlap, record_event
 from .kernels import layout as layout_kernel
 from .kernels.status import SELF_MASKED
@@ -66,7 +66,9 @@ class Buffer:
     """
 
     #: SMs for the high-throughput kernels when no Config is given; ``None`` uses the tuned defaults.
-    num_sms: int | None = None
+    #: SMs of the normal-mode kernels when a call passes no Config (every Buffer of the process), DeepEP's 20
+    #: unless :meth:`set_num_sms` changed it. Frameworks read it to leave the other SMs to overlapped GEMMs.
+    num_sms: int = DEFAULT_NUM_SMS
 
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
@@ -243,19 +245,21 @@ class Buffer:
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
-        """Set the SMs the high-throughput kernels use when no Config is passed (every Buffer)."""
+        """Set the SMs the high-throughput kernels use when no Config is passed (every Buffer; default 20, as
+        DeepEP's). Where no computation overlaps the calls, more SMs move more bytes (up to 128 on H100/H200,
+        ``python -m cuep.bench --mode normal --tune``)."""
         if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0:
             raise ValueError(f"Buffer.set_num_sms(): new_num_sms must be a positive int, got {new_num_sms!r}")
         cls.num_sms = new_num_sms
 
     @classmethod
     def get_dispatch_config(cls, num_ranks: int) -> Config:
-        """The tuned dispatch Config for ``num_ranks`` ranks, with ``set_num_sms``'s count if set."""
+        """The dispatch Config for ``num_ranks`` ranks, with :attr:`num_sms` SMs."""
         return get_dispatch_config(num_ranks, cls.num_sms)
 
     @classmethod
     def get_combine_config(cls, num_ranks: int) -> Config:
-        """The tuned combine Config for ``num_ranks`` ranks, with ``set_num_sms``'s count if set."""
+        """The combine Config for ``num_ranks`` ranks, with :attr:`num_sms` SMs."""
         return get_combine_config(num_ranks, cls.num_sms)
 
     def dispatch(self, x, handle: intranode.Handle | None = None, num_tokens_per_rank=None,
@@ -273,8 +277,9 @@ class Buffer:
 
         Arguments:
             x: `[num_tokens, hidden]` with `bfloat16` (``ml_dtypes.bfloat16``), or a tuple of
-                `[num_tokens, hidden]` `uint8` holding FP8 e4m3 bytes and `[num_tokens, hidden // 128]`
-                `float32` scales (any strides, e.g. column-major).
+                `[num_tokens, hidden]` `uint8` holding FP8 e4m3 bytes and its scales (any strides, e.g.
+                column-major): `[num_tokens, hidden // 128]` `float32`, or DeepGEMM's packed UE8M0 exponents
+                `[num_tokens, hidden // 512]` `int32` (four per word).
             handle: a previous dispatch's handle (or the flat tuple of arrays it iterates as, e.g. saved
                 as torch tensors): cached mode, reusing its layout (no CPU wait);
                 ``topk_idx``/``topk_weights`` must then be ``None``.
@@ -291,8 +296,8 @@ class Buffer:
             previous_event, async_finish, allocate_on_comm_stream: as in :meth:`get_dispatch_layout`.
 
         Returns:
-            recv_x: `[num_recv_tokens, hidden]` like ``x`` (a tuple with `[num_recv_tokens, hidden // 128]`
-                `float32` scales for FP8), rows ordered by source rank, then source token.
+            recv_x: `[num_recv_tokens, hidden]` like ``x`` (for FP8 a tuple with the received scales, of the
+                dtype and columns given), rows ordered by source rank, then source token.
             recv_topk_idx: `[num_recv_tokens, num_topk]` `int64`, local expert ids, `-1` where the expert
                 is elsewhere (or `None`).
             recv_topk_weights: `[num_recv_tokens, num_topk]` `float32`, zero where the id is `-1` (or `None`).
@@ -401,9 +406,15 @@ class Buffer:
         Requirements:
             a Buffer made with ``low_latency_mode=True`` and ``num_rdma_bytes >=``
             :meth:`get_low_latency_rdma_size_hint`; every rank calls it with the same
-            ``num_max_dispatch_tokens_per_rank``, hidden size and ``num_experts``. Calls alternate between
-            two buffer halves: every rank must finish (hook included) call ``n`` before any rank sends call
-            ``n + 2``, so at most two calls' data are in flight.
+            ``num_max_dispatch_tokens_per_rank``, hidden size and ``num_experts``. The call order (README,
+            "Low-latency call order"): every rank makes the same low-latency calls in the same order, and
+            sends call ``n`` only after receiving every call up to ``n - 2`` (at most two results in
+            flight). Which buffer a call uses is decided on the GPU, so hooks and CUDA graphs may split
+            and group the calls freely within those rules.
+
+        Warning:
+            a call that breaks the order moves nothing, and the rank's next call raises
+            :class:`~cuep.CallOrderError` naming the rule.
 
         Arguments:
             x: `[num_tokens, hidden]` `bfloat16`, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden a
@@ -660,7 +671,7 @@ def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens
 
 
 @functools.lru_cache(maxsize=64)
-def _tuned_config(tuned: Callable[[int, int | None], Config], num_ranks: int, num_sms: int | None) -> Config:
+def _tuned_config(tuned: Callable[[int, int], Config], num_ranks: int, num_sms: int) -> Config:
     """``tuned(num_ranks, num_sms)`` (:func:`get_dispatch_config` or :func:`get_combine_config`), the Config a
     call without one uses: made once per (operation, ranks, ``Buffer.num_sms``), and never handed out, so
     no caller can change it."""

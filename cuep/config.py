@@ -109,19 +109,18 @@ class Config:
         return internode.rdma_bytes_for(num_tokens * row, num_ranks, num_nodes)
 
 
-# Tuned with `python -m cuep.bench --tune` on 2, 4 and 8 H200s (docs/performance.md, v0.5.0 and
-# v0.5.2): the cached (push) dispatch gains up to 128 SMs at 4 and 8 ranks and is flat from 64 to 128
-# at 2; combine gains up to 128 at every rank count.
-_DISPATCH_SMS = {2: 96, 4: 128, 8: 128}
-_COMBINE_SMS = {2: 128, 4: 128, 8: 128}
-_DEFAULT_DISPATCH_SMS, _DEFAULT_COMBINE_SMS = 128, 128
+# SMs of the normal-mode kernels when no Config is given: DeepEP's default, which frameworks read
+# (Buffer.num_sms) to split the GPU between communication and overlapped GEMMs, and Megatron sets anyway.
+# Where nothing overlaps, more SMs move more bytes: `python -m cuep.bench --mode normal --tune` on 2, 4 and 8
+# H200s (docs/performance.md, v0.5.0 and v0.5.2) found gains up to 128 SMs (flat from 64 at 2 ranks).
+DEFAULT_NUM_SMS = 20
 
 
-def get_dispatch_config(num_ranks: int, num_sms: int | None = None) -> Config:
-    """The dispatch Config for ``num_ranks``; ``num_sms`` (e.g. from ``Buffer.set_num_sms``) overrides the tuned count."""
-    return Config(num_sms=num_sms or _DISPATCH_SMS.get(num_ranks, _DEFAULT_DISPATCH_SMS))
+def get_dispatch_config(num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> Config:
+    """The dispatch Config for ``num_ranks`` (every rank count shares the knobs) with ``num_sms`` SMs."""
+    return Config(num_sms=num_sms)
 
 
-def get_combine_config(num_ranks: int, num_sms: int | None = None) -> Config:
-    """The combine Config for ``num_ranks``; ``num_sms`` overrides the tuned count."""
-    return Config(num_sms=num_sms or _COMBINE_SMS.get(num_ranks, _DEFAULT_COMBINE_SMS))
+def get_combine_config(num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> Config:
+    """The combine Config for ``num_ranks`` with ``num_sms`` SMs."""
+    return Config(num_sms=num_sms)

@@ -29,6 +29,24 @@ def test_topk_idx_dtype():
         _checks.check_topk_idx(CALL, HostArray(np.zeros((4, 2), np.float32)), 8)
 
 
+@pytest.mark.parametrize("dtype, columns", [(np.float32, 7168 // 128), (np.int32, 7168 // 512)])
+def test_fp8_scales_float32_or_packed_ue8m0(dtype, columns):
+    """DeepEP takes float32 scales, or DeepGEMM's packed UE8M0 exponents (int32, four per word), as SGLang passes."""
+    _checks.check_fp8_scales(CALL, HostArray(np.zeros((5, columns), dtype)), 5, 7168)
+
+
+@pytest.mark.parametrize("scales, hidden, error, message", [
+    (np.zeros((5, 56), np.float64), 7168, TypeError, r"x scales must be float32 or int32, got float64"),
+    (np.zeros((5, 56), np.int32), 7168, ValueError, r"x scales must have shape \[5, 14\], got \(5, 56\)"),
+    (np.zeros((5, 14), np.float32), 7168, ValueError, r"x scales must have shape \[5, 56\]"),
+    (np.zeros((5, 5), np.int32), 640, ValueError, r"packed UE8M0 \(int32\) x scales need a hidden size that is a "
+                                                  r"multiple of 512, got 640"),
+])
+def test_fp8_scales_of_another_kind_name_the_argument(scales, hidden, error, message):
+    with pytest.raises(error, match=message):
+        _checks.check_fp8_scales(CALL, HostArray(scales), 5, hidden)
+
+
 def test_topk_idx_rank():
     with pytest.raises(ValueError, match=r"topk_idx must have shape \[num_tokens, num_topk\], got \(8,\)"):
         _checks.check_topk_idx(CALL, HostArray(np.zeros(8, np.int64)), 8)

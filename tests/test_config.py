@@ -17,8 +17,8 @@ HIDDENS = (384, 1024, 2048, 4096, 7168)
 
 @pytest.fixture
 def tuned_sms(monkeypatch):
-    """No ``set_num_sms`` count for the test (it sets a class attribute); whatever was set comes back after."""
-    monkeypatch.setattr(cuep.Buffer, "num_sms", None)
+    """The default count for the test (``set_num_sms`` sets a class attribute); whatever was set comes back after."""
+    monkeypatch.setattr(cuep.Buffer, "num_sms", cuep.Buffer.num_sms)
 
 
 def nvl_hint(hidden: int, num_ranks: int, num_tokens: int = 4096, num_topk: int = 8) -> int:
@@ -30,6 +30,13 @@ def test_every_rank_count_has_a_dispatch_and_a_combine_config(tuned_sms, num_ran
     for config in (cuep.Buffer.get_dispatch_config(num_ranks), cuep.Buffer.get_combine_config(num_ranks)):
         assert isinstance(config, Config)
         assert isinstance(config.num_sms, int) and config.num_sms > 0, config
+
+
+def test_num_sms_is_deepeps_int_and_what_calls_use(tuned_sms):
+    """Frameworks read Buffer.num_sms before making a Buffer (SGLang splits the GPU with it): an int, DeepEP's 20,
+    and the count the calls use when they pass no Config."""
+    assert cuep.Buffer.num_sms == 20 and type(cuep.Buffer.num_sms) is int
+    assert cuep.Buffer.get_dispatch_config(4).num_sms == cuep.Buffer.get_combine_config(8).num_sms == 20
 
 
 def test_set_num_sms_overrides_dispatch_and_combine_for_every_rank_count(tuned_sms):

@@ -423,7 +423,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         forward_pos = front.empty((forward_capacity, L), np.int32)
 
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
-    recv_scales = front.empty((num_rows, num_scales), np.float32) if scales is not None else None
+    recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
     recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
     recv_src_idx = front.empty((num_rows,), np.int32)

@@ -344,7 +344,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         num_rows, per_expert = num_recv, info[3 + ctx.num_ranks:].tolist()
 
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
-    recv_scales = front.empty((num_rows, num_scales), np.float32) if scales is not None else None
+    recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
     recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
     recv_src_idx = front.empty((num_rows,), np.int32)
@@ -378,7 +378,7 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
     need_region_bytes("dispatch()", ctx, handle.num_rows * row_bytes,
                       f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
     recv_x = ctx.front.empty((handle.num_rows, x.shape[1]), x.dtype)
-    recv_scales = ctx.front.empty((handle.num_rows, num_scales), np.float32) if scales is not None else None
+    recv_scales = ctx.front.empty((handle.num_rows, num_scales), scales.dtype) if scales is not None else None
     push = ctx.args_of(kernels.PushArgs)
     push.rows, push.num_tokens, push.send_pos = _token_rows(x, scales), x.shape[0], handle.send_pos.data.ptr
     push.push_offsets, push.push_warps = handle.push_offsets.data.ptr, pusher_warps(ctx.num_ranks)

@@ -59,7 +59,7 @@ _FLAG_BYTES = 8
 _MASK_ENTRY_BYTES = 4           # an int32 per rank
 _TABLE_WORD_BYTES = 8           # a table word: its value and its call number's tag (kernel: tagged_word)
 _SLOT_ALIGN = 128               # a message never shares a cache line with the next
-_REGION_ALIGN = REGION_ALIGN  # flags, tables and halves start on pages, like the regions
+_REGION_ALIGN = REGION_ALIGN  # the mask, buffers, flags, tables and data start on pages, like the regions
 
 
 def mask_bytes(num_ranks: int) -> int:
@@ -378,7 +378,7 @@ def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: 
         ("layout_range", (num_local, num_ranks), np.int64, None),
         ("combine_rows", (num_ranks, max_tokens, num_topk), np.int32, None),
         ("source_tokens", (num_ranks,), np.int32, None),
-        ("call_record", (2,), np.uint64, None)])
+        ("call_record", (2,), np.int64, None)])  # uint64 call numbers to the kernels; int64 for every front
 
 
 def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int, num_topk: int,

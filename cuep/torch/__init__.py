@@ -6,18 +6,23 @@ over cuep's kernels, with no MPI, no compiler and no build against torch. Proces
 ``torchrun``, ``torch.multiprocessing`` or Ray work as they are.
 
 Exports DeepEP's names: :class:`Buffer`, :class:`Config`, :class:`EventOverlap`, :class:`EventHandle` and
-``topk_idx_t`` (``torch.int64``). Importing it needs torch (a missing torch raises
-:class:`~cuep.errors.MissingDependencyError` saying what to install).
+``topk_idx_t`` (``torch.int64``), and DeepEP V1's module paths: :mod:`cuep.torch.utils` (``deep_ep.utils``)
+and :mod:`cuep.torch.buffer` (``deep_ep.buffer``). Made a process's ``deep_ep`` with
+``sys.modules["deep_ep"] = cuep.torch``, every import DeepEP's users write resolves, to the same objects.
+Importing it needs torch (a missing torch raises :class:`~cuep.errors.MissingDependencyError` saying what to
+install).
 """
 
 from __future__ import annotations
 
 from .. import _deps
 from ..config import Config
-from .buffer import Buffer, DispatchHandle, LowLatencyHandle
+from . import buffer, utils
+from ._buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .event import EventHandle, EventOverlap
 
 #: The dtype of top-k expert ids, as DeepEP's ``deep_ep.topk_idx_t``.
 topk_idx_t = _deps.torch().int64
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "buffer",
+           "topk_idx_t", "utils"]

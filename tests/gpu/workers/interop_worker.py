@@ -125,7 +125,7 @@ def api_that_frameworks_use(buffer):
     cc = cupy.cuda.Device().compute_capability
     assert cuep.Buffer.is_sm90_compiled() == (cc == "90" and os.environ.get("CUEP_FORCE_FALLBACK") != "1")
     assert (buffer.group_size, buffer.num_nvl_bytes, buffer.low_latency_mode) == (num_ranks, 64 << 20, True)
-    assert buffer.num_rdma_bytes > 0 and (cuep.Buffer.num_sms is None or cuep.Buffer.num_sms > 0)
+    assert buffer.num_rdma_bytes > 0 and cuep.Buffer.num_sms > 0
     whole = buffer.get_local_buffer_tensor(np.uint8)
     assert whole.shape == (buffer.num_nvl_bytes,)
     view = buffer.get_local_buffer_tensor(BF16, (4, 8), offset=256, use_rdma_buffer=True)

@@ -184,6 +184,20 @@ def cached_dispatch_new_x(buffer):
     assert recv_topk is None and recv_w is None and per_expert == [] and same_handle is handle
 
 
+def fp8_packed_ue8m0_scales_then_cached(buffer):
+    """DeepGEMM's packed UE8M0 scales (int32 [num_tokens, hidden / 512], as SGLang passes them) move as given,
+    word for word, in the dispatch with a layout and in a cached one, and come back as int32."""
+    inputs = all_inputs(lambda s: 300 + 7 * s, 7168, EXPERTS, 8, fp8=True)
+    words = [np.random.default_rng([SEED, 512, s]).integers(-2**31, 2**31, (len(i.x), 7168 // 512), dtype=np.int32)
+             for s, i in enumerate(inputs)]
+    inputs = AllInputs(i._replace(scales=w) for i, w in zip(inputs, words, strict=True))
+    (_, recv_scales), _, handle = dispatch_and_check(buffer, inputs, EXPERTS, column_major_scales=True)
+    assert recv_scales.dtype == np.int32, recv_scales.dtype
+    mine = inputs[rank]
+    (_, cached_scales), *_ = buffer.dispatch((cupy.asarray(mine.x), cupy.asarray(mine.scales)), handle=handle)
+    np.testing.assert_array_equal(cached_scales.get(), recv_scales.get()[:len(cached_scales)])
+
+
 def cached_dispatches_back_to_back_fp8_then_combine(buffer):
     inputs = all_inputs(lambda s: 600 + 40 * s, 7168, EXPERTS, 8, fp8=True)
     _, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
@@ -493,6 +507,7 @@ def main() -> None:
     on_the_buffer = [
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
+        ("fp8 with packed UE8M0 (int32) scales, then cached", fp8_packed_ue8m0_scales_then_cached),
         ("without top-k", without_topk),
         ("cached dispatch with new x", cached_dispatch_new_x),
         ("cached FP8 dispatches back to back, then a cached BF16 dispatch and combine",
