@@ -16,8 +16,12 @@
 // Combine (the reverse; rank r holds the expert outputs x[L, R * T_max, H]):
 //   send: every source s publishes its top-k weights to every rank; r then sums, in FP32, the
 //         weighted outputs of its local experts for each (s, t) it received and writes that one
-//         BF16 partial into slot (r, t) of s's buffer, so each (token, rank) pair crosses once.
-//   recv: s adds, in FP32, the partials of every rank that held one of its token's experts.
+//         BF16 partial into slot (r, t) of s's buffer, so each (token, rank) pair crosses once. The
+//         send never waits for a peer: a pair of several rows whose weights have not arrived yet
+//         goes as its rows, unweighted, into choice slots (t, k) of s (direct peers; a put peer's
+//         pair waits for the weights).
+//   recv: s adds, in FP32, the partials of every rank that held one of its token's experts (or their
+//         rows, weighted here).
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;
 // other peers, or every peer when the put path is forced, get an NVSHMEM put then its signal
 // (cuep/network.cuh) from a staging copy in this rank's buffer. Tables (routing, weights) need no
@@ -93,6 +97,7 @@ constexpr int kGroupsPerBlock = kNumThreads / kGroupThreads;
 constexpr int kPartialBatch = 7;         // combine send: vectors per thread summed at once (7168: 7)
 constexpr int kSumBatch = 2;             // combine receive: block-wide strides summed at once (7168: 2)
 constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
+constexpr int kChoiceSlots = CUEP_CHOICE_SLOTS;  // combine: rows of a token sent one by one (its top-k bound)
 
 // A launch's phases (a bit set): both for a whole call, one of them for a hook's send and receive.
 constexpr int kSendPhase = CUEP_SEND_PHASE;
@@ -640,15 +645,10 @@ __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
 }
 
 // A warp: the ranks holding token t's experts, each once, in choice order, written to `ranks`
-// (kMaxTopk entries of shared memory); returns how many; masked ranks (shrink mode) hold none. With
-// `weights` (the caller's top-k weights), also writes the factor each rank's combined partial takes at
-// the source to `partial_weights`: the choice's weight where the rank holds one of the token's experts
-// (it sent that row unweighted), 1 where it holds several (it summed them weighted). The caller syncs
-// before others read.
+// (kMaxTopk entries of shared memory); returns how many; masked ranks (shrink mode) hold none. The
+// caller syncs before others read.
 static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int64, int t, int num_topk, int num_experts,
-                                   int num_ranks, const MaskedStatus& status, int* ranks,
-                                   const float* weights = nullptr,
-                                   float* partial_weights = nullptr) {
+                                   int num_ranks, const MaskedStatus& status, int* ranks) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
     if (lane < num_topk) {
@@ -662,12 +662,8 @@ static __device__ int ranks_holding_token(const void* topk_idx, bool ids_are_int
     const bool leads = r >= 0 && __ffs(same_rank) - 1 == lane;
     const bool first = leads && !status.is_masked(r);
     const uint32_t firsts = __ballot_sync(kFullWarpMask, first);
-    if (first) {
-        const int slot = __popc(firsts & ((1u << lane) - 1));
-        ranks[slot] = r;
-        if (weights != nullptr)
-            partial_weights[slot] = __popc(same_rank) == 1 ? weights[static_cast<int64_t>(t) * num_topk + lane] : 1.0f;
-    }
+    if (first)
+        ranks[__popc(firsts & ((1u << lane) - 1))] = r;
     return __popc(firsts);
 }
 
@@ -1206,6 +1202,9 @@ struct CombineArgs {
     int weight_words;
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]: partials from each rank
     int64_t slot_bytes;            // a LogFMT message's (LogFmtLayout), which a BF16 partial fits in
+    uint64_t* choice_flags;        // [kMaxTokensPerRank][kChoiceSlots]
+    uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
+                                   // nullptr where num_topk > kChoiceSlots: a pair of several rows waits for weights
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
@@ -1231,6 +1230,8 @@ __device__ __forceinline__ CombineArgs in_buffer(CombineArgs a, uint64_t seq) {
     a.slots = in_buffer(a.slots, offset);
     a.weight_staging = in_buffer(a.weight_staging, offset);
     a.slot_staging = in_buffer(a.slot_staging, offset);
+    a.choice_flags = in_buffer(a.choice_flags, offset);
+    a.choice_slots = a.choice_slots != nullptr ? in_buffer(a.choice_slots, offset) : nullptr;
     return a;
 }
 
@@ -1240,7 +1241,7 @@ struct PairRows {
     int choices[kMaxTopk];  // top-k slot of each row
     float weights[kMaxTopk];
     int count;
-    bool ready;  // false: nothing to send, or the source's weights never came
+    bool ready;  // the weights are here (or the pair needs none); false: they never came, or are not here yet
     bool fell_back;  // some LogFMT block of the partial went as BF16: the whole message travels
 };
 
@@ -1262,10 +1263,11 @@ static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, Pair
         pair.count = __popc(held);
 }
 
-// Warp 0 of a group, after gather_pair_rows and a group barrier: wait for source s's weights, then
-// read those of the pair's rows.
+// Warp 0 of a group, after gather_pair_rows and a group barrier: source s's weights of the pair's rows,
+// waited for, or with `look_once` (s a direct peer) as they are now: a pair whose weights are not all
+// here yet is not ready, and goes as its rows, unweighted (weights 1).
 static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
-                                    PairRows& pair) {
+                                    PairRows& pair, bool look_once) {
     const int lane = threadIdx.x % kWarpSize;
     const int count = pair.count;
     // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
@@ -1273,7 +1275,14 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
     bool ready = count == 1;
     if (count == 1 && lane == 0)
         pair.weights[0] = 1.0f;
-    if (count > 1) {  // warp-uniform
+    if (count > 1 && look_once) {  // warp-uniform
+        const uint64_t* token_weights =
+            a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
+        const uint64_t word = lane < count ? ld_volatile_global(token_weights + pair.choices[lane]) : 0;
+        ready = __all_sync(kFullWarpMask, lane >= count || has_tag(word, seq));
+        if (lane < count)
+            pair.weights[lane] = ready ? __uint_as_float(static_cast<uint32_t>(word)) : 1.0f;
+    } else if (count > 1) {  // warp-uniform
         if (lane == 0)
             ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
                                     kPhaseLowLatencyWeights);
@@ -1300,41 +1309,23 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
             raw[i] = ld_nc_global(x + first + i * kGroupThreads);
 }
 
-// Warp group: send the partial of pair (source s, token t), the FP32 weighted sum of this rank's rows
-// for it, as BF16 or LogFMT into slot (this rank, t) of s, then raise the slot's flag. The first row's
-// loads are in flight while the weights are awaited.
-static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
-                             PairRows& pair) {
+// Warp group: the FP32 weighted sum of the pair's rows [first, first + count) (pair.weights), as BF16 or
+// LogFMT, at `out` (this GPU's store address of the message), then the message's flag raised to seq on s:
+// a release store to `direct_flag` where `out` is s's memory, else a put of `slot` from `out` (staged)
+// then its signal to `flag`. With `preloaded`, `raw` holds this thread's first stride of the first row.
+static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, const Team& group, PairRows& pair,
+                                     int first_row, int count, int4 (&raw)[kPartialBatch], bool preloaded,
+                                     uint8_t* out_bytes, bool is_direct, uint8_t* slot, uint64_t* flag) {
     const int thread = group.thread(), lane = thread % kWarpSize;
-    if (thread < kWarpSize)
-        gather_pair_rows(a, s, t, pair);
-    if (thread == 0)
-        pair.fell_back = false;
-    group.sync();
-    int4 raw[kPartialBatch];
-    if (pair.count > 0)
-        load_row_stride(a, pair.rows[0], thread, raw);
-    if (thread < kWarpSize)
-        gather_pair_weights(a, s, t, seq, deadline_ns, pair);
-    group.sync();
-    if (thread == 0)
-        trace_latest(a.trace, kTraceWeightsReady);
-    if (!pair.ready) {
-        group.sync();  // every thread read `pair` before the next pair overwrites it
-        return;
-    }
-    uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
-    uint8_t* staged = message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
-    uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
-    int4* out = reinterpret_cast<int4*>(direct != nullptr ? direct : staged);
+    int4* out = reinterpret_cast<int4*>(out_bytes);
     const int num_vectors = a.hidden / kBf16PerVector;
     const LogFmtLayout logfmt(a.hidden);
     // Whole warps run each round (LogFMT codes a block per half-warp, with shuffles); the BF16 loads and
     // stores of lanes past the end are predicated off.
     for (int first = thread; first - lane < num_vectors; first += kPartialBatch * kGroupThreads) {
         float sum[kPartialBatch][kBf16PerVector] = {};
-        for (int j = 0; j < pair.count; ++j) {
-            if (j > 0 || first != thread)
+        for (int j = first_row; j < first_row + count; ++j) {
+            if (!preloaded || j > first_row || first != thread)
                 load_row_stride(a, pair.rows[j], first, raw);
             const float weight = pair.weights[j];
 #pragma unroll
@@ -1358,18 +1349,57 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
     group.sync();
     if (thread == 0)
         trace_latest(a.trace, kTracePartialStored);
-    uint64_t* flag = a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t;
-    if (direct != nullptr) {
+    if (is_direct) {
         if (thread == 0)  // after the group barrier: the release covers the whole group's stores
             st_release_sys_global(direct_address(flag, s, a.rank, false), seq);
     } else if (thread < kWarpSize) {
         const int bytes = !a.use_logfmt  ? a.hidden * 2
                           : pair.fell_back ? logfmt.message_bytes
                                            : logfmt.encoded_bytes;
-        put_then_signal_warp(slot, staged, static_cast<size_t>(bytes), flag, seq, s);
+        put_then_signal_warp(slot, out_bytes, static_cast<size_t>(bytes), flag, seq, s);
     }
     if (thread == 0)
         trace_latest(a.trace, kTracePartialFlagged);
+}
+
+// Warp group: send pair (source s, token t): the FP32 weighted sum of this rank's rows for it into slot
+// (this rank, t) of s, as one BF16 or LogFMT partial. A pair of several rows needs s's weights; to a
+// direct peer that has not published them yet (it may be late, or still sending), the rows go one by
+// one instead, unweighted, into choice slots (t, k) of s, which weighs them (combine_token): the send
+// waits for no peer. A put peer's pair waits for the weights (its rows would need staging of their
+// own). The first row's loads are in flight meanwhile.
+static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
+                             PairRows& pair) {
+    const int thread = group.thread();
+    if (thread < kWarpSize)
+        gather_pair_rows(a, s, t, pair);
+    if (thread == 0)
+        pair.fell_back = false;
+    group.sync();
+    int4 raw[kPartialBatch];
+    if (pair.count > 0)
+        load_row_stride(a, pair.rows[0], thread, raw);
+    uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
+    uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
+    const bool may_split = direct != nullptr && a.choice_slots != nullptr;
+    if (thread < kWarpSize)
+        gather_pair_weights(a, s, t, seq, deadline_ns, pair, may_split);
+    group.sync();
+    if (thread == 0)
+        trace_latest(a.trace, kTraceWeightsReady);
+    if (pair.ready) {
+        uint8_t* out = direct != nullptr ? direct : message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
+        store_message(a, s, seq, group, pair, 0, pair.count, raw, true, out, direct != nullptr, slot,
+                      a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
+    } else if (may_split && pair.count > 1) {
+        for (int j = 0; j < pair.count; ++j) {
+            const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + pair.choices[j];
+            store_message(a, s, seq, group, pair, j, 1, raw, j == 0,
+                          direct_address(a.choice_slots + choice * a.slot_bytes, s, a.rank, false), true, nullptr,
+                          a.choice_flags + choice);
+        }
+    }
+    group.sync();  // every thread read `pair` before the next pair overwrites it
 }
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
@@ -1401,39 +1431,103 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     }
 }
 
-// Block-wide: sum, in FP32, the partials of every rank holding one of token t's experts (BF16 or LogFMT).
+// Until `peer` sent token t's partial (its flag `whole` reaches seq: 1) or, a pair of several rows sent
+// one by one, its first row (`row`: 2); 0 if the wait gave up or met a newer call (reported).
+__device__ __forceinline__ int wait_for_partial(const uint64_t* whole, const uint64_t* row, uint64_t seq,
+                                                uint64_t deadline_ns, const MaskedStatus& status, int peer) {
+    uint64_t whole_seen = 0, row_seen = 0;
+    const bool came = wait_until(
+        [&] {
+            whole_seen = ld_acquire_sys_global(whole);
+            row_seen = row != nullptr ? ld_acquire_sys_global(row) : 0;
+            return whole_seen >= seq || row_seen >= seq;
+        },
+        [] {}, deadline_ns, status, peer, kPhaseLowLatencyPartial);
+    if (!came)
+        return 0;
+    if (whole_seen > seq || row_seen > seq) {
+        status.break_call_order(kCallOrderOvertaken, seq, peer);
+        return 0;
+    }
+    return whole_seen == seq ? 1 : 2;
+}
+
+// Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
+// memory, nullptr where a message never came); returns how many. Each rank holding some of the token's
+// experts sent one partial at slot (rank, t): weighted here when it holds one choice, summed with the
+// weights there when it holds several. Or, when it did not have the weights yet, each choice's row at
+// choice slot (t, k), weighted here (send_partial). Masked ranks (shrink mode) add nothing.
+static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns,
+                                      const uint8_t** parts, float* part_weights) {
+    const int lane = threadIdx.x % kWarpSize;
+    int r = -1;
+    float weight = 0.0f;
+    if (lane < a.num_topk) {
+        const int64_t choice = static_cast<int64_t>(t) * a.num_topk + lane;
+        const int id = read_expert_id(a.topk_idx, a.ids_are_int64, choice, a.num_experts, a.status);
+        r = id >= 0 ? id / (a.num_experts / a.num_ranks) : -1;
+        weight = a.topk_weights[choice];
+    }
+    const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
+    const int leader = __ffs(same_rank) - 1;
+    const int choices = __popc(same_rank);
+    // The first lane naming a rank decides for all of them (a mask landing meanwhile must not split a
+    // rank's choices), and waits for its message.
+    int form = 0;  // 0: nothing to add, 1: the rank's partial, 2: each choice's row
+    if (lane == leader && r >= 0 && !a.status.is_masked(r)) {
+        const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
+        const uint64_t* row_flag = choices > 1 && a.choice_slots != nullptr
+                                       ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
+                                       : nullptr;
+        form = wait_for_partial(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq, deadline_ns,
+                                a.status, r);
+        add_wait(a.wait_stats, r, started);
+    }
+    form = __shfl_sync(kFullWarpMask, form, leader);
+    const uint8_t* part = nullptr;
+    bool adds = false;
+    if (form == 1 && lane == leader) {
+        adds = true;
+        part = message_slot(a.slots, r, t, a.max_tokens, a.slot_bytes);
+        weight = choices == 1 ? weight : 1.0f;
+    } else if (form == 2) {
+        adds = true;
+        const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + lane;
+        if (lane == leader || wait_for_call(a.choice_flags + choice, seq, deadline_ns, a.status, r,
+                                            kPhaseLowLatencyPartial))
+            part = a.choice_slots + choice * a.slot_bytes;
+    }
+    const uint32_t adding = __ballot_sync(kFullWarpMask, adds);
+    if (adds) {
+        const int i = __popc(adding & ((1u << lane) - 1));
+        parts[i] = part;
+        part_weights[i] = weight;
+    }
+    return __popc(adding);
+}
+
+// Block-wide: sum, in FP32, what every rank holding one of token t's experts sent (gather_partials), BF16
+// or LogFMT.
 __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
-    __shared__ int ranks[kMaxTopk];
-    __shared__ float partial_weights[kMaxTopk];
-    __shared__ int num_ranks_holding;
+    __shared__ const uint8_t* parts[kMaxTopk];
+    __shared__ float part_weights[kMaxTopk];
+    __shared__ int num_parts;
     if (threadIdx.x < kWarpSize) {
-        const int count = ranks_holding_token(a.topk_idx, a.ids_are_int64, t, a.num_topk, a.num_experts,
-                                              a.num_ranks, a.status, ranks, a.topk_weights, partial_weights);
-        __syncwarp();
-        if (static_cast<int>(threadIdx.x) < count) {
-            const int holder = ranks[threadIdx.x];
-            const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
-            // A partial that never came (shrink mode: its rank was masked meanwhile) adds nothing.
-            if (!wait_for_call(a.token_flags + static_cast<int64_t>(holder) * a.flag_stride + t, seq, deadline_ns,
-                               a.status, holder, kPhaseLowLatencyPartial))
-                ranks[threadIdx.x] = -1;
-            add_wait(a.wait_stats, holder, started);
-        }
+        const int count = gather_partials(a, t, seq, deadline_ns, parts, part_weights);
         if (threadIdx.x == 0)
-            num_ranks_holding = count;
+            num_parts = count;
     }
     __syncthreads();
     trace_block(a.trace, kTracePartialsArrived);
     const int num_vectors = a.hidden / kBf16PerVector;
-    const int count = num_ranks_holding;
+    const int count = num_parts;
     if (a.use_logfmt) {
         const LogFmtLayout logfmt(a.hidden);
         for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
             float sum[kBf16PerVector] = {};
             for (int i = 0; i < count; ++i)
-                if (ranks[i] >= 0)
-                    accumulate_logfmt_vector(sum, message_slot(a.slots, ranks[i], t, a.max_tokens, a.slot_bytes),
-                                             logfmt, v, partial_weights[i]);
+                if (parts[i] != nullptr)
+                    accumulate_logfmt_vector(sum, parts[i], logfmt, v, part_weights[i]);
             a.combined_x[static_cast<int64_t>(t) * num_vectors + v] = floats_to_bf16x8(sum);
         }
         __syncthreads();
@@ -1445,19 +1539,17 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
             int4 raw[kPartialsAtOnce][kSumBatch];
 #pragma unroll
             for (int i = 0; i < kPartialsAtOnce; ++i) {
-                const int4* partial = reinterpret_cast<const int4*>(
-                    message_slot(a.slots, ranks[min(base + i, count - 1)], t, a.max_tokens, a.slot_bytes));
+                const int4* partial = reinterpret_cast<const int4*>(parts[min(base + i, count - 1)]);
 #pragma unroll
                 for (int j = 0; j < kSumBatch; ++j) {
                     const int v = first + j * blockDim.x;
-                    raw[i][j] = base + i < count && v < num_vectors && ranks[min(base + i, count - 1)] >= 0
-                                    ? ld_cg_global(partial + v)
-                                    : make_int4(0, 0, 0, 0);
+                    raw[i][j] = base + i < count && v < num_vectors && partial != nullptr ? ld_cg_global(partial + v)
+                                                                                       : make_int4(0, 0, 0, 0);
                 }
             }
 #pragma unroll
             for (int i = 0; i < kPartialsAtOnce; ++i) {
-                const float weight = partial_weights[min(base + i, count - 1)];
+                const float weight = part_weights[min(base + i, count - 1)];
 #pragma unroll
                 for (int j = 0; j < kSumBatch; ++j)
                     accumulate_bf16x8(sum[j], raw[i][j], weight);

@@ -13,8 +13,8 @@ from cuep.modes import low_latency
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
     layout = low_latency.data_layout(128, 7168, 4)
-    names = ("dispatch_slots", "combine_slots", "routing_staging", "dispatch_staging", "weight_staging",
-             "combine_staging")
+    names = ("dispatch_slots", "combine_slots", "choice_slots", "routing_staging", "dispatch_staging",
+             "weight_staging", "combine_staging")
     offsets = sorted(getattr(layout, f) for f in names)
     assert offsets[0] == 0 and len(set(offsets)) == len(names)
     assert layout.dispatch_slot_bytes >= 2 * 7168 and layout.dispatch_slot_bytes % 128 == 0
@@ -26,8 +26,9 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     hint = low_latency.size_hint(128, 7168, 4)
     assert low_latency.data_bytes(hint, 4) >= layout.end
     assert low_latency.data_bytes(hint - 4 * 4096, 4) < layout.end  # the hint is tight to a page per buffer
+    assert layout.choice_slots + 128 * kernels.CHOICE_SLOTS * layout.combine_slot_bytes <= layout.end
     # per-rank slots, not per-expert: four buffers stay far below DeepEP's ~GB hint
-    assert hint < 128 << 20
+    assert hint < 192 << 20
 
 
 def test_four_buffers_follow_the_mask_and_fill_the_region():

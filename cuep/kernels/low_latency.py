@@ -28,6 +28,10 @@ from .status import MaskedStatus
 NUM_THREADS = 512               # threads per block; the kernels' registers are budgeted for it
 MAX_TOPK = 32                   # experts per token (a warp's lanes hold one each)
 MAX_TOKENS_PER_RANK = 1024      # the largest num_max_dispatch_tokens_per_rank (flags per buffer and source)
+# Rows of one token a combine can send one by one (choice slots, low_latency.cu's send_partial), where a rank
+# holding several of its experts has not received the token's weights yet: calls of up to this many experts
+# per token never wait for a peer in the send. Eight, the top-k of the models DeepEP serves.
+CHOICE_SLOTS = 8
 SEND_PHASE, RECV_PHASE = 1, 2   # a launch's phases (bits): both for a whole call, one each for a hook
 # The low-latency region holds NUM_BUFFERS buffers; call n uses buffer n % NUM_BUFFERS, decided on the device. Four,
 # because with at most two results in flight per rank a peer can be at most three calls ahead of a buffer's
@@ -77,6 +81,7 @@ def _trace_constants() -> dict[str, int]:
 
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_rank": MAX_TOKENS_PER_RANK,
+             "choice_slots": CHOICE_SLOTS,
              "send_phase": SEND_PHASE, "recv_phase": RECV_PHASE,
              "num_buffers": NUM_BUFFERS, "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST,
              "seq_received": SEQ_RECEIVED,
@@ -140,6 +145,7 @@ class CombineArgs(KernelArgs):
         ("weight_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
+        ("choice_flags", ctypes.c_void_p), ("choice_slots", ctypes.c_void_p),
         ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p), ("use_logfmt", ctypes.c_int), ("wait_stats", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),

@@ -13,7 +13,8 @@ Region layout (byte offsets from the start of the low-latency region, the same o
 
     [mask: R int32]        shrink mode: this rank's mask of its peers (cuep::MaskedStatus::masked)
     [buffer 0][buffer 1][buffer 2][buffer 3]     NUM_BUFFERS of buffer_bytes each; call n uses buffer n % 4
-    buffer: [flags: routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS]
+    buffer: [flags: routing R | weights R | dispatch tokens R x MAX_TOKENS | combine tokens R x MAX_TOKENS |
+                    combine choices MAX_TOKENS x CHOICE_SLOTS]
             [tables: routing R x ROUTING_WORDS | weights R x WEIGHT_WORDS]   tagged 64-bit words
             [data: see DataLayout]
 
@@ -47,9 +48,9 @@ from .._math import align_up
 from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch
-from ..kernels.low_latency import (COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK,
-                                   NUM_BUFFERS, NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS,
-                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
+from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK,
+                                   MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE,
+                                   SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS, CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
@@ -69,7 +70,8 @@ def mask_bytes(num_ranks: int) -> int:
 
 def flags_bytes(num_ranks: int) -> int:
     """Bytes of one buffer's flags, at its start."""
-    return align_up((2 * num_ranks + 2 * num_ranks * MAX_TOKENS_PER_RANK) * _FLAG_BYTES, _REGION_ALIGN)
+    flags = 2 * num_ranks + 2 * num_ranks * MAX_TOKENS_PER_RANK + MAX_TOKENS_PER_RANK * CHOICE_SLOTS
+    return align_up(flags * _FLAG_BYTES, _REGION_ALIGN)
 
 
 def _tables_bytes(num_ranks: int) -> int:
@@ -91,6 +93,7 @@ class DataLayout:
     weight_staging_words: int
     dispatch_slots: int
     combine_slots: int
+    choice_slots: int               # [max_tokens][CHOICE_SLOTS] combine rows sent one by one
     routing_staging: int
     dispatch_staging: int
     weight_staging: int
@@ -111,6 +114,7 @@ def data_layout(max_tokens: int, hidden: int, num_ranks: int) -> DataLayout:
     weight_staging_words = max_tokens * MAX_TOPK
     sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
              ("combine_slots", num_ranks * max_tokens * combine_slot),
+             ("choice_slots", max_tokens * CHOICE_SLOTS * combine_slot),
              ("routing_staging", num_ranks * routing_staging_words * _TABLE_WORD_BYTES),
              ("dispatch_staging", max_tokens * dispatch_slot),
              ("weight_staging", num_ranks * weight_staging_words * _TABLE_WORD_BYTES),
@@ -249,12 +253,13 @@ class Context:
     def _buffer_start(self) -> int:
         return self.region_ptr + mask_bytes(self.num_ranks)
 
-    def flags(self) -> tuple[int, int, int, int]:
-        """Addresses of buffer 0's (routing, weights, dispatch token, combine token) flags."""
+    def flags(self) -> tuple[int, int, int, int, int]:
+        """Addresses of buffer 0's (routing, weights, dispatch token, combine token, combine choice) flags."""
         per_source = self.num_ranks * _FLAG_BYTES
         per_tokens = self.num_ranks * MAX_TOKENS_PER_RANK * _FLAG_BYTES
         base = self._buffer_start
-        return base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens
+        return (base, base + per_source, base + 2 * per_source, base + 2 * per_source + per_tokens,
+                base + 2 * per_source + 2 * per_tokens)
 
     def tables(self) -> tuple[int, int]:
         """Addresses of buffer 0's (routing, weights) tables."""
@@ -388,7 +393,7 @@ def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int,
     shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
     regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                               use_ue8m0, x_dtype)
-    routing_flags, _, token_flags, _ = ctx.flags()
+    routing_flags, _, token_flags, *_ = ctx.flags()
     data = ctx.data()
     a = DispatchArgs()
     _common(ctx, a)
@@ -449,7 +454,7 @@ def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumul
 
 def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> Plan:
     layout = check_fits("low_latency_combine()", ctx, max_tokens, hidden, num_experts)
-    _, weight_flags, _, token_flags = ctx.flags()
+    _, weight_flags, _, token_flags, choice_flags = ctx.flags()
     data = ctx.data()
     a = CombineArgs()
     _common(ctx, a)
@@ -457,6 +462,7 @@ def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) 
     a.weight_flags, a.token_flags = weight_flags, token_flags
     a.weights, a.weight_words = ctx.tables()[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
+    a.choice_flags, a.choice_slots = choice_flags, data + layout.choice_slots
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
     ctx.function(COMBINE_ENTRY)
@@ -482,6 +488,8 @@ def combine(ctx: Context, x, topk_idx, topk_weights, handle: Handle, out, use_lo
     a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
     a.topk_weights = topk_weights.data.ptr
     a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
+    if handle.num_topk > CHOICE_SLOTS:  # such a token's rows cannot go one by one: a pair of several waits
+        a.choice_slots = 0
     a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
     a.call_record = handle.address("call_record") + _RECORD_BYTES
     a.combined_x = out.data.ptr
