@@ -1205,6 +1205,7 @@ struct CombineArgs {
     uint64_t* choice_flags;        // [kMaxTokensPerRank][kChoiceSlots]
     uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
                                    // nullptr where num_topk > kChoiceSlots: a pair of several rows waits for weights
+    uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
@@ -1264,10 +1265,10 @@ static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, Pair
 }
 
 // Warp 0 of a group, after gather_pair_rows and a group barrier: source s's weights of the pair's rows,
-// waited for, or with `look_once` (s a direct peer) as they are now: a pair whose weights are not all
-// here yet is not ready, and goes as its rows, unweighted (weights 1).
+// waited for, or with `split_ns` (s a direct peer) looked for until the global timer passes it: a pair
+// whose weights are not all here by then is not ready, and goes as its rows, unweighted (weights 1).
 static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
-                                    PairRows& pair, bool look_once) {
+                                    PairRows& pair, uint64_t split_ns) {
     const int lane = threadIdx.x % kWarpSize;
     const int count = pair.count;
     // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
@@ -1275,11 +1276,14 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
     bool ready = count == 1;
     if (count == 1 && lane == 0)
         pair.weights[0] = 1.0f;
-    if (count > 1 && look_once) {  // warp-uniform
+    if (count > 1 && split_ns != 0) {  // warp-uniform
         const uint64_t* token_weights =
             a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
-        const uint64_t word = lane < count ? ld_volatile_global(token_weights + pair.choices[lane]) : 0;
-        ready = __all_sync(kFullWarpMask, lane >= count || has_tag(word, seq));
+        uint64_t word = 0;
+        do {
+            word = lane < count ? ld_volatile_global(token_weights + pair.choices[lane]) : 0;
+            ready = __all_sync(kFullWarpMask, lane >= count || has_tag(word, seq));
+        } while (!ready && globaltimer_ns() < split_ns);
         if (lane < count)
             pair.weights[lane] = ready ? __uint_as_float(static_cast<uint32_t>(word)) : 1.0f;
     } else if (count > 1) {  // warp-uniform
@@ -1364,12 +1368,13 @@ static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, 
 
 // Warp group: send pair (source s, token t): the FP32 weighted sum of this rank's rows for it into slot
 // (this rank, t) of s, as one BF16 or LogFMT partial. A pair of several rows needs s's weights; to a
-// direct peer that has not published them yet (it may be late, or still sending), the rows go one by
-// one instead, unweighted, into choice slots (t, k) of s, which weighs them (combine_token): the send
-// waits for no peer. A put peer's pair waits for the weights (its rows would need staging of their
-// own). The first row's loads are in flight meanwhile.
-static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns, const Team& group,
-                             PairRows& pair) {
+// direct peer that has not published them by `split_ns` (it is late, or still sending), the rows go one
+// by one instead, unweighted, into choice slots (t, k) of s, which weighs them (combine_token): the send
+// waits for no peer beyond that. (Ranks in step, as in a CUDA graph, find the weights within a few
+// microseconds; splitting at once would double the bytes of such a combine.) A put peer's pair waits
+// for the weights (its rows would need staging of their own). The first row's loads are in flight meanwhile.
+static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
+                                    uint64_t split_ns, const Team& group, PairRows& pair) {
     const int thread = group.thread();
     if (thread < kWarpSize)
         gather_pair_rows(a, s, t, pair);
@@ -1383,7 +1388,7 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
     uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
     const bool may_split = direct != nullptr && a.choice_slots != nullptr;
     if (thread < kWarpSize)
-        gather_pair_weights(a, s, t, seq, deadline_ns, pair, may_split);
+        gather_pair_weights(a, s, t, seq, deadline_ns, pair, may_split ? split_ns : 0);
     group.sync();
     if (thread == 0)
         trace_latest(a.trace, kTraceWeightsReady);
@@ -1404,7 +1409,8 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
-    // This rank's weights (zero where the id is -1) go to every rank first: the others wait on them.
+    const uint64_t split_ns = globaltimer_ns() + a.split_after_ns;
+    // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
     // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
@@ -1427,7 +1433,7 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     for (int i = group * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
         if (t < __ldg(a.source_tokens + s) && !team_sees_masked(warp_group(group), a.status, s))
-            send_partial(a, s, t, seq, deadline_ns, warp_group(group), pairs[group]);
+            send_partial(a, s, t, seq, deadline_ns, split_ns, warp_group(group), pairs[group]);
     }
 }
 

@@ -33,6 +33,16 @@ def _parse_seconds(name: str, text: str) -> float:
     return value
 
 
+def _parse_microseconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of microseconds") from None
+    if not value >= 0:
+        raise ValueError(f"{name}={text!r} must be zero or a positive number of microseconds")
+    return value
+
+
 def _parse_positive_int(name: str, text: str) -> int:
     try:
         value = int(text)
@@ -95,6 +105,10 @@ _TABLE: tuple[EnvVar, ...] = (
     EnvVar("CUEP_TIMEOUT_S", "seconds", 100.0,
            "how long a kernel or the host waits for a peer before raising PeerTimeoutError",
            _parse_seconds, "runtime"),
+    EnvVar("CUEP_COMBINE_SPLIT_US", "microseconds", 5.0,
+           "how long a low-latency combine send looks for a late source's top-k weights before it sends the "
+           "rows of a token it holds several experts of one by one (more bytes, no wait); read when a Buffer is made",
+           _parse_microseconds, "runtime"),
 )
 
 _BY_NAME = {var.name: var for var in _TABLE}

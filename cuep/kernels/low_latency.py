@@ -145,7 +145,7 @@ class CombineArgs(KernelArgs):
         ("weight_flags", ctypes.c_void_p), ("token_flags", ctypes.c_void_p), ("flag_stride", ctypes.c_int),
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
-        ("choice_flags", ctypes.c_void_p), ("choice_slots", ctypes.c_void_p),
+        ("choice_flags", ctypes.c_void_p), ("choice_slots", ctypes.c_void_p), ("split_after_ns", ctypes.c_uint64),
         ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p), ("use_logfmt", ctypes.c_int), ("wait_stats", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _deps, _interop, logfmt
+from .. import _deps, _interop, env, logfmt
 from .._checks import CheckedSignatures, bf16_dtype
 from .._front import Front, View, carve
 from .._status import StatusWords
@@ -159,6 +159,7 @@ class Context:
     num_sms: int
     force_put: bool
     timeout_ns: int
+    split_after_ns: int           # CUEP_COMBINE_SPLIT_US: how long a combine send looks for a source's weights
     seq_state: Any                # [SEQ_WORDS] uint64 device array
     status: Any                   # [STATUS_WORDS] int32 device array
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
@@ -181,6 +182,7 @@ class Context:
         status = StatusWords()
         return cls(library=library, front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
+                   split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
                    trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink,
@@ -463,6 +465,7 @@ def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) 
     a.weights, a.weight_words = ctx.tables()[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
     a.choice_flags, a.choice_slots = choice_flags, data + layout.choice_slots
+    a.split_after_ns = ctx.split_after_ns
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
     ctx.function(COMBINE_ENTRY)
