@@ -146,6 +146,7 @@ constexpr int kCallOrderInFlight = CUEP_CALL_ORDER_IN_FLIGHT;
 constexpr int kCallOrderUnsent = CUEP_CALL_ORDER_UNSENT;
 constexpr int kCallOrderReceived = CUEP_CALL_ORDER_RECEIVED;
 constexpr int kCallOrderOvertaken = CUEP_CALL_ORDER_OVERTAKEN;
+constexpr int kCallOrderHandleBusy = CUEP_CALL_ORDER_HANDLE_BUSY;
 
 // ---------------------------------------------------------------------------------------------
 // Shrink mode
@@ -255,10 +256,9 @@ struct MaskedStatus {
 // each an error at once, never a wait that times out or data overwritten unseen.
 __device__ __forceinline__ int buffer_of(uint64_t seq) { return static_cast<int>(seq % kNumBuffers); }
 
-// The call this launch makes or completes, and whether it may go on (every block reaches the same
-// answer; block 0 records a broken rule). Nothing a launch writes changes what its blocks read here.
+// Thread 0 of a block: the call this launch makes or completes, and the rule it breaks (0: none).
 template <typename Args>
-__device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
+__device__ __forceinline__ int32_t check_call(const Args& a, uint64_t& seq) {
     const uint64_t* received = a.seq_state + kSeqReceived;
     int32_t broken = 0;
     if (a.phases & kSendPhase) {
@@ -267,6 +267,8 @@ __device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
         if ((seq > 2 && ld_volatile_global(received + buffer_of(seq - 2)) < seq - 2) ||
             (seq > 3 && ld_volatile_global(received + buffer_of(seq - 3)) < seq - 3))
             broken = kCallOrderInFlight;
+        else if (handle_busy(a, received))  // a combine's own rule (found by argument type: below the structs)
+            broken = kCallOrderHandleBusy;
     } else {
         // The record is the call's own allocation, unwritten until its send ran: a number that is not one
         // of the two newest sends (a pending receive's, under the rules) is no call of this handle's.
@@ -277,9 +279,24 @@ __device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
         else if (ld_volatile_global(received + buffer_of(seq)) >= seq)
             broken = kCallOrderReceived;
     }
-    if (broken != 0 && blockIdx.x == 0 && threadIdx.x == 0)
-        a.status.break_call_order(broken, seq, -1);
-    return broken == 0;
+    return broken;
+}
+
+// The call this launch makes or completes, and whether it may go on: decided by each block's thread 0
+// (blocks read the same words, which nothing in the launch writes) and shared with the block, so the
+// block's threads take one branch; block 0 records a broken rule.
+template <typename Args>
+__device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
+    __shared__ uint64_t block_seq;
+    __shared__ int32_t block_broken;
+    if (threadIdx.x == 0) {
+        block_broken = check_call(a, block_seq);
+        if (block_broken != 0 && blockIdx.x == 0)
+            a.status.break_call_order(block_broken, block_seq, -1);
+    }
+    __syncthreads();
+    seq = block_seq;
+    return block_broken == 0;
 }
 
 // The launch's arguments with the buffer pointers moved to call seq's buffer (the host passes buffer 0's).
@@ -302,8 +319,8 @@ __device__ __forceinline__ void tell_pending_masks(const MaskedStatus& status) {
 // record, and a receive's (every block has read the old ones; only this GPU reads them, so a GPU-scope
 // fence orders them after every block's reads) and, in shrink mode, tells the other ranks of masks set
 // by hand. A send refused by the call order counts as made, so that the ranks' numbers stay equal,
-// but records no call: its receive is refused at once (kCallOrderUnsent) instead of waiting for data
-// no rank sent.
+// but records no call (record_call): its receive is refused at once instead of waiting for data this
+// rank never sent.
 template <typename Args>
 __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq, bool in_order) {
     if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.buffer))
@@ -311,9 +328,9 @@ __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq, bool 
     a.seq_state[kSeqBlocksDone + a.buffer] = 0;
     if (a.phases & kSendPhase) {
         a.seq_state[kSeqLatest] = seq;
-        *a.call_record = in_order ? seq : 0;
+        record_call(a, seq, in_order);
     }
-    if (a.phases & kRecvPhase)
+    if ((a.phases & kRecvPhase) && in_order)  // a refused receive's number is no call it completed
         a.seq_state[kSeqReceived + a.buffer] = seq;
     tell_pending_masks(a.status);
 }
@@ -637,6 +654,15 @@ __device__ __forceinline__ DispatchArgs in_buffer(DispatchArgs a, uint64_t seq) 
     a.routing_staging = in_buffer(a.routing_staging, offset);
     a.slot_staging = in_buffer(a.slot_staging, offset);
     return a;
+}
+
+// A dispatch's send checks no more than every send (check_call). Its record is its own allocation's: it
+// records its number, or 0 when refused (its hook is then refused, kCallOrderUnsent), and zeroes the
+// handle's combine record (the word after its own), which each combine of the handle then sets.
+__device__ __forceinline__ bool handle_busy(const DispatchArgs&, const uint64_t*) { return false; }
+__device__ __forceinline__ void record_call(const DispatchArgs& a, uint64_t seq, bool in_order) {
+    a.call_record[0] = in_order ? seq : 0;
+    a.call_record[1] = 0;
 }
 
 __device__ __forceinline__ int64_t message_bytes(const DispatchArgs& a) {
@@ -1204,7 +1230,7 @@ struct CombineArgs {
     int64_t slot_bytes;            // a LogFMT message's (LogFmtLayout), which a BF16 partial fits in
     uint64_t* choice_flags;        // [kMaxTokensPerRank][kChoiceSlots]
     uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
-                                   // nullptr where num_topk > kChoiceSlots: a pair of several rows waits for weights
+                                   // nullptr where num_topk > kChoiceSlots, and in shrink mode: such a pair waits
     uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
@@ -1234,6 +1260,18 @@ __device__ __forceinline__ CombineArgs in_buffer(CombineArgs a, uint64_t seq) {
     a.choice_flags = in_buffer(a.choice_flags, offset);
     a.choice_slots = a.choice_slots != nullptr ? in_buffer(a.choice_slots, offset) : nullptr;
     return a;
+}
+
+// A combine's send, besides: its handle's combine record names no combine still in flight (each combine
+// of a handle records its number there, where its hook finds it: two at once would share it).
+__device__ __forceinline__ bool handle_busy(const CombineArgs& a, const uint64_t* received) {
+    const uint64_t previous = ld_volatile_global(a.call_record);
+    return previous != 0 && ld_volatile_global(received + buffer_of(previous)) < previous;
+}
+// A refused combine leaves the record to the combine it names, whose hook still finds it.
+__device__ __forceinline__ void record_call(const CombineArgs& a, uint64_t seq, bool in_order) {
+    if (in_order)
+        *a.call_record = seq;
 }
 
 // What a warp group knows about its pair: this rank's rows holding the token's experts and their weights.
@@ -1280,10 +1318,13 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
         const uint64_t* token_weights =
             a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
         uint64_t word = 0;
+        bool looking = true;
         do {
             word = lane < count ? ld_volatile_global(token_weights + pair.choices[lane]) : 0;
             ready = __all_sync(kFullWarpMask, lane >= count || has_tag(word, seq));
-        } while (!ready && globaltimer_ns() < split_ns);
+            // Lane 0's clock decides for the warp: lanes that read it apart must not leave apart.
+            looking = __shfl_sync(kFullWarpMask, globaltimer_ns() < split_ns, 0);
+        } while (!ready && looking);
         if (lane < count)
             pair.weights[lane] = ready ? __uint_as_float(static_cast<uint32_t>(word)) : 1.0f;
     } else if (count > 1) {  // warp-uniform

@@ -298,9 +298,10 @@ def check_fp8_scales(call: str, scales, num_tokens: int, hidden: int) -> None:
                              f"{SCALE_BLOCK * UE8M0_SCALES_PER_WORD}, got {hidden}")
         check_matrix(call, "x scales", scales, [np.int32], num_tokens,
                      hidden // (SCALE_BLOCK * UE8M0_SCALES_PER_WORD), contiguous=False)
+    elif scales.dtype != np.float32:
+        raise TypeError(f"{call}: x scales must be float32 or int32 (packed UE8M0), got {scales.dtype}")
     else:
-        check_matrix(call, "x scales", scales, [np.float32, np.int32], num_tokens, hidden // SCALE_BLOCK,
-                     contiguous=False)
+        check_matrix(call, "x scales", scales, [np.float32], num_tokens, hidden // SCALE_BLOCK, contiguous=False)
 
 
 def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int, max_experts: int,

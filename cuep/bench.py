@@ -681,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                        help="comma-separated SM counts to measure (default: the tuned dispatch and combine counts)")
+                        help="comma-separated SM counts to measure (default: Buffer.num_sms, DeepEP's 20)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations (default 30 normal, 1000 low latency: p99 needs many)")

@@ -65,7 +65,6 @@ class Buffer:
     adds :meth:`barrier`.
     """
 
-    #: SMs for the high-throughput kernels when no Config is given; ``None`` uses the tuned defaults.
     #: SMs of the normal-mode kernels when a call passes no Config (every Buffer of the process), DeepEP's 20
     #: unless :meth:`set_num_sms` changed it. Frameworks read it to leave the other SMs to overlapped GEMMs.
     num_sms: int = DEFAULT_NUM_SMS
@@ -414,7 +413,8 @@ class Buffer:
 
         Warning:
             a call that breaks the order moves nothing, and the rank's next call raises
-            :class:`~cuep.CallOrderError` naming the rule.
+            :class:`~cuep.CallOrderError` naming the rule; the other ranks' receives of that call wait for
+            it until ``CUEP_TIMEOUT_S`` (:class:`~cuep.PeerTimeoutError`; shrink mode masks the rank).
 
         Arguments:
             x: `[num_tokens, hidden]` `bfloat16`, ``num_tokens <= num_max_dispatch_tokens_per_rank``, hidden a
@@ -522,7 +522,8 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: low_latency.Handle):
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` array for
-        the next :meth:`low_latency_combine`'s expert outputs (one per buffer half, reused).
+        the next :meth:`low_latency_combine`'s expert outputs (two per shape, handed out in turn: at most two
+        results are in flight; reused).
 
         cuep's combine reads its ``x`` in place wherever it lives, so writing here saves nothing over any
         other array; it exists so code written for DeepEP's zero-copy path runs unchanged.

@@ -41,10 +41,12 @@ class MaskedRankError(CuepError):
 
 class CallOrderError(CuepError):
     """Low-latency calls broke a rule of their order (the README's "Low-latency call order"), found on the
-    device: too many results in flight on this rank, a receive run for a call whose send never ran or that
-    was already received, or a peer whose newer call reached this rank's buffer before this rank read the
-    call it waits for (the ranks' calls differ). The call it met, and every call after it until this error
-    is raised, moved nothing.
+    device: too many results in flight on this rank, two combines of one dispatch's handle in flight, a
+    receive run for a call whose send never ran or that was already received, or a peer whose newer call
+    reached this rank's buffer before this rank read the call it waits for (the ranks' calls differ). The
+    call that broke the rule moved nothing; the calls after it until this error is raised gave up their
+    waits at once, so their results are incomplete. ``Buffer.clean_low_latency_buffer(...)`` (shrink mode:
+    ``low_latency_clean_mask_buffer()``) starts over, collectively.
 
     Attributes:
         rank: the rank that found it.

@@ -36,7 +36,8 @@ def test_fp8_scales_float32_or_packed_ue8m0(dtype, columns):
 
 
 @pytest.mark.parametrize("scales, hidden, error, message", [
-    (np.zeros((5, 56), np.float64), 7168, TypeError, r"x scales must be float32 or int32, got float64"),
+    (np.zeros((5, 56), np.float64), 7168, TypeError,
+     r"x scales must be float32 or int32 \(packed UE8M0\), got float64"),
     (np.zeros((5, 56), np.int32), 7168, ValueError, r"x scales must have shape \[5, 14\], got \(5, 56\)"),
     (np.zeros((5, 14), np.float32), 7168, ValueError, r"x scales must have shape \[5, 56\]"),
     (np.zeros((5, 5), np.int32), 640, ValueError, r"packed UE8M0 \(int32\) x scales need a hidden size that is a "
@@ -90,6 +91,7 @@ def test_expert_id_out_of_range(call, bad_id, message):
     (status.CallOrderRule.UNSENT, -1, r"call 9 on rank 2: a receive hook .* whose send never ran"),
     (status.CallOrderRule.RECEIVED, -1, r"call 9 on rank 2: a receive hook .* already received"),
     (status.CallOrderRule.OVERTAKEN, 3, r"call 9 on rank 2: a newer call of the peer reached"),
+    (status.CallOrderRule.HANDLE_BUSY, -1, r"call 9 on rank 2: a combine sent while another combine of the same"),
 ])
 def test_call_order_record_raises_naming_the_rule(rule, peer, message):
     """A broken low-latency call order (cuda_src/low_latency.cu, break_call_order) raises CallOrderError in

@@ -18,7 +18,8 @@ HIDDENS = (384, 1024, 2048, 4096, 7168)
 @pytest.fixture
 def tuned_sms(monkeypatch):
     """The default count for the test (``set_num_sms`` sets a class attribute); whatever was set comes back after."""
-    monkeypatch.setattr(cuep.Buffer, "num_sms", cuep.Buffer.num_sms)
+    from cuep.config import DEFAULT_NUM_SMS
+    monkeypatch.setattr(cuep.Buffer, "num_sms", DEFAULT_NUM_SMS)
 
 
 def nvl_hint(hidden: int, num_ranks: int, num_tokens: int = 4096, num_topk: int = 8) -> int:

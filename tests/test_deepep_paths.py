@@ -56,7 +56,7 @@ def test_imports_as_frameworks_write_them(deep_ep_is_cuep_torch):
 def test_megatron_fused_a2a_has_deep_ep(deep_ep_is_cuep_torch, monkeypatch):
     """Megatron-LM's fused_a2a imports ``Buffer`` from ``deep_ep`` and the events from ``deep_ep.utils`` when it
     is imported, and quietly runs without DeepEP (HAVE_DEEP_EP False) if either import fails."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]')")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[frameworks]')")
     name = "megatron.core.transformer.moe.fused_a2a"
     monkeypatch.delitem(sys.modules, name, raising=False)
     fused_a2a = importlib.import_module(name)

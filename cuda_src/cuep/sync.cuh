@@ -8,9 +8,9 @@
 //
 // Call numbers are not here: both NVSHMEM families number calls on the device (a counter in this
 // rank's device memory, read at launch and advanced by the last block, last_block_done), but what
-// they count differs. The low-latency family numbers every send launch and keeps the newest number
-// of each buffer half, because a receive-only launch (a hook) completes a call after the other half
-// may have sent the next one (low_latency.cu, call_number). The intranode family counts dispatches
+// they count differs. The low-latency family numbers every send launch, and a receive-only launch (a
+// hook) reads its call's number from the call's own record, because other calls may have been sent
+// since (low_latency.cu, "Call order"). The intranode family counts dispatches
 // on their own, because a sender's header is reused per dispatch (done[] holds dispatch epochs), and
 // derives the call number, which picks the region, as dispatches plus combines (intranode.cu, next_call).
 #pragma once

@@ -56,6 +56,7 @@ class CallOrderRule(enum.IntEnum):
     UNSENT = 2       # a receive (a hook) of a call whose send never ran, or is not one of the two newest
     RECEIVED = 3     # a receive of a call already received (a receive graph replayed without its send)
     OVERTAKEN = 4    # a peer's newer call reached the buffer this receive reads: the ranks' calls differ
+    HANDLE_BUSY = 5  # a combine sent while another combine of the same dispatch's handle was not received
 
 
 CALL_ORDER_RULES = {
@@ -68,7 +69,9 @@ CALL_ORDER_RULES = {
                             "replay a hook's send graph before each replay of its receive graph",
     CallOrderRule.OVERTAKEN: "a newer call of the peer reached the buffer this receive reads before this rank read it: "
                              "every rank must make the same low-latency calls in the same order, each within the "
-                             "two-in-flight rule"}
+                             "two-in-flight rule",
+    CallOrderRule.HANDLE_BUSY: "a combine sent while another combine of the same dispatch's handle was not received "
+                               "yet: the combines of one handle run one at a time (call the first one's hook first)"}
 """What each rule says, as CallOrderError words it."""
 
 

@@ -464,7 +464,9 @@ def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) 
     a.weight_flags, a.token_flags = weight_flags, token_flags
     a.weights, a.weight_words = ctx.tables()[1], WEIGHT_WORDS
     a.slots, a.slot_bytes = data + layout.combine_slots, layout.combine_slot_bytes
-    a.choice_flags, a.choice_slots = choice_flags, data + layout.choice_slots
+    # Shrink mode keeps each rank's messages in slots of its own: a masked rank that still runs must not
+    # overwrite a live rank's rows, as it could in the choice slots. There a pair of several rows waits.
+    a.choice_flags, a.choice_slots = choice_flags, 0 if ctx.shrink else data + layout.choice_slots
     a.split_after_ns = ctx.split_after_ns
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words

@@ -17,7 +17,7 @@ def check_nvlink_connections(group) -> None:
     cuep's intranode kernels store into the peers' buffers, over NVLink or PCIe peer access: that, not
     NVLink itself, is what they need (DeepEP limits PCIe GPUs to pairs). Collective over ``group``. A GPU
     this process cannot see (each rank given only its own with ``CUDA_VISIBLE_DEVICES``) cannot be asked
-    here; NVSHMEM checks it when the Buffer starts.
+    here, and is not checked.
 
     Arguments:
         group: the ``torch.distributed`` process group of the Buffer.
@@ -26,20 +26,22 @@ def check_nvlink_connections(group) -> None:
         RuntimeError: naming both GPUs, when one cannot access the other's memory.
     """
     import socket
-    torch = _deps.torch()
+
+    from cuep.runtime.world import gpu_identity
+    torch, runtime = _deps.torch(), _deps.cupy().cuda.runtime
     device = torch.cuda.current_device()
-    mine = (socket.gethostname(), torch.cuda.get_device_properties(device).pci_bus_id)
+    host = socket.gethostname()
     everyone = [None] * group.size()
-    torch.distributed.all_gather_object(everyone, mine, group=group)
-    visible = {torch.cuda.get_device_properties(i).pci_bus_id: i for i in range(torch.cuda.device_count())}
-    for rank, (host, bus_id) in enumerate(everyone):
-        peer = visible.get(bus_id)
-        if host != mine[0] or peer is None or peer == device:
+    torch.distributed.all_gather_object(everyone, (host, gpu_identity(device)), group=group)
+    visible = {gpu_identity(i): i for i in range(runtime.getDeviceCount())}
+    for rank, (their_host, identity) in enumerate(everyone):
+        peer = visible.get(identity)
+        if their_host != host or peer is None or peer == device:
             continue
-        if not torch.cuda.can_device_access_peer(device, peer):
-            raise RuntimeError(f"check_nvlink_connections(): GPU {mine[1]} cannot access the memory of GPU {bus_id} "
-                               f"(rank {rank}) peer to peer; cuep's intranode kernels need peer access between "
-                               f"the GPUs of one host")
+        if not runtime.deviceCanAccessPeer(device, peer):
+            raise RuntimeError(f"check_nvlink_connections(): GPU {runtime.deviceGetPCIBusId(device)} cannot access the "
+                               f"memory of GPU {runtime.deviceGetPCIBusId(peer)} (rank {rank}) peer to peer; cuep's "
+                               f"intranode kernels need peer access between the GPUs of one host")
 
 
 __all__ = ["EventHandle", "EventOverlap", "check_nvlink_connections"]

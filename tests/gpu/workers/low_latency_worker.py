@@ -387,7 +387,8 @@ def one_rank_late_before_each_call(buffer):
 def calls_outside_the_order_are_refused_within_a_second(buffer):
     """Three dispatch sends with no receive: the third breaks the two-in-flight rule, moves nothing, and the
     rank's next call raises CallOrderError naming the rule within a second (no wait for a timeout). The refused
-    send's hook is refused too; clean_low_latency_buffer then starts over and a step is right again."""
+    send's hook is refused too; clean_low_latency_buffer then starts over and a step is right again. Then two
+    combines of one handle: the second is refused, and the first one's hook still completes it."""
     _, (mine,) = step_inputs(1)
 
     def send():
@@ -410,6 +411,22 @@ def calls_outside_the_order_are_refused_within_a_second(buffer):
     buffer.clean_low_latency_buffer(MAX_TOKENS, STEP_HIDDEN, FEW_EXPERTS)
     inputs, (mine,) = step_inputs(1)
     check_step(inputs[0], *eager_step(buffer, mine, hooks=True))
+    # Two combines of one handle in flight would share its record: the second is refused, the first completes.
+    inputs, (mine,) = step_inputs(1)
+    received, recv_count, handle, _, hook = buffer.low_latency_dispatch(
+        mine.x, mine.topk_idx, MAX_TOKENS, FEW_EXPERTS, use_fp8=False, return_recv_hook=True)
+    hook()
+    combined, _, first_hook = buffer.low_latency_combine(received, mine.topk_idx, mine.topk_weights, handle,
+                                                         return_recv_hook=True)
+    buffer.low_latency_combine(received, mine.topk_idx, mine.topk_weights, handle, return_recv_hook=True)
+    cupy.cuda.Device().synchronize()
+    expect_error(cuep.CallOrderError, first_hook, "a second combine of a handle in flight was not refused",
+                 match="another combine of the same dispatch's handle")
+    first_hook()  # the error came before the hook ran its receive
+    check_step(inputs[0], received, recv_count, combined)
+    cupy.cuda.Device().synchronize()
+    comm.Barrier()
+    buffer.clean_low_latency_buffer(MAX_TOKENS, STEP_HIDDEN, FEW_EXPERTS)  # the refused combine was never received
 
 
 def zeroed_buffer_and_cleaned_masks_serve_again():

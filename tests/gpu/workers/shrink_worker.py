@@ -237,8 +237,8 @@ def victim_stops_at_a_combine(buffer, live):
         check_call(later, *results)
         check_mask(buffer, {VICTIM})
     comm.Barrier()
-    # The victim sat out after a dispatch, so its buffer half is one call off the live ranks': clean must
-    # line the ranks up again, halves included.
+    # The victim sat out after a dispatch, so its call numbers are one call off the live ranks': clean must
+    # line the ranks up again, the call order's state included.
     clean_with_every_rank(buffer)
     full_call(buffer, draw())
 
