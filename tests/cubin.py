@@ -50,6 +50,17 @@ def sections(cubin: bytes) -> list[Section]:
                     b"" if h[1] == _SHT_NOBITS else cubin[h[4]:h[4] + h[5]]) for h in headers]
 
 
+def static_shared_bytes(cubin: bytes, kernel: str) -> int:
+    """Bytes of static shared memory of entry ``kernel`` (its mangled name): the size of its ``.nv.shared``
+    section, which takes no bytes in the file; 0 when it has none."""
+    (table_at,) = _ELF_SECTIONS_AT.unpack_from(cubin, 0x28)
+    entry_size, count, names_index = _ELF_SECTION_COUNTS.unpack_from(cubin, 0x3A)
+    headers = [_SECTION_HEADER.unpack_from(cubin, table_at + i * entry_size) for i in range(count)]
+    names_at = headers[names_index][4]
+    wanted = f".nv.shared.{kernel}"
+    return next((h[5] for h in headers if _c_string(cubin, names_at + h[0]) == wanted), 0)
+
+
 def _symbol_names(all_sections: list[Section]) -> list[str]:
     symtab = next(s for s in all_sections if s.name == ".symtab")
     strings = all_sections[symtab.link].body

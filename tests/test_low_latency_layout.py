@@ -56,6 +56,17 @@ def test_dispatch_shared_memory_stays_within_the_default_limit():
     assert kernels.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
 
 
+@pytest.mark.parametrize("variant", ["default", "fallback", "aggressive_ptx"])
+def test_the_dispatch_s_own_shared_memory_fits_its_bound(variant):
+    """The dynamic shared memory allowed is the block's 48 KiB less DISPATCH_STATIC_SHARED_BYTES: that bound must
+    hold what the compiled kernel declares itself, or the largest shapes fail at launch."""
+    from .builds import compiled
+    from .cubin import static_shared_bytes
+    _, artifact = compiled("low_latency", "sm_90", variant)
+    declared = static_shared_bytes(artifact.cubin, artifact.symbols[kernels.DISPATCH_ENTRY])
+    assert 0 < declared <= kernels.DISPATCH_STATIC_SHARED_BYTES, declared
+
+
 def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
     ranks = 256
     with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:

@@ -44,7 +44,7 @@ SEQ_LATEST, SEQ_RECEIVED = 0, 1  # in it: the newest call number sent, then the 
 MASKED_TO_TELL, MASKED_TOLD = 1, 2
 ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then each token's choices]
 MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
-DISPATCH_STATIC_SHARED_BYTES = 1024  # a bound on the dispatch's own (~800 B: the send's destination lists)
+DISPATCH_STATIC_SHARED_BYTES = 2048  # a bound on the dispatch's own (tests/test_low_latency_layout.py checks the build)
 
 TRACE_POINTS = 16               # uint64 stamps per block in CUEP_TRACE builds (trace[num_sms, TRACE_POINTS])
 # Trace points, in the order a block passes them: name -> (index in a block's stamps, what cuep.bench
