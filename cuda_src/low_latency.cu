@@ -410,18 +410,32 @@ __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq
                       deadline_ns, status, peer, phase);
 }
 
-// Wait until `peer`'s flag reaches call seq (acquire); false if the wait gave up, or if the flag went
-// past seq: a newer call of the peer overtook this one (reported; its data may be overwritten).
+// Wait until `peer`'s flag `first`, or its flag `second` where given, reaches call seq (acquire): 1 or 2,
+// which one did; 0 if the wait gave up, or if a flag went past seq: a newer call of the peer overtook
+// this one (reported; its data may be overwritten).
+__device__ __forceinline__ int wait_for_call_on(const uint64_t* first, const uint64_t* second, uint64_t seq,
+                                                uint64_t deadline_ns, const MaskedStatus& status, int peer, int phase) {
+    uint64_t first_seen = 0, second_seen = 0;
+    const bool came = wait_until(
+        [&] {
+            first_seen = ld_acquire_sys_global(first);
+            second_seen = second != nullptr ? ld_acquire_sys_global(second) : 0;
+            return first_seen >= seq || second_seen >= seq;
+        },
+        [] {}, deadline_ns, status, peer, phase);
+    if (!came)
+        return 0;
+    if (first_seen > seq || second_seen > seq) {
+        status.break_call_order(kCallOrderOvertaken, seq, peer);
+        return 0;
+    }
+    return first_seen == seq ? 1 : 2;
+}
+
+// Wait until `peer`'s flag reaches call seq (wait_for_call_on, one flag); false if it did not.
 __device__ __forceinline__ bool wait_for_call(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
                                               const MaskedStatus& status, int peer, int phase) {
-    uint64_t value = 0;
-    if (!wait_until([&] { return (value = ld_acquire_sys_global(flag)) >= seq; }, [] {}, deadline_ns, status, peer,
-                    phase))
-        return false;
-    if (value == seq)
-        return true;
-    status.break_call_order(kCallOrderOvertaken, seq, peer);
-    return false;
+    return wait_for_call_on(flag, nullptr, seq, deadline_ns, status, peer, phase) != 0;
 }
 
 // Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
@@ -1314,9 +1328,9 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
     bool ready = count == 1;
     if (count == 1 && lane == 0)
         pair.weights[0] = 1.0f;
+    const uint64_t* token_weights =
+        a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
     if (count > 1 && split_ns != 0) {  // warp-uniform
-        const uint64_t* token_weights =
-            a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
         uint64_t word = 0;
         bool looking = true;
         do {
@@ -1332,8 +1346,6 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
             ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
                                     kPhaseLowLatencyWeights);
         ready = __shfl_sync(kFullWarpMask, ready, 0);
-        const uint64_t* token_weights =
-            a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
         if (ready && lane < count)
             ready = read_table<1>(token_weights + pair.choices[lane], 1, seq, deadline_ns, a.status, s,
                                   kPhaseLowLatencyWeights,
@@ -1354,10 +1366,11 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
             raw[i] = ld_nc_global(x + first + i * kGroupThreads);
 }
 
-// Warp group: the FP32 weighted sum of the pair's rows [first, first + count) (pair.weights), as BF16 or
-// LogFMT, at `out` (this GPU's store address of the message), then the message's flag raised to seq on s:
-// a release store to `direct_flag` where `out` is s's memory, else a put of `slot` from `out` (staged)
-// then its signal to `flag`. With `preloaded`, `raw` holds this thread's first stride of the first row.
+// Warp group: the FP32 weighted sum of the pair's rows [first_row, first_row + count) (pair.weights), as
+// BF16 or LogFMT, at `out_bytes` (this GPU's store address of the message), then the message's flag (`flag`,
+// a symmetric address) raised to seq on s: a release store where `is_direct` (`out_bytes` is s's memory),
+// else a put of `slot` from `out_bytes` (staged) then its signal. With `preloaded`, `raw` holds this
+// thread's first stride of the first row.
 static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, const Team& group, PairRows& pair,
                                      int first_row, int count, int4 (&raw)[kPartialBatch], bool preloaded,
                                      uint8_t* out_bytes, bool is_direct, uint8_t* slot, uint64_t* flag) {
@@ -1478,27 +1491,6 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     }
 }
 
-// Until `peer` sent token t's partial (its flag `whole` reaches seq: 1) or, a pair of several rows sent
-// one by one, its first row (`row`: 2); 0 if the wait gave up or met a newer call (reported).
-__device__ __forceinline__ int wait_for_partial(const uint64_t* whole, const uint64_t* row, uint64_t seq,
-                                                uint64_t deadline_ns, const MaskedStatus& status, int peer) {
-    uint64_t whole_seen = 0, row_seen = 0;
-    const bool came = wait_until(
-        [&] {
-            whole_seen = ld_acquire_sys_global(whole);
-            row_seen = row != nullptr ? ld_acquire_sys_global(row) : 0;
-            return whole_seen >= seq || row_seen >= seq;
-        },
-        [] {}, deadline_ns, status, peer, kPhaseLowLatencyPartial);
-    if (!came)
-        return 0;
-    if (whole_seen > seq || row_seen > seq) {
-        status.break_call_order(kCallOrderOvertaken, seq, peer);
-        return 0;
-    }
-    return whole_seen == seq ? 1 : 2;
-}
-
 // Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
 // memory, nullptr where a message never came); returns how many. Each rank holding some of the token's
 // experts sent one partial at slot (rank, t): weighted here when it holds one choice, summed with the
@@ -1526,8 +1518,9 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
         const uint64_t* row_flag = choices > 1 && a.choice_slots != nullptr
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
-        form = wait_for_partial(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq, deadline_ns,
-                                a.status, r);
+        // The rank's partial, or (several choices) the first of its rows sent one by one.
+        form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq, deadline_ns,
+                                a.status, r, kPhaseLowLatencyPartial);
         add_wait(a.wait_stats, r, started);
     }
     form = __shfl_sync(kFullWarpMask, form, leader);

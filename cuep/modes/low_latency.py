@@ -50,7 +50,8 @@ from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch
 from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK,
                                    MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE,
-                                   SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS, CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_num_parts, grid)
+                                   SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS, CombineArgs, DispatchArgs,
+                                   check_dispatch_shared_bytes, dispatch_num_parts, grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
