@@ -34,7 +34,7 @@ TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 7168, 256, 8
 
 PIECES = [
     (cuep.Buffer, "dispatch"), (_checks, "dispatch_arguments"), (_checks, "widened_ids"),
-    (_streams.CallStreams, "run"), (intranode, "dispatch"), (intranode, "staging_layout"),
+    (_streams.CallStreams, "run"), (intranode, "dispatch"), (intranode, "need_round_tokens"),
     (intranode, "need_region_bytes"), (intranode, "_sender_tokens"), (intranode.Context, "status_mirror"),
     (_front.CupyFront, "empty"), (intranode, "launch"), (launcher.Launch, "__init__"), (launcher.Launch, "__call__"),
     (barrier_kernel, "launch"), (_interop, "read_on_host"), (resources.Resources, "raise_if_failed"),

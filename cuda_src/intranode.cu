@@ -7,11 +7,11 @@
 //   [0, kMetaBytes)      SenderMeta: the sender's token count, where its staged arrays start,
 //                        send_count[dst] and the per-expert counts from its layout; at its end,
 //                        SenderControl: the flags of the protocol below
-//   two regions of region_bytes each, used in turn: intranode call k (dispatches and combines
-//   counted together, from 1, equal on every rank) uses region k % 2 (region_offset below) for
-//                        non-cached dispatch: staged x rows, scales, top-k ids, weights, send lists
-//                        cached dispatch: landing rows, one per received row (push form, below)
-//                        combine:  landing rows, one per (token, rank that holds a copy)
+//   two regions of region_bytes each, used in turn: intranode call k (numbered from 1, equal on
+//   every rank) uses region k % 2 (region_offset below) for
+//                        non-cached dispatch: staged top-k ids, weights and send lists (no rows)
+//                        rows of a dispatch: landing rows, one section per source rank (push form)
+//                        combine: landing rows, one section per rank holding copies
 //
 // Why two regions: a call may write into a peer's region the moment it starts, with no handshake.
 // Call k ends on each rank only once every peer has started call k (SenderControl::started), so
@@ -19,26 +19,39 @@
 // call k + 1 uses. Each call also clears, before it announces itself, the arrival counters of the
 // other region, which the next call counts in.
 //
+// Any batch through a buffer of fixed size: the kernels that move rows (dispatch_push, combine) go
+// through the tokens in rounds, and each round is one call of the protocol above. Round w takes the
+// source tokens [w * C, (w + 1) * C) of every rank, where C (round_tokens, a multiple of
+// kRoundUnitTokens) is what the host worked out from the region's size: a region holds num_ranks
+// sections of C landing rows, one per source (dispatch) or per holder (combine), so a round's rows
+// always fit, wherever the tokens go. Every rank knows the largest token count of the dispatch
+// (recv_info), so all of them run the same rounds. Between two rounds the blocks of a launch wait
+// for each other (end_round), so a round starts only once the previous call has ended here. Which
+// rows fall in a round: a sender counts its tokens sent to each destination at every multiple of
+// kRoundUnitTokens (send_prefix, written by the stage kernel into the handle); a receiver finds the
+// first row of each source past the round in its received source indices (rows come in token order).
+//
 // Dispatches are also numbered on their own (epochs 1, 2, ...). A non-cached dispatch's header (in
 // the meta region, not in a region) is rewritten only once every receiver has finished the previous
 // dispatch (SenderControl::done).
 //
-// Non-cached dispatch: (1) stage (cuep::intranode::stage): copy tokens, scan is_token_in_rank into
-// per-destination send lists; (2) barrier; (3) notify: each receiver reads every sender's meta and
-// builds its receive plan (rank prefix, per-expert counts, landing offsets); the host may wait for
-// the count here to size the outputs; (4) pull (cuep::intranode::dispatch). Every byte crosses
-// NVLink once.
+// Non-cached dispatch: (1) stage (cuep::intranode::stage): copy top-k ids and weights, scan
+// is_token_in_rank into per-destination send lists and the send prefixes; (2) barrier; (3) notify:
+// each receiver reads every sender's meta and builds its receive plan (rank prefix, per-expert
+// counts, landing offsets); the host may wait for the count here to size the outputs; (4) routing
+// (cuep::intranode::receive_routing): each receiver reads its rows' source indices, top-k ids and
+// weights from the senders' staging; (5) the rows, pushed as a cached dispatch pushes them.
 //
 // Cached dispatch (one kernel, cuep::intranode::dispatch_push): the senders push each token into its
 // receivers' landing rows and the receivers copy them out as they complete; see that kernel.
 //
 // Combine (push, one kernel, cuep::intranode::combine): each rank writes the rows it received back
-// into the landing region of their source, at the slot the dispatch plan assigned, counting every
-// row in the source's per-chunk arrival counters; meanwhile the source sums, in FP32, the copies of
-// each of its tokens as soon as they have landed, adds the optional biases, and writes the result.
-// No barrier: the counters order everything.
+// into the landing region of their source, in its own section, counting every row in the source's
+// per-chunk arrival counters; meanwhile the source sums, in FP32, the copies of each of its tokens
+// as soon as they have landed, adds the optional biases, and writes the result. No barrier: the
+// counters order everything.
 //
-// Each entry has an argument struct (StageArgs, NotifyArgs, DispatchArgs, PushArgs, CombineArgs
+// Each entry has an argument struct (StageArgs, NotifyArgs, RoutingArgs, PushArgs, CombineArgs
 // below), mirrored field for field in cuep/kernels/intranode.py, which also defines the sizes both
 // sides use (CUEP_* macros, read once below); it takes the struct's fields as its parameters (see
 // the entries). The call sequences that launch them are in cuep/modes/intranode.py.
@@ -64,7 +77,7 @@ constexpr int kFloatsPerVector = 4;   // 16 bytes of float32
 // region-relative offsets the host computes, cuep/modes/intranode.py).
 struct SenderMeta {
     int64_t num_tokens;
-    int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
+    int64_t topk_idx_offset, topk_weights_offset, send_lists_offset;
     int32_t send_count[kMaxRanks];
     // followed by int32_t num_tokens_per_expert[num_experts], at most kMaxExperts
 };
@@ -89,14 +102,27 @@ static_assert(sizeof(SenderControl) <= kControlBytes, "SenderControl outgrew its
 static_assert(sizeof(SenderMeta) + kMaxExperts * sizeof(int32_t) <= kControlOffset,
               "the per-expert counts of the largest expert count overrun the protocol's flags");
 
-// Per-rank state on the device (kStateWords uint64 words): the last finished dispatch and combine
-// epochs (their sum is the number of finished intranode calls), and the blocks of the running
-// dispatch or combine kernel that are done (the last one finishes the epoch).
+// Per-rank state on the device (kStateWords uint64 words): the last finished dispatch epoch, the
+// blocks of the running kernel that are done with its current round (the last one ends the round),
+// the last finished intranode call, and the rounds of the running kernel that have ended.
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
-constexpr int kStateCombineEpoch = 2;
+constexpr int kStateCalls = 2;
+constexpr int kStateRoundsEnded = 3;
 constexpr int kStateWords = CUEP_STATE_WORDS;
-static_assert(kStateCombineEpoch < kStateWords, "the host allocates too few state words");
+static_assert(kStateRoundsEnded < kStateWords, "the host allocates too few state words");
+
+// What a non-cached dispatch's notify kernel writes for this rank (the handle's recv_info): the rows
+// it receives, the copies of its tokens it sends, the largest token count of any rank (which sets the
+// rounds of every call with this handle), the rank prefix of its received rows, then the per-expert
+// counts.
+constexpr int kRecvInfoRows = 0;
+constexpr int kRecvInfoCopies = 1;
+constexpr int kRecvInfoMaxTokens = 2;
+constexpr int kRecvInfoRankPrefix = 3;
+
+// Rounds take whole units of this many source tokens; send_prefix holds a count per unit.
+constexpr int kRoundUnitTokens = CUEP_ROUND_UNIT_TOKENS;
 
 __device__ __forceinline__ SenderControl* control_of(uint8_t* buffer) {
     return reinterpret_cast<SenderControl*>(buffer + kControlOffset);
@@ -107,9 +133,9 @@ __device__ __forceinline__ SenderControl* control_of_rank(const uint64_t* peer_b
     return control_of(reinterpret_cast<uint8_t*>(peer_bases[r]));
 }
 
-// This rank's next intranode call: the one a dispatch or combine kernel runs.
+// This rank's next intranode call: the first one a kernel runs.
 __device__ __forceinline__ uint64_t next_call(const uint64_t* state) {
-    return ld_volatile_global(state + kStateEpoch) + ld_volatile_global(state + kStateCombineEpoch) + 1;
+    return ld_volatile_global(state + kStateCalls) + 1;
 }
 
 // Where intranode call `call`'s region starts in a buffer (the same offset on every rank).
@@ -117,9 +143,9 @@ __device__ __forceinline__ int64_t region_offset(uint64_t call, int64_t region_b
     return kMetaBytes + static_cast<int64_t>(call % 2) * region_bytes;
 }
 
-__device__ __forceinline__ int rows_per_chunk(int64_t num_rows) {
-    return max(kMinChunkRows, static_cast<int>((num_rows + kMaxChunks - 1) / kMaxChunks));
-}
+// A round's chunks are at most kRoundUnitTokens rows, so that a chunk never spans two sections
+// (the host keeps num_ranks * round_tokens <= kMaxChunks * kRoundUnitTokens).
+static_assert(kRoundUnitTokens % kMinChunkRows == 0, "chunks must tile a round's sections");
 
 // The call a wait on pushed rows belongs to: if it times out, the peer to blame is the first one
 // that never started the call (its rows may share the awaited chunk with the awaited row's).
@@ -153,10 +179,8 @@ __device__ __forceinline__ bool wait_chunk_count(const uint32_t* counters, int c
     return true;
 }
 
-// What a receiver needs of one sender, read from the sender's meta at the start of a pull.
+// What a receiver needs of one sender, read from the sender's meta at the start of its routing.
 struct SourcePlan {
-    const uint8_t* x;
-    const float* scales;
     const int64_t* topk_idx;
     const float* topk_weights;
     const int32_t* send_list;     // the source's list of token indices for this rank
@@ -171,21 +195,9 @@ struct TokenRows {
     int num_scales;
 };
 
-// A sender's tokens and where this rank stages them (offsets from the buffer's start).
-struct Staging : TokenRows {
-    const int64_t* topk_idx;
-    const float* topk_weights;
-    int num_topk;
-    int num_tokens;
-    uint8_t* buffer;
-    int64_t x_offset, scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
-};
-
-// Where a non-cached dispatch writes what this rank receives (`[num_rows, ...]` each; the optional
-// arrays are null when not asked for).
-struct RecvArrays {
-    uint8_t* x;
-    float* scales;
+// Where a non-cached dispatch's routing kernel writes what this rank receives besides the rows
+// (`[num_rows, ...]` each; the optional arrays are null when not asked for).
+struct RecvRouting {
     int64_t* topk_idx;
     float* topk_weights;
     int32_t* src_idx;
@@ -198,16 +210,16 @@ struct RecvArrays {
 // struct's bytes as the entry's parameters, so its fields must sit where the parameters do: no
 // field may fall into a nested struct's tail padding (PushArgs puts pointers after its TokenRows).
 
-// This rank's tokens in a non-cached dispatch, and where its stage kernel puts them: offsets relative
-// to the call's region (the kernel adds the region's start).
+// This rank's routing in a non-cached dispatch, and where its stage kernel puts it: offsets relative
+// to the call's region in the kernel's arguments (the kernel adds the region's start), from the
+// buffer's start once staged.
 struct SenderTokens {
-    TokenRows rows;
     const int64_t* topk_idx;
     const float* topk_weights;
     int num_topk;
     int num_tokens;
     uint8_t* buffer;
-    int64_t scales_offset, topk_idx_offset, topk_weights_offset, send_lists_offset;
+    int64_t topk_idx_offset, topk_weights_offset, send_lists_offset;
 };
 
 struct StageArgs {
@@ -216,6 +228,7 @@ struct StageArgs {
     const int32_t* num_tokens_per_expert;
     int num_experts, num_ranks;
     int32_t* send_pos;
+    int32_t* send_prefix;
     const uint64_t* peer_bases;
     int rank;
     int64_t region_bytes;
@@ -228,18 +241,15 @@ struct NotifyArgs {
     const uint64_t* peer_bases;
     int rank, num_ranks, num_experts, expert_alignment;
     int32_t* recv_info;
-    int32_t* combine_offsets;
-    int32_t* send_offsets;
-    int32_t* push_offsets;
     int32_t* rank_prefix_matrix;
 };
 
-struct DispatchArgs {
-    SenderTokens tokens;  // only the row shape is read: the sources' headers say where their arrays sit
+struct RoutingArgs {
+    int num_topk;
     const uint64_t* peer_bases;
     const int32_t* recv_info;
     int rank, num_ranks, num_experts, num_rows;
-    RecvArrays recv;
+    RecvRouting recv;
     uint64_t* state;
     Status status;
     int32_t* next_row;
@@ -249,7 +259,8 @@ struct DispatchArgs {
 struct PushArgs {
     TokenRows rows;
     const int32_t* send_pos;
-    const int32_t* push_offsets;
+    const int32_t* send_prefix;
+    const int32_t* recv_src_idx;
     int num_tokens;
     int push_warps;
     int64_t row_bytes;
@@ -257,6 +268,7 @@ struct PushArgs {
     const int32_t* recv_info;
     int rank, num_ranks;
     int64_t region_bytes;
+    int round_tokens;
     int num_rows;
     uint8_t* recv_x;
     float* recv_scales;
@@ -269,10 +281,10 @@ struct PushArgs {
 struct CombineArgs {
     const uint64_t* peer_bases;
     const int32_t* recv_info;
-    const int32_t* combine_offsets;
     const int32_t* send_pos;
-    const int32_t* send_offsets;
-    int rank, num_ranks, num_tokens;
+    const int32_t* send_prefix;
+    const int32_t* recv_src_idx;
+    int rank, num_ranks, num_tokens, round_tokens;
     const uint8_t* x;
     int64_t hidden_bytes;
     const float* topk_weights;
@@ -290,17 +302,17 @@ struct CombineArgs {
 
 // What a dispatch or combine kernel knows of its call before anything else (see the top of this file).
 struct CallStart {
-    uint64_t epoch;  // the dispatch or combine epoch this kernel finishes
-    uint64_t call;   // the intranode call it runs
+    uint64_t epoch;  // the dispatch epoch a dispatch kernel finishes (a combine's is not used)
+    uint64_t call;   // the (first) intranode call it runs
     int64_t region;  // where that call's region starts in every buffer
 };
 
-// The first thing every dispatch and combine kernel reads: its epoch (from state word `epoch_word`,
-// kStateEpoch or kStateCombineEpoch), its call and that call's region. (Each kernel then reads the
-// clock for its deadline; where it does so decides how the compiler schedules these loads.)
-__device__ __forceinline__ CallStart start_call(const uint64_t* state, int epoch_word, int64_t region_bytes) {
+// The first thing every kernel of a call reads: the next dispatch epoch, its call and that call's
+// region. (Each kernel then reads the clock for its deadline; where it does so decides how the
+// compiler schedules these loads.)
+__device__ __forceinline__ CallStart start_call(const uint64_t* state, int64_t region_bytes) {
     CallStart start;
-    start.epoch = ld_volatile_global(state + epoch_word) + 1;
+    start.epoch = ld_volatile_global(state + kStateEpoch) + 1;
     start.call = next_call(state);
     start.region = region_offset(start.call, region_bytes);
     return start;
@@ -367,58 +379,17 @@ __device__ bool every_peer_started(const SenderControl* own, int num_ranks, uint
     return true;
 }
 
-// Whether every rank's landing rows in this call (rows_per_rank[r], `row_bytes` each) fit one region;
-// if not, records the largest count. Every rank reads the same counts and has the same buffer size,
-// so either all of them run the call or none does, and no one waits for a peer that will not come.
-__device__ bool every_landing_fits(const int32_t* rows_per_rank, int num_ranks, int64_t row_bytes,
-                                   int64_t region_bytes, const Status& status) {
-    int most_rows = 0;
-    for (int r = 0; r < num_ranks; ++r)
-        most_rows = max(most_rows, rows_per_rank[r]);
-    if (most_rows * row_bytes <= region_bytes)
-        return true;
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-        status.record(kStatusLandingRows, most_rows);
-    return false;
-}
-
-// The start of every block of a kernel that pushes rows (cached dispatch, combine), before it moves
-// any: fills this block's shared plan, then synchronises the block. rank_prefix[num_ranks + 1]: the
-// rows received from each source (recv_info[2...]); chunk_rows[r]: receiver r's rows per arrival
-// counter and, with kFirstRows, first_row[r]: this rank's first landing row at receiver r, both from
-// `landing` = [first landing row at each receiver, landing rows at each receiver] (push_offsets or
-// combine_offsets); confirmed[warp][r] = -1: no chunk of rank r confirmed yet. (kFirstRows is a
-// template parameter: a null test of a shared array's address is not folded, and costs the cached
-// dispatch 8 instructions.)
-template <bool kFirstRows>
-__device__ __forceinline__ void load_push_plan(const int32_t* recv_info, const int32_t* landing, int num_ranks,
-                                               int32_t* rank_prefix, int32_t* first_row, int* chunk_rows,
-                                               int (*confirmed)[kMaxRanks]) {
-    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = recv_info[2 + threadIdx.x];
-    if (static_cast<int>(threadIdx.x) < num_ranks) {
-        if constexpr (kFirstRows)
-            first_row[threadIdx.x] = landing[threadIdx.x];
-        chunk_rows[threadIdx.x] = rows_per_chunk(landing[num_ranks + threadIdx.x]);
-    }
-    if (lane < num_ranks)
-        confirmed[warp_in_block][lane] = -1;
-    __syncthreads();
-}
-
 // Block 0 of each non-cached dispatch's stage kernel: the header receivers read, then its epoch.
-__device__ void publish_meta(const Staging& args, const int32_t* num_tokens_per_expert, int num_experts,
+// `staged`: offsets from the buffer's start.
+__device__ void publish_meta(const SenderTokens& staged, const int32_t* num_tokens_per_expert, int num_experts,
                              uint64_t epoch) {
-    auto* meta = reinterpret_cast<SenderMeta*>(args.buffer);
-    SenderControl* control = control_of(args.buffer);
+    auto* meta = reinterpret_cast<SenderMeta*>(staged.buffer);
+    SenderControl* control = control_of(staged.buffer);
     if (threadIdx.x == 0) {
-        meta->num_tokens = args.num_tokens;
-        meta->x_offset = args.x_offset;
-        meta->scales_offset = args.scales_offset;
-        meta->topk_idx_offset = args.topk_idx_offset;
-        meta->topk_weights_offset = args.topk_weights_offset;
-        meta->send_lists_offset = args.send_lists_offset;
+        meta->num_tokens = staged.num_tokens;
+        meta->topk_idx_offset = staged.topk_idx_offset;
+        meta->topk_weights_offset = staged.topk_weights_offset;
+        meta->send_lists_offset = staged.send_lists_offset;
     }
     if (num_tokens_per_expert != nullptr) {
         auto* expert_counts = reinterpret_cast<int32_t*>(meta + 1);
@@ -432,21 +403,21 @@ __device__ void publish_meta(const Staging& args, const int32_t* num_tokens_per_
     }
 }
 
-// One warp stages one token: its row, scales, top-k ids and weights.
-__device__ __forceinline__ void stage_token(const Staging& args, int token, int lane) {
-    auto* scales_out = reinterpret_cast<float*>(args.buffer + args.scales_offset);
-    copy_token(args, token, args.buffer + args.x_offset + token * args.hidden_bytes,
-               scales_out + static_cast<int64_t>(token) * args.num_scales, lane);
-    if (args.topk_idx != nullptr && lane < args.num_topk) {
-        const int64_t slot = static_cast<int64_t>(token) * args.num_topk + lane;
-        reinterpret_cast<int64_t*>(args.buffer + args.topk_idx_offset)[slot] = args.topk_idx[slot];
-        if (args.topk_weights != nullptr)
-            reinterpret_cast<float*>(args.buffer + args.topk_weights_offset)[slot] = args.topk_weights[slot];
+// One warp stages one token's top-k ids and weights (the rows are pushed later, not staged).
+__device__ __forceinline__ void stage_token(const SenderTokens& staged, int token, int lane) {
+    if (staged.topk_idx != nullptr && lane < staged.num_topk) {
+        const int64_t slot = static_cast<int64_t>(token) * staged.num_topk + lane;
+        reinterpret_cast<int64_t*>(staged.buffer + staged.topk_idx_offset)[slot] = staged.topk_idx[slot];
+        if (staged.topk_weights != nullptr)
+            reinterpret_cast<float*>(staged.buffer + staged.topk_weights_offset)[slot] = staged.topk_weights[slot];
     }
 }
 
+// One block scans destination `dst`: the send list (this rank's tokens for dst, in order), each
+// token's position in it (send_pos, `[num_tokens][num_ranks]`), the positions at every multiple of
+// kRoundUnitTokens and the total (send_prefix, see sent_before), and the count in the header.
 __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, int num_ranks, int dst,
-                                 int32_t* send_list, int32_t* send_pos, SenderMeta* meta) {
+                                 int32_t* send_list, int32_t* send_pos, int32_t* send_prefix, SenderMeta* meta) {
     __shared__ int warp_totals[kWarpsPerBlock];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     int base = 0;
@@ -468,12 +439,17 @@ __device__ void scan_destination(const bool* is_token_in_rank, int num_tokens, i
                 send_list[before] = token;
             if (send_pos != nullptr)
                 send_pos[static_cast<int64_t>(token) * num_ranks + dst] = sent ? before : -1;
+            if (token % kRoundUnitTokens == 0)
+                send_prefix[static_cast<int64_t>(token / kRoundUnitTokens) * num_ranks + dst] = before;
         }
         base += chunk_total;
         __syncthreads();
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         meta->send_count[dst] = base;
+        const int units = (num_tokens + kRoundUnitTokens - 1) / kRoundUnitTokens;
+        send_prefix[static_cast<int64_t>(units) * num_ranks + dst] = base;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -492,8 +468,7 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
         }
         const auto* meta = reinterpret_cast<const volatile SenderMeta*>(base);
         const int64_t num_tokens = meta->num_tokens;
-        plans[source] = SourcePlan{base + meta->x_offset, reinterpret_cast<const float*>(base + meta->scales_offset),
-                                   reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
+        plans[source] = SourcePlan{reinterpret_cast<const int64_t*>(base + meta->topk_idx_offset),
                                    reinterpret_cast<const float*>(base + meta->topk_weights_offset),
                                    reinterpret_cast<const int32_t*>(base + meta->send_lists_offset) +
                                        rank * num_tokens};
@@ -501,31 +476,21 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
     });
 }
 
-// One warp copies received row `row` (source token `token`) from its source's staging area.
-__device__ __forceinline__ void pull_row(const SourcePlan& plan, int64_t token, int row, const Staging& shape,
-                                         const RecvArrays& recv, int64_t first_local, int experts_per_rank, int lane) {
-    // A row's scales (up to kWarpSize vectors, hidden <= 16384) are loaded before its data, so both
-    // round trips overlap.
-    const bool vector_scales = recv.scales != nullptr && shape.num_scales % kFloatsPerVector == 0 &&
-                               shape.num_scales / kFloatsPerVector <= kWarpSize;  // rows start 16-byte aligned
-    const bool has_scale_vector = vector_scales && lane < shape.num_scales / kFloatsPerVector;
-    const int4* scales_in = reinterpret_cast<const int4*>(plan.scales + token * shape.num_scales);
-    const int4 scale_vector = has_scale_vector ? ld_volatile_global(scales_in + lane) : int4{};
-    warp_copy(recv.x + row * shape.hidden_bytes, plan.x + token * shape.hidden_bytes, shape.hidden_bytes, lane);
-    if (has_scale_vector)
-        reinterpret_cast<int4*>(recv.scales + static_cast<int64_t>(row) * shape.num_scales)[lane] = scale_vector;
-    if (recv.scales != nullptr && !vector_scales) {
-        for (int s = lane; s < shape.num_scales; s += kWarpSize)
-            recv.scales[static_cast<int64_t>(row) * shape.num_scales + s] = plan.scales[token * shape.num_scales + s];
-    }
-    if (recv.topk_idx != nullptr && lane < shape.num_topk) {
-        const int64_t expert = plan.topk_idx[token * shape.num_topk + lane];
+// One warp writes received row `row`'s routing (source token `token`): its top-k ids as this rank's
+// local expert ids (-1 where not local), their weights (0 where not local) and its source index.
+__device__ __forceinline__ void route_row(const SourcePlan& plan, int64_t token, int row, int num_topk,
+                                          const RecvRouting& recv, int64_t first_local, int experts_per_rank,
+                                          int lane) {
+    if (recv.topk_idx != nullptr && lane < num_topk) {
+        const int64_t expert = plan.topk_idx[token * num_topk + lane];
         const bool local = expert >= first_local && expert < first_local + experts_per_rank;
-        recv.topk_idx[static_cast<int64_t>(row) * shape.num_topk + lane] = local ? expert - first_local : -1;
+        recv.topk_idx[static_cast<int64_t>(row) * num_topk + lane] = local ? expert - first_local : -1;
         if (recv.topk_weights != nullptr)
-            recv.topk_weights[static_cast<int64_t>(row) * shape.num_topk + lane] =
-                local ? plan.topk_weights[token * shape.num_topk + lane] : 0.0f;
+            recv.topk_weights[static_cast<int64_t>(row) * num_topk + lane] =
+                local ? plan.topk_weights[token * num_topk + lane] : 0.0f;
     }
+    if (lane == 0)
+        recv.src_idx[row] = static_cast<int32_t>(token);
 }
 
 // Called by every thread at the end of a dispatch or combine kernel: true only for thread 0 of the
@@ -540,8 +505,88 @@ __device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_
     return true;
 }
 
-// The last block of a dispatch kernel waits until every peer has started this call, tells every
-// source this rank is done with its dispatch, and records the epoch as finished.
+// ---------------------------------------------------------------------------------------------
+// Rounds (see the top of this file).
+
+// The rounds of a kernel that moves rows, worked out alike on every rank from the host's
+// round_tokens and the largest token count of the dispatch (recv_info).
+struct Rounds {
+    int tokens;      // source tokens per round: round_tokens, or fewer when every rank has fewer
+    int count;       // how many rounds (at least one, so that a call of no tokens is still a call)
+    int chunk_rows;  // landing rows per arrival counter: a power of two that divides `tokens`
+};
+
+__device__ __forceinline__ Rounds plan_rounds(int round_tokens, int max_tokens, int num_ranks) {
+    Rounds rounds;
+    const int needed = (max_tokens + kRoundUnitTokens - 1) / kRoundUnitTokens * kRoundUnitTokens;
+    rounds.tokens = min(round_tokens, max(kRoundUnitTokens, needed));
+    rounds.count = max(1, (max_tokens + rounds.tokens - 1) / rounds.tokens);
+    rounds.chunk_rows = kMinChunkRows;
+    while (static_cast<int64_t>(num_ranks) * rounds.tokens > static_cast<int64_t>(rounds.chunk_rows) * kMaxChunks)
+        rounds.chunk_rows *= 2;
+    return rounds;
+}
+
+// This rank's tokens before `token` (a multiple of kRoundUnitTokens) that go to `dst`. send_prefix:
+// `[units + 1][num_ranks]` with units = ceil(num_tokens / kRoundUnitTokens); its last row holds the
+// totals, which also stand for every unit past the end.
+__device__ __forceinline__ int sent_before(const int32_t* send_prefix, int num_tokens, int num_ranks, int64_t token,
+                                           int dst) {
+    const int64_t units = (num_tokens + kRoundUnitTokens - 1) / kRoundUnitTokens;
+    return send_prefix[min(token / kRoundUnitTokens, units) * num_ranks + dst];
+}
+
+// Warp-wide: the first index in [lo, hi) whose value is at least `key`, or hi; the values ascend.
+// Each step probes kWarpSize evenly spaced values at once.
+__device__ int warp_lower_bound(const int32_t* values, int lo, int hi, int64_t key, int lane) {
+    while (hi - lo > kWarpSize) {
+        const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
+        const int probe = lo + lane * step;
+        const int below = __popc(__ballot_sync(kFullWarpMask, probe < hi && values[probe] < key));
+        if (below == 0)
+            return lo;
+        const int base = lo;
+        lo = base + (below - 1) * step + 1;
+        hi = min(hi, base + below * step);
+    }
+    return lo + __popc(__ballot_sync(kFullWarpMask, lo + lane < hi && values[lo + lane] < key));
+}
+
+// Warp `warp` < num_ranks of a block: the rows this rank received from source `warp` whose source
+// token is below `end_token`. Received rows come grouped by source (rank_prefix) in token order, and
+// recv_src_idx holds each one's source token.
+__device__ __forceinline__ int received_before(const int32_t* recv_src_idx, const int32_t* rank_prefix, int source,
+                                               int64_t end_token, int max_tokens, int lane) {
+    const int first = rank_prefix[source], last = rank_prefix[source + 1];
+    if (end_token >= max_tokens)
+        return last - first;
+    return warp_lower_bound(recv_src_idx, first, last, end_token, lane) - first;
+}
+
+// Called by every thread of every block after its part of round `round`, unless that was the last:
+// the block that finishes last clears the work counters, waits until every peer has started the
+// round's call (so that the next round may write into every peer's other region) and tells the
+// other blocks, which wait for it. A timeout is recorded by the wait that timed out.
+__device__ void end_round(uint64_t* state, int32_t* next_row, const SenderControl* own, int num_ranks, uint64_t call,
+                          int round, uint64_t deadline_ns, const Status& status) {
+    if (last_block_finished(state, next_row, num_ranks)) {
+        every_peer_started(own, num_ranks, call, deadline_ns, status);
+        __threadfence();
+        st_release_sys_global(state + kStateRoundsEnded, static_cast<uint64_t>(round + 1));
+    }
+    if (threadIdx.x == 0)
+        wait_at_least_until(state + kStateRoundsEnded, static_cast<uint64_t>(round + 1), deadline_ns);
+    __syncthreads();
+}
+
+// The thread that finishes a kernel's last round records the calls its rounds used.
+__device__ __forceinline__ void finish_rounds(uint64_t* state, uint64_t last_call) {
+    state[kStateRoundsEnded] = 0;
+    state[kStateCalls] = last_call;
+}
+
+// The last block of a dispatch kernel waits until every peer has started `call` (its last), tells every
+// source this rank is done with its dispatch, and records the epoch and the call as finished.
 __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ranks, uint64_t epoch, uint64_t call,
                                 uint64_t* state, int32_t* next_row, uint64_t deadline_ns, const Status& status) {
     if (!last_block_finished(state, next_row, num_ranks))
@@ -550,6 +595,7 @@ __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ra
     for (int source = 0; source < num_ranks; ++source)
         st_release_sys_global(&control_of_rank(peer_bases, source)->done[rank], epoch);
     state[kStateEpoch] = epoch;
+    finish_rounds(state, call);
 }
 
 }  // namespace cuep
@@ -562,39 +608,33 @@ namespace cuep::intranode {
 
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 1: stage. Blocks [0, num_ranks) scan one destination each; the rest
-// copy rows. Block 0 also announces the call and publishes the header. is_token_in_rank:
-// `[num_tokens, num_ranks]`; send_pos: `[num_tokens, num_ranks]`, written (see scan_destination);
+// copy top-k ids and weights. Block 0 also announces the call and publishes the header.
+// is_token_in_rank: `[num_tokens, num_ranks]`; send_pos: `[num_tokens, num_ranks]` and send_prefix:
+// `[ceil(num_tokens / kRoundUnitTokens) + 1, num_ranks]`, written (see scan_destination);
 // num_tokens_per_expert: `[num_experts]` or null.
 __global__ void __launch_bounds__(kNumThreads, 1)
-stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
-      const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
-      int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
-      const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
-      int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
-      int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
+stage(const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights, int args_tokens_num_topk,
+      int args_tokens_num_tokens, uint8_t* args_tokens_buffer, int64_t args_tokens_topk_idx_offset,
       int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
       const bool* args_is_token_in_rank, const int32_t* args_num_tokens_per_expert,
-      int args_num_experts, int args_num_ranks, int32_t* args_send_pos,
+      int args_num_experts, int args_num_ranks, int32_t* args_send_pos, int32_t* args_send_prefix,
       const uint64_t* args_peer_bases, int args_rank, int64_t args_region_bytes,
       const uint64_t* args_state, int32_t* args_status_device, int32_t* args_status_host,
       uint64_t args_timeout_ns) {
-    const StageArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
-                           args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
-                           args_tokens_rows_num_scales},
-                          args_tokens_topk_idx, args_tokens_topk_weights, args_tokens_num_topk, args_tokens_num_tokens,
-                          args_tokens_buffer, args_tokens_scales_offset, args_tokens_topk_idx_offset,
-                          args_tokens_topk_weights_offset, args_tokens_send_lists_offset},
+    const StageArgs args{{args_tokens_topk_idx, args_tokens_topk_weights, args_tokens_num_topk, args_tokens_num_tokens,
+                          args_tokens_buffer, args_tokens_topk_idx_offset, args_tokens_topk_weights_offset,
+                          args_tokens_send_lists_offset},
                          args_is_token_in_rank, args_num_tokens_per_expert, args_num_experts, args_num_ranks,
-                         args_send_pos, args_peer_bases, args_rank, args_region_bytes, args_state,
+                         args_send_pos, args_send_prefix, args_peer_bases, args_rank, args_region_bytes, args_state,
                          {args_status_device, args_status_host}, args_timeout_ns};
     const Status status = args.status;
     const int num_ranks = args.num_ranks;
-    const CallStart start = start_call(args.state, kStateEpoch, args.region_bytes);
+    const CallStart start = start_call(args.state, args.region_bytes);
     const SenderTokens& tokens = args.tokens;
     const int64_t region = start.region;
-    const Staging staged{tokens.rows, tokens.topk_idx, tokens.topk_weights, tokens.num_topk, tokens.num_tokens,
-                         tokens.buffer, region, region + tokens.scales_offset, region + tokens.topk_idx_offset,
-                         region + tokens.topk_weights_offset, region + tokens.send_lists_offset};
+    const SenderTokens staged{tokens.topk_idx, tokens.topk_weights, tokens.num_topk, tokens.num_tokens,
+                              tokens.buffer, region + tokens.topk_idx_offset, region + tokens.topk_weights_offset,
+                              region + tokens.send_lists_offset};
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     if (!wait_until_buffer_free(control_of(staged.buffer), num_ranks, start.epoch - 1, deadline_ns, status))
         return;
@@ -606,74 +646,56 @@ stage(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
         auto* send_list = reinterpret_cast<int32_t*>(staged.buffer + staged.send_lists_offset) +
                           static_cast<int64_t>(blockIdx.x) * staged.num_tokens;
         scan_destination(args.is_token_in_rank, staged.num_tokens, num_ranks, blockIdx.x, send_list, args.send_pos,
-                         reinterpret_cast<SenderMeta*>(staged.buffer));
+                         args.send_prefix, reinterpret_cast<SenderMeta*>(staged.buffer));
         return;
     }
     const int num_warps = (gridDim.x - num_ranks) * kWarpsPerBlock;
     const int lane = threadIdx.x % kWarpSize;
     for (int token = (blockIdx.x - num_ranks) * kWarpsPerBlock + threadIdx.x / kWarpSize; token < staged.num_tokens;
          token += num_warps)
-        stage_token(staged, token, lane);  // the barrier after this kernel publishes the rows
+        stage_token(staged, token, lane);  // the barrier after this kernel publishes them
 }
 
 // ---------------------------------------------------------------------------------------------
 // Non-cached dispatch, step 3: notify (one block). Reads every sender's meta and writes this rank's plan:
-//   recv_info = [num_recv_tokens, num_send_copies, rank_prefix[num_ranks + 1],
-//                num_recv_tokens_per_expert[num_local_experts] (aligned)]
-//   combine_offsets[2 * num_ranks] (this rank's first landing row in each source, then each source's
-//   landing row count: the copies of its tokens that the dispatch sent),
-//   send_offsets[num_ranks] (each destination's first landing row in this rank's buffer),
-//   push_offsets[2 * num_ranks] (for cached push dispatches: this rank's first row among each
-//   destination's received rows, then each destination's received row count),
+//   recv_info = [num_recv_tokens, num_send_copies, max_tokens (of any rank), rank_prefix[num_ranks + 1],
+//                num_recv_tokens_per_expert[num_local_experts] (aligned)] (kRecvInfo* above),
 //   rank_prefix_matrix[num_ranks][num_ranks] (DeepEP's, the handle's first item: [s][d] is what
 //   senders 0..s send to d).
 __global__ void __launch_bounds__(kNumThreads)
 notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int args_num_experts,
-       int args_expert_alignment, int32_t* args_recv_info, int32_t* args_combine_offsets,
-       int32_t* args_send_offsets, int32_t* args_push_offsets, int32_t* args_rank_prefix_matrix) {
+       int args_expert_alignment, int32_t* args_recv_info, int32_t* args_rank_prefix_matrix) {
     const NotifyArgs args{args_peer_bases, args_rank, args_num_ranks, args_num_experts, args_expert_alignment,
-                          args_recv_info, args_combine_offsets, args_send_offsets, args_push_offsets,
-                          args_rank_prefix_matrix};
-    const auto [peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, combine_offsets, send_offsets,
-                push_offsets, rank_prefix_matrix] = args;
+                          args_recv_info, args_rank_prefix_matrix};
+    const auto [peer_bases, rank, num_ranks, num_experts, expert_alignment, recv_info, rank_prefix_matrix] = args;
     __shared__ int32_t recv_from[kMaxRanks];
+    __shared__ int32_t tokens_of[kMaxRanks];
     const int num_local_experts = num_experts / num_ranks;
     if (static_cast<int>(threadIdx.x) < num_ranks) {
-        const int source = threadIdx.x;
-        const auto* meta = reinterpret_cast<const volatile SenderMeta*>(peer_bases[source]);
-        recv_from[source] = meta->send_count[rank];
-        int32_t before = 0, copies = 0;
-        for (int r = 0; r < num_ranks; ++r) {
-            before += r < rank ? meta->send_count[r] : 0;
-            copies += meta->send_count[r];
-        }
-        combine_offsets[source] = before;
-        combine_offsets[num_ranks + source] = copies;
-
-        const int dst = threadIdx.x;
-        int32_t before_this_rank = 0, total = 0;
+        const int peer = threadIdx.x;
+        const auto* meta = reinterpret_cast<const volatile SenderMeta*>(peer_bases[peer]);
+        recv_from[peer] = meta->send_count[rank];
+        tokens_of[peer] = static_cast<int32_t>(meta->num_tokens);
+        int32_t total = 0;
         for (int s = 0; s < num_ranks; ++s) {
-            const int32_t count = reinterpret_cast<const volatile SenderMeta*>(peer_bases[s])->send_count[dst];
-            before_this_rank += s < rank ? count : 0;
-            total += count;
-            rank_prefix_matrix[s * num_ranks + dst] = total;
+            total += reinterpret_cast<const volatile SenderMeta*>(peer_bases[s])->send_count[peer];
+            rank_prefix_matrix[s * num_ranks + peer] = total;
         }
-        push_offsets[dst] = before_this_rank;
-        push_offsets[num_ranks + dst] = total;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         const auto* own = reinterpret_cast<const SenderMeta*>(peer_bases[rank]);
-        int32_t total = 0, copies = 0;
+        int32_t total = 0, copies = 0, max_tokens = 0;
         for (int r = 0; r < num_ranks; ++r) {
-            recv_info[2 + r] = total;
+            recv_info[kRecvInfoRankPrefix + r] = total;
             total += recv_from[r];
-            send_offsets[r] = copies;
             copies += own->send_count[r];
+            max_tokens = max(max_tokens, tokens_of[r]);
         }
-        recv_info[2 + num_ranks] = total;
-        recv_info[0] = total;
-        recv_info[1] = copies;
+        recv_info[kRecvInfoRankPrefix + num_ranks] = total;
+        recv_info[kRecvInfoRows] = total;
+        recv_info[kRecvInfoCopies] = copies;
+        recv_info[kRecvInfoMaxTokens] = max_tokens;
     }
     for (int e = threadIdx.x; e < num_local_experts; e += kNumThreads) {
         int32_t count = 0;
@@ -681,54 +703,37 @@ notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int a
             const auto* meta = reinterpret_cast<const volatile SenderMeta*>(peer_bases[source]);
             count += reinterpret_cast<const volatile int32_t*>(meta + 1)[rank * num_local_experts + e];
         }
-        recv_info[3 + num_ranks + e] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+        recv_info[kRecvInfoRankPrefix + num_ranks + 1 + e] =
+            (count + expert_alignment - 1) / expert_alignment * expert_alignment;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Non-cached dispatch, step 4: pull. One warp per received row, source tokens from the sources'
-// send lists; rows land in order of (source rank, source token). recv_info: the notify kernel's;
-// num_rows: the rows of the received arrays (the received count, or num_worst_tokens).
+// Non-cached dispatch, step 4: routing. One warp per received row, source tokens from the sources'
+// send lists; rows in order of (source rank, source token). recv_info: the notify kernel's;
+// num_rows: the rows of the received arrays (the received count, or num_worst_tokens). The rows
+// themselves follow in dispatch_push, which reads the source indices written here.
 __global__ void __launch_bounds__(kNumThreads, 1)
-dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_bytes,
-         const float* args_tokens_rows_scales, int64_t args_tokens_rows_scale_token_stride,
-         int64_t args_tokens_rows_scale_channel_stride, int args_tokens_rows_num_scales,
-         const int64_t* args_tokens_topk_idx, const float* args_tokens_topk_weights,
-         int args_tokens_num_topk, int args_tokens_num_tokens, uint8_t* args_tokens_buffer,
-         int64_t args_tokens_scales_offset, int64_t args_tokens_topk_idx_offset,
-         int64_t args_tokens_topk_weights_offset, int64_t args_tokens_send_lists_offset,
-         const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
-         int args_num_ranks, int args_num_experts, int args_num_rows, uint8_t* args_recv_x,
-         float* args_recv_scales, int64_t* args_recv_topk_idx, float* args_recv_topk_weights,
-         int32_t* args_recv_src_idx, uint64_t* args_state, int32_t* args_status_device,
-         int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
-    const DispatchArgs args{{{args_tokens_rows_x, args_tokens_rows_hidden_bytes, args_tokens_rows_scales,
-                              args_tokens_rows_scale_token_stride, args_tokens_rows_scale_channel_stride,
-                              args_tokens_rows_num_scales},
-                             args_tokens_topk_idx, args_tokens_topk_weights, args_tokens_num_topk,
-                             args_tokens_num_tokens, args_tokens_buffer, args_tokens_scales_offset,
-                             args_tokens_topk_idx_offset, args_tokens_topk_weights_offset,
-                             args_tokens_send_lists_offset},
-                            args_peer_bases, args_recv_info, args_rank, args_num_ranks, args_num_experts,
-                            args_num_rows,
-                            {args_recv_x, args_recv_scales, args_recv_topk_idx, args_recv_topk_weights,
-                             args_recv_src_idx},
-                            args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
+receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+                int args_num_ranks, int args_num_experts, int args_num_rows, int64_t* args_recv_topk_idx,
+                float* args_recv_topk_weights, int32_t* args_recv_src_idx, uint64_t* args_state,
+                int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
+                uint64_t args_timeout_ns) {
+    const RoutingArgs args{args_num_topk, args_peer_bases, args_recv_info, args_rank, args_num_ranks,
+                           args_num_experts, args_num_rows,
+                           {args_recv_topk_idx, args_recv_topk_weights, args_recv_src_idx},
+                           args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
-    const int rank = args.rank, num_ranks = args.num_ranks, num_rows = args.num_rows;
-    const SenderTokens& tokens = args.tokens;
-    const Staging shape{tokens.rows, tokens.topk_idx, tokens.topk_weights, tokens.num_topk, tokens.num_tokens,
-                        tokens.buffer, 0, tokens.scales_offset, tokens.topk_idx_offset, tokens.topk_weights_offset,
-                        tokens.send_lists_offset};
-    const RecvArrays recv = args.recv;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_rows = args.num_rows, num_topk = args.num_topk;
+    const RecvRouting recv = args.recv;
     __shared__ SourcePlan plans[kMaxRanks];
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
-    const CallStart start = start_call(args.state, kStateEpoch, 0);  // a pull has no region
+    const CallStart start = start_call(args.state, 0);  // reads the staging of the stage kernel's call
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = args.recv_info[2 + threadIdx.x];
+        rank_prefix[threadIdx.x] = args.recv_info[kRecvInfoRankPrefix + threadIdx.x];
     const bool ok = load_source_plans(plans, peer_bases, rank, num_ranks, start.epoch, deadline_ns, status);
 
     const int num_recv = rank_prefix[num_ranks];
@@ -737,9 +742,9 @@ dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_byte
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
     for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
-        if (recv.topk_idx != nullptr && lane < shape.num_topk) {
-            recv.topk_idx[static_cast<int64_t>(row) * shape.num_topk + lane] = -1;
-            recv.topk_weights[static_cast<int64_t>(row) * shape.num_topk + lane] = 0.0f;
+        if (recv.topk_idx != nullptr && lane < num_topk) {
+            recv.topk_idx[static_cast<int64_t>(row) * num_topk + lane] = -1;
+            recv.topk_weights[static_cast<int64_t>(row) * num_topk + lane] = 0.0f;
         }
         if (lane == 0)
             recv.src_idx[row] = -1;
@@ -750,10 +755,7 @@ dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_byte
         for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
                                                          [&](int source, int row, int j, int lane) {
             const SourcePlan& plan = plans[source];
-            const int64_t token = plan.send_list[j];
-            pull_row(plan, token, row, shape, recv, first_local, experts_per_rank, lane);
-            if (lane == 0)
-                recv.src_idx[row] = static_cast<int32_t>(token);
+            route_row(plan, plan.send_list[j], row, num_topk, recv, first_local, experts_per_rank, lane);
             return true;
         });
     }
@@ -764,13 +766,14 @@ dispatch(const uint8_t* args_tokens_rows_x, int64_t args_tokens_rows_hidden_byte
 }  // namespace cuep::intranode
 
 // ---------------------------------------------------------------------------------------------
-// Cached dispatch, push form (cuep::intranode::dispatch_push). Each receiver's buffer holds a landing
-// region laid out like its received rows: row i of recv_x lands at row i, followed by its scales.
-// Pusher warps write each of this rank's tokens, one read of it for every receiver, into the
-// receivers' landing rows in this call's region (rows for this rank itself go straight into recv_x)
-// and count them in the receiver's per-chunk counters (SenderControl::arrivals); the other
-// warps, and the pushers once done, copy each landed row into recv_x as soon as its chunk is
-// complete. Pushing rather than pulling: on this fabric SM pushes move ~10% more than pulls
+// Cached dispatch, push form (cuep::intranode::dispatch_push), also the rows of a non-cached one.
+// In each round, each receiver's region holds one section of round_tokens landing rows per source:
+// the j-th row this rank sends it in the round lands at row j of this rank's section, followed by
+// its scales. Pusher warps write each of this rank's tokens of the round, one read of it for every
+// receiver, into the receivers' landing rows (rows for this rank itself go straight into recv_x) and
+// count them in the receiver's per-chunk counters (SenderControl::arrivals); the other warps, and
+// the pushers once done, copy each landed row into recv_x as soon as its chunk is complete.
+// Pushing rather than pulling: on this fabric SM pushes move ~10% more than pulls
 // (docs/performance.md, v0.4.3), and the sender's tokens need no staging copy.
 namespace cuep {
 
@@ -781,28 +784,75 @@ constexpr int kTokensPerRun = 2;
 // pushers on the same SM (measured: 1-2 us per dispatch).
 constexpr uint32_t kCopyOutPollSleepNs = 200;
 
+// A block's plan of one round (shared memory), for the kernels that move rows in rounds: of the rows
+// this rank received, those whose source token falls in the round, per source (what its dispatch
+// copies out and its combine pushes back); of this rank's tokens in the round, those sent to each
+// rank (what its dispatch pushes and its combine sums).
+struct RoundPlan {
+    int32_t rows_first[kMaxRanks];       // rows received from each source before this round
+    int32_t rows_prefix[kMaxRanks + 1];  // prefix sums of this round's received rows per source
+    int32_t sent_first[kMaxRanks];       // this rank's tokens sent to each rank before this round
+    int32_t sent_count[kMaxRanks];       // ... and in this round
+    int confirmed[kWarpsPerBlock][kMaxRanks];  // per warp, per rank: the newest chunk it saw complete, or -1
+};
+
+// Called by every thread of a block at the start of a round of source tokens [first_token,
+// end_token). Warp s < num_ranks counts the rows received from source s (lane 0 of every such warp
+// carries its count through the previous round in `received_through`); without `rows_known` (a
+// dispatch whose num_worst_tokens was too small: recv_src_idx holds only some rows) there are none.
+__device__ void plan_round(RoundPlan& plan, const int32_t* recv_src_idx, const int32_t* rank_prefix,
+                           const int32_t* send_prefix, int num_tokens, int num_ranks, int max_tokens,
+                           int64_t first_token, int64_t end_token, bool rows_known, int& received_through) {
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    __syncthreads();  // the previous round's plan is no longer read
+    if (warp < num_ranks && rows_known) {
+        const int through = received_before(recv_src_idx, rank_prefix, warp, end_token, max_tokens, lane);
+        if (lane == 0) {
+            plan.rows_first[warp] = received_through;
+            plan.rows_prefix[warp + 1] = through - received_through;
+        }
+        received_through = through;
+    } else if (warp < num_ranks && lane == 0) {
+        plan.rows_first[warp] = 0;
+        plan.rows_prefix[warp + 1] = 0;
+    }
+    if (static_cast<int>(threadIdx.x) < num_ranks) {
+        const int first = sent_before(send_prefix, num_tokens, num_ranks, first_token, threadIdx.x);
+        plan.sent_first[threadIdx.x] = first;
+        plan.sent_count[threadIdx.x] = sent_before(send_prefix, num_tokens, num_ranks, end_token, threadIdx.x) - first;
+    }
+    if (lane < num_ranks)
+        plan.confirmed[warp][lane] = -1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        plan.rows_prefix[0] = 0;
+        for (int s = 0; s < num_ranks; ++s)
+            plan.rows_prefix[s + 1] += plan.rows_prefix[s];
+    }
+    __syncthreads();
+}
+
+// Rows of landing section `section` (of `section_rows` in the round) counted in the chunk that holds
+// its row j: a chunk never spans two sections, and only the section's last chunk is short.
+__device__ __forceinline__ uint32_t rows_in_chunk_of(int j, int section_rows, int chunk_rows) {
+    return static_cast<uint32_t>(min(chunk_rows, section_rows - j / chunk_rows * chunk_rows));
+}
+
 // This rank's token rows, and the landing row they are pushed into: the hidden bytes, then the scales
 // (FP8); rows start on a 128-byte line (LANDING_ROW_ALIGN in cuep/modes/intranode.py).
 struct PushShape : TokenRows {
     int64_t row_bytes;  // push_row_bytes in cuep/modes/intranode.py
 };
 
-// Landing rows of `chunk` that peers push: the chunk's rows less those this rank writes itself
-// ([self_first, self_last), straight into recv_x).
-__device__ __forceinline__ uint32_t pushed_rows_in_chunk(int chunk, int chunk_rows, int num_rows, int self_first,
-                                                         int self_last) {
-    const int first = chunk * chunk_rows, last = min(first + chunk_rows, num_rows);
-    const int own = max(0, min(last, self_last) - max(first, self_first));
-    return static_cast<uint32_t>(last - first - own);
-}
-
-// What a pusher warp needs about the receivers: where this call's region starts, this rank's first
-// landing row at each and each one's rows per arrival counter.
+// What a pusher warp needs about the receivers in a round: where the round's region starts, where
+// this rank's section starts in it, its tokens sent to each receiver before the round, and the
+// rows per arrival counter.
 struct PushTargets {
     const uint64_t* peer_bases;
     int64_t region;
-    const int32_t* first_row;
-    const int* chunk_rows;
+    int section_first;
+    const int32_t* sent_first;
+    int chunk_rows;
 };
 
 // Lane d of a pusher warp counts the rows a run landed at receiver d: `rows` consecutive landing rows
@@ -831,23 +881,18 @@ struct RunArrivals {
     }
 };
 
-// Pusher warp `pusher` of `num_pushers`: runs of kTokensPerRun tokens, dealt in turn so that every
-// receiver's landing rows fill front to back; each run goes to its receivers in an order staggered
-// by warp, so the links share the load.
+// Pusher warp `pusher` of `num_pushers`, over this rank's tokens [first_token, last_token): runs of
+// kTokensPerRun tokens, dealt in turn so that every receiver's landing rows fill front to back; each
+// run goes to its receivers in an order staggered by warp, so the links share the load.
 __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, const PushTargets& targets, int rank,
-                            int num_ranks, int num_tokens, int pusher, int num_pushers, uint64_t call,
-                            uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
+                            int num_ranks, int first_token, int last_token, int pusher, int num_pushers,
+                            uint64_t call, uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
     // recv_x == nullptr: this rank's own rows are not written (see the overflow check in the kernel).
-    // Lane d < num_ranks: receiver d's arrival counters for this call and its rows per counter.
-    uint32_t* counters = nullptr;
-    int chunk_rows = 1;
-    if (lane < num_ranks) {
-        counters = control_of_rank(targets.peer_bases, lane)->arrivals[call % 2];
-        chunk_rows = targets.chunk_rows[lane];
-    }
+    // Lane d < num_ranks: receiver d's arrival counters for this call.
+    uint32_t* counters = lane < num_ranks ? control_of_rank(targets.peer_bases, lane)->arrivals[call % 2] : nullptr;
     RunArrivals arrivals;
-    for (int first = pusher * kTokensPerRun; first < num_tokens; first += num_pushers * kTokensPerRun) {
-        const int last = min(first + kTokensPerRun, num_tokens);
+    for (int first = first_token + pusher * kTokensPerRun; first < last_token; first += num_pushers * kTokensPerRun) {
+        const int last = min(first + kTokensPerRun, last_token);
         for (int i = 0; i < num_ranks; ++i) {
             const int dst = (rank + 1 + pusher + i) % num_ranks;
             auto* base = reinterpret_cast<uint8_t*>(targets.peer_bases[dst]);
@@ -863,23 +908,22 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
                                 lane);
                     continue;
                 }
-                const int slot = targets.first_row[dst] + pos;
+                const int slot = targets.section_first + pos - targets.sent_first[dst];
                 uint8_t* landing = base + targets.region + static_cast<int64_t>(slot) * shape.row_bytes;
                 copy_token(shape, token, landing, reinterpret_cast<float*>(landing + shape.hidden_bytes), lane);
                 if (lane == dst)
                     arrivals.add(slot);
             }
         }
-        arrivals.publish(counters, chunk_rows);
+        arrivals.publish(counters, targets.chunk_rows);
     }
 }
 
-// One warp copies landed row `row` into recv_x (and its scales into recv_scales).
-__device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8_t* landing, int64_t row,
+// One warp copies the row landed at `landed` into recv_x's row `row` (and its scales into recv_scales).
+__device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8_t* landed, int64_t row,
                                              uint8_t* recv_x, float* recv_scales, int lane) {
-    const uint8_t* src = landing + row * shape.row_bytes;
-    warp_copy<false>(recv_x + row * shape.hidden_bytes, src, shape.hidden_bytes, lane);
-    const auto* scales_in = reinterpret_cast<const int32_t*>(src + shape.hidden_bytes);
+    warp_copy<false>(recv_x + row * shape.hidden_bytes, landed, shape.hidden_bytes, lane);
+    const auto* scales_in = reinterpret_cast<const int32_t*>(landed + shape.hidden_bytes);
     auto* scales_out = reinterpret_cast<int32_t*>(recv_scales) + row * shape.num_scales;
     for (int s = lane; s < shape.num_scales; s += kWarpSize)
         scales_out[s] = ld_volatile_global(scales_in + s);
@@ -891,84 +935,98 @@ namespace cuep::intranode {
 
 // Cached dispatch, push form (see above). The first `push_warps` warps of each block push (at most
 // kWarpsPerBlock - 1), the rest copy landed rows out from the start. send_pos: the handle's
-// `[num_tokens, num_ranks]`; push_offsets, recv_info: the notify kernel's; row_bytes: one landing row
-// (push_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the two regions (the
-// same on every rank); num_rows: the rows of recv_x.
+// `[num_tokens, num_ranks]`; send_prefix, recv_src_idx: the handle's (see plan_round); recv_info: the
+// notify kernel's; row_bytes: one landing row (push_row_bytes in cuep/modes/intranode.py);
+// region_bytes: the size of each of the two regions (the same on every rank); round_tokens: the
+// source tokens of a round (round_tokens in cuep/modes/intranode.py); num_rows: the rows of recv_x.
 __global__ void __launch_bounds__(kNumThreads, 1)
 dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
               int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,
-              int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_push_offsets,
-              int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
+              int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_send_prefix,
+              const int32_t* args_recv_src_idx, int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
               const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
-              int args_num_ranks, int64_t args_region_bytes, int args_num_rows, uint8_t* args_recv_x,
-              float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
+              int args_num_ranks, int64_t args_region_bytes, int args_round_tokens, int args_num_rows,
+              uint8_t* args_recv_x, float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
               int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
     const PushArgs args{{args_rows_x, args_rows_hidden_bytes, args_rows_scales, args_rows_scale_token_stride,
                          args_rows_scale_channel_stride, args_rows_num_scales},
-                        args_send_pos, args_push_offsets, args_num_tokens, args_push_warps, args_row_bytes,
-                        args_peer_bases, args_recv_info, args_rank, args_num_ranks, args_region_bytes, args_num_rows,
-                        args_recv_x, args_recv_scales, args_state, {args_status_device, args_status_host},
-                        args_next_row, args_timeout_ns};
+                        args_send_pos, args_send_prefix, args_recv_src_idx, args_num_tokens, args_push_warps,
+                        args_row_bytes, args_peer_bases, args_recv_info, args_rank, args_num_ranks,
+                        args_region_bytes, args_round_tokens, args_num_rows, args_recv_x, args_recv_scales,
+                        args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
     const int rank = args.rank, num_ranks = args.num_ranks;
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
-    __shared__ int32_t first_row[kMaxRanks];
-    __shared__ int chunk_rows[kMaxRanks];
-    __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
-    const CallStart start = start_call(args.state, kStateEpoch, args.region_bytes);
+    __shared__ RoundPlan plan;
+    const CallStart start = start_call(args.state, args.region_bytes);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
-    load_push_plan<true>(args.recv_info, args.push_offsets, num_ranks, rank_prefix, first_row, chunk_rows, confirmed);
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = args.recv_info[kRecvInfoRankPrefix + threadIdx.x];
+    const int max_tokens = args.recv_info[kRecvInfoMaxTokens];
+    const Rounds rounds = plan_rounds(args.round_tokens, max_tokens, num_ranks);
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    if (!every_landing_fits(args.push_offsets + num_ranks, num_ranks, args.row_bytes, args.region_bytes, status))
-        return;
-    if (blockIdx.x == 0)
-        announce_call(control_of(own), peer_bases, rank, num_ranks, start.call);
+    __syncthreads();
 
     const PushShape shape{args.rows, args.row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
-    // fit the landing region) and this rank still awaits them, but nothing is written to recv_x.
+    // fit the landing sections) but this rank neither awaits them nor writes recv_x.
     const int num_recv = rank_prefix[num_ranks];
     const bool fits_recv_x = num_recv <= args.num_rows;
     if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0)
         status.record(kStatusOverflow, num_recv);
     const int pushers_per_block = min(args.push_warps, kWarpsPerBlock - 1);
-    if (warp_in_block < pushers_per_block)
-        push_tokens(shape, args.send_pos, PushTargets{peer_bases, start.region, first_row, chunk_rows}, rank,
-                    num_ranks, args.num_tokens, blockIdx.x * pushers_per_block + warp_in_block,
-                    gridDim.x * pushers_per_block, start.call, fits_recv_x ? args.recv_x : nullptr, args.recv_scales,
-                    rank_prefix[rank], lane);
-    const int own_chunk = rows_per_chunk(num_recv);
-    const uint32_t* pushed = control_of(own)->arrivals[start.call % 2];
-    const PushedCall pushed_call{control_of(own), start.call, num_ranks};
-    int* warp_confirmed = confirmed[warp_in_block];
-    for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
-                                                     [&](int source, int row, int, int lane) {
-        const int chunk = row / own_chunk;
-        bool arrived = true;
-        if (lane == 0)
-            arrived = wait_chunk_count(pushed, chunk,
-                                       pushed_rows_in_chunk(chunk, own_chunk, num_recv, rank_prefix[rank],
-                                                            rank_prefix[rank + 1]),
-                                       warp_confirmed[source], deadline_ns, status, pushed_call, source,
-                                       kPhaseIntranodePushed, kCopyOutPollSleepNs);
-        if (!__shfl_sync(kFullWarpMask, arrived, 0))
-            return false;
-        if (fits_recv_x)
-            copy_out_row(shape, own + start.region, row, args.recv_x, args.recv_scales, lane);
-        return true;
-    }, rank);
-    finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
-                    status);
+    int* warp_confirmed = plan.confirmed[warp_in_block];
+    int received_through = 0;
+    for (int round = 0; round < rounds.count; ++round) {
+        const uint64_t call = start.call + round;
+        const int64_t region = region_offset(call, args.region_bytes);
+        const int64_t first_token = static_cast<int64_t>(round) * rounds.tokens;
+        plan_round(plan, args.recv_src_idx, rank_prefix, args.send_prefix, args.num_tokens, num_ranks, max_tokens,
+                   first_token, first_token + rounds.tokens, fits_recv_x, received_through);
+        if (blockIdx.x == 0)
+            announce_call(control_of(own), peer_bases, rank, num_ranks, call);
+        if (warp_in_block < pushers_per_block)
+            push_tokens(shape, args.send_pos,
+                        PushTargets{peer_bases, region, rank * rounds.tokens, plan.sent_first, rounds.chunk_rows},
+                        rank, num_ranks, static_cast<int>(min(first_token, static_cast<int64_t>(args.num_tokens))),
+                        static_cast<int>(min(first_token + rounds.tokens, static_cast<int64_t>(args.num_tokens))),
+                        blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, call,
+                        fits_recv_x ? args.recv_x : nullptr, args.recv_scales, rank_prefix[rank], lane);
+        const uint32_t* pushed = control_of(own)->arrivals[call % 2];
+        const PushedCall pushed_call{control_of(own), call, num_ranks};
+        for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, plan.rows_prefix, rank, num_ranks,
+                                                         [&](int source, int, int j, int lane) {
+            const int slot = source * rounds.tokens + j;
+            bool arrived = true;
+            if (lane == 0)
+                arrived = wait_chunk_count(pushed, slot / rounds.chunk_rows,
+                                           rows_in_chunk_of(j, plan.rows_prefix[source + 1] - plan.rows_prefix[source],
+                                                            rounds.chunk_rows),
+                                           warp_confirmed[source], deadline_ns, status, pushed_call, source,
+                                           kPhaseIntranodePushed, kCopyOutPollSleepNs);
+            if (!__shfl_sync(kFullWarpMask, arrived, 0))
+                return false;
+            copy_out_row(shape, own + region + static_cast<int64_t>(slot) * shape.row_bytes,
+                         rank_prefix[source] + plan.rows_first[source] + j, args.recv_x, args.recv_scales, lane);
+            return true;
+        }, rank);
+        if (round + 1 < rounds.count)
+            end_round(args.state, args.next_row, control_of(own), num_ranks, call, round, deadline_ns, status);
+    }
+    finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call + rounds.count - 1, args.state,
+                    args.next_row, deadline_ns, status);
 }
 
 }  // namespace cuep::intranode
 
 // ---------------------------------------------------------------------------------------------
-// Combine: one kernel. Pusher warps write each received row (its hidden vector, then its top-k
-// weights) into its source's landing row combine_offsets[source] + (row - rank_prefix[source]) in this
-// call's region and count it in the source's per-chunk arrival counters; reducer warps sum, in FP32,
+// Combine: one kernel, in rounds of source tokens. In each round, each source's region holds one
+// section of round_tokens landing rows per rank holding copies. Pusher warps write each received row
+// of the round (its hidden vector, then its top-k weights) into the holder's section of the source's
+// region, at the row's place among the holder's rows from that source in the round, and count it in
+// the source's per-chunk arrival counters; reducer warps sum, in FP32,
 // the copies of each of this rank's tokens as soon as they have landed. Pushers join the reduction
 // when no row is left. A rank's own rows go through its landing region too: summed straight from x
 // instead, they cost 6 us more at EP4 (docs/performance.md, v0.5.5), as the reducers then read them
@@ -1030,7 +1088,8 @@ constexpr int kCopiesPerLoad = 2;
 struct LandedCopies {
     const uint8_t* rows;
     const uint32_t* arrivals;
-    int chunk_rows, num_rows;
+    int section_rows, chunk_rows;  // landing rows per holder's section, rows per arrival counter
+    const RoundPlan* plan;         // sent_first, sent_count: this rank's tokens sent to each holder
     PushedCall pushed;
 };
 
@@ -1039,19 +1098,18 @@ struct LandedCopies {
 // for its chunk (keeping the newest chunk it confirmed for rank r in `confirmed[r]`), so the checks
 // of all copies take one round trip. Returns false on a timeout.
 __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, const int32_t* send_pos,
-                             const int32_t* send_offsets, int num_ranks, const CombineShape& shape,
+                             int num_ranks, const CombineShape& shape,
                              const __nv_bfloat16* bias0, const __nv_bfloat16* bias1, __nv_bfloat16* combined_x,
                              float* combined_topk_weights, int* confirmed, uint64_t deadline_ns, const Status& status,
                              int lane) {
     const int pos = lane < num_ranks ? send_pos[static_cast<int64_t>(token) * num_ranks + lane] : -1;
-    const int slot = pos >= 0 ? send_offsets[lane] + pos : 0;
+    const int j = pos >= 0 ? pos - landed.plan->sent_first[lane] : 0;  // its row in holder lane's section
+    const int slot = lane * landed.section_rows + j;
     bool ok = true;
-    if (pos >= 0) {
-        const int chunk = slot / landed.chunk_rows;
-        const int rows_in_chunk = min(landed.chunk_rows, landed.num_rows - chunk * landed.chunk_rows);
-        ok = wait_chunk_count(landed.arrivals, chunk, static_cast<uint32_t>(rows_in_chunk), confirmed[lane],
+    if (pos >= 0)
+        ok = wait_chunk_count(landed.arrivals, slot / landed.chunk_rows,
+                              rows_in_chunk_of(j, landed.plan->sent_count[lane], landed.chunk_rows), confirmed[lane],
                               deadline_ns, status, landed.pushed, lane, kPhaseIntranodeArrival);
-    }
     if (!__all_sync(kFullWarpMask, ok))
         return false;
     const uint8_t* rows[kMaxRanks];
@@ -1113,85 +1171,93 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 namespace cuep::intranode {
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
-// counter of token slices. recv_info[1] is this rank's landing row count (copies of its tokens).
-// combine_offsets, send_offsets: see the notify kernel; send_pos: the handle's; x: `[num received
-// rows, hidden]` bf16; topk_weights: `[num received rows, num_topk]` or null; landing_row_bytes: one
-// landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes: the size of each of the
-// two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x: `[num_tokens, hidden]`;
-// combined_topk_weights: `[num_tokens, num_topk]` or null.
+// counter of token slices (both per round). send_pos, send_prefix, recv_src_idx: the handle's; x:
+// `[num received rows, hidden]` bf16; topk_weights: `[num received rows, num_topk]` or null;
+// round_tokens: the source tokens of a round (round_tokens in cuep/modes/intranode.py);
+// landing_row_bytes: one landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes:
+// the size of each of the two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x:
+// `[num_tokens, hidden]`; combined_topk_weights: `[num_tokens, num_topk]` or null.
 __global__ void __launch_bounds__(kNumThreads, 1)
-combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info,
-        const int32_t* args_combine_offsets, const int32_t* args_send_pos,
-        const int32_t* args_send_offsets, int args_rank, int args_num_ranks, int args_num_tokens,
-        const uint8_t* args_x, int64_t args_hidden_bytes, const float* args_topk_weights,
-        int args_num_topk, int64_t args_landing_row_bytes, int64_t args_region_bytes,
-        const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
+combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const int32_t* args_send_pos,
+        const int32_t* args_send_prefix, const int32_t* args_recv_src_idx, int args_rank, int args_num_ranks,
+        int args_num_tokens, int args_round_tokens, const uint8_t* args_x, int64_t args_hidden_bytes,
+        const float* args_topk_weights, int args_num_topk, int64_t args_landing_row_bytes,
+        int64_t args_region_bytes, const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
         __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
         int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
         uint64_t args_timeout_ns) {
-    const CombineArgs args{args_peer_bases, args_recv_info, args_combine_offsets, args_send_pos, args_send_offsets,
-                           args_rank, args_num_ranks, args_num_tokens, args_x, args_hidden_bytes, args_topk_weights,
-                           args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0, args_bias1,
-                           args_combined_x, args_combined_topk_weights, args_state,
+    const CombineArgs args{args_peer_bases, args_recv_info, args_send_pos, args_send_prefix, args_recv_src_idx,
+                           args_rank, args_num_ranks, args_num_tokens, args_round_tokens, args_x, args_hidden_bytes,
+                           args_topk_weights, args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0,
+                           args_bias1, args_combined_x, args_combined_topk_weights, args_state,
                            {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
-    const int32_t* combine_offsets = args.combine_offsets;
     const int rank = args.rank, num_ranks = args.num_ranks, num_topk = args.num_topk;
     const int64_t hidden_bytes = args.hidden_bytes, landing_row_bytes = args.landing_row_bytes;
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
-    __shared__ int landing_chunks[kMaxRanks];
-    __shared__ int confirmed[kWarpsPerBlock][kMaxRanks];
-    const CallStart start = start_call(args.state, kStateCombineEpoch, args.region_bytes);
-    const uint64_t call = start.call;
-    const int64_t region = start.region;
+    __shared__ RoundPlan plan;
+    const CallStart start = start_call(args.state, args.region_bytes);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
     auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    load_push_plan<false>(args.recv_info, combine_offsets, num_ranks, rank_prefix, nullptr, landing_chunks, confirmed);
-    if (!every_landing_fits(combine_offsets + num_ranks, num_ranks, landing_row_bytes, args.region_bytes, status))
-        return;
-    if (blockIdx.x == 0)
-        announce_call(control_of(own), peer_bases, rank, num_ranks, call);
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = args.recv_info[kRecvInfoRankPrefix + threadIdx.x];
+    const int max_tokens = args.recv_info[kRecvInfoMaxTokens];
+    const Rounds rounds = plan_rounds(args.round_tokens, max_tokens, num_ranks);
+    __syncthreads();
 
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
-    if (warp_in_block >= kReducerWarps) {
-        PendingArrivals pending;
-        const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
-        const auto publish_previous_claim = [&](int lane) { pending.flush(lane); };
-        for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
-                                                         [&](int source, int row, int j, int lane) {
-            const int slot = combine_offsets[source] + j;
-            auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
-            uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
-            warp_copy(landing, args.x + row * hidden_bytes, hidden_bytes, lane);
-            if (args.topk_weights != nullptr && lane < num_topk)
-                reinterpret_cast<float*>(landing + hidden_bytes)[lane] =
-                    args.topk_weights[static_cast<int64_t>(row) * num_topk + lane];
-            pending.add(control_of(base)->arrivals[call % 2] + slot / landing_chunks[source], lane);
-            return true;
-        }, -1, pushing_warps, publish_previous_claim);
-        pending.flush(lane);
-    }
-    const int num_copies_total = args.recv_info[1];
-    const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rows_per_chunk(num_copies_total),
-                              num_copies_total, PushedCall{control_of(own), call, num_ranks}};
-    while (true) {
-        int item = 0;
-        if (lane == 0)
-            item = atomicAdd(args.next_row + num_ranks, 1);
-        item = __shfl_sync(kFullWarpMask, item, 0);
-        const int token = item / kTokenSlices;
-        if (token >= args.num_tokens)
-            break;
-        if (!reduce_token(token, item % kTokenSlices, landed, args.send_pos, args.send_offsets, num_ranks, shape,
-                          args.bias0, args.bias1, args.combined_x, args.combined_topk_weights, confirmed[warp_in_block],
-                          deadline_ns, status, lane))
-            break;
+    const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
+    int received_through = 0;
+    uint64_t call = start.call;
+    for (int round = 0; round < rounds.count; ++round, ++call) {
+        const int64_t region = region_offset(call, args.region_bytes);
+        const int64_t first_token = static_cast<int64_t>(round) * rounds.tokens;
+        plan_round(plan, args.recv_src_idx, rank_prefix, args.send_prefix, args.num_tokens, num_ranks, max_tokens,
+                   first_token, first_token + rounds.tokens, true, received_through);
+        if (blockIdx.x == 0)
+            announce_call(control_of(own), peer_bases, rank, num_ranks, call);
+        if (warp_in_block >= kReducerWarps) {
+            PendingArrivals pending;
+            const auto publish_previous_claim = [&](int lane) { pending.flush(lane); };
+            const int section_first = rank * rounds.tokens;
+            for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, plan.rows_prefix, rank, num_ranks,
+                                                             [&](int source, int, int j, int lane) {
+                const int64_t row = rank_prefix[source] + plan.rows_first[source] + j;
+                const int slot = section_first + j;
+                auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
+                uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
+                warp_copy(landing, args.x + row * hidden_bytes, hidden_bytes, lane);
+                if (args.topk_weights != nullptr && lane < num_topk)
+                    reinterpret_cast<float*>(landing + hidden_bytes)[lane] = args.topk_weights[row * num_topk + lane];
+                pending.add(control_of(base)->arrivals[call % 2] + slot / rounds.chunk_rows, lane);
+                return true;
+            }, -1, pushing_warps, publish_previous_claim);
+            pending.flush(lane);
+        }
+        const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rounds.tokens, rounds.chunk_rows,
+                                  &plan, PushedCall{control_of(own), call, num_ranks}};
+        const int64_t round_tokens = max(int64_t{0}, min(first_token + rounds.tokens,
+                                                         static_cast<int64_t>(args.num_tokens)) - first_token);
+        while (true) {
+            int item = 0;
+            if (lane == 0)
+                item = atomicAdd(args.next_row + num_ranks, 1);
+            item = __shfl_sync(kFullWarpMask, item, 0);
+            if (item / kTokenSlices >= round_tokens)
+                break;
+            if (!reduce_token(static_cast<int>(first_token + item / kTokenSlices), item % kTokenSlices, landed,
+                              args.send_pos, num_ranks, shape, args.bias0, args.bias1, args.combined_x,
+                              args.combined_topk_weights, plan.confirmed[warp_in_block], deadline_ns, status, lane))
+                break;
+        }
+        if (round + 1 < rounds.count)
+            end_round(args.state, args.next_row, control_of(own), num_ranks, call, round, deadline_ns, status);
     }
     if (last_block_finished(args.state, args.next_row, num_ranks)) {
-        every_peer_started(control_of(own), num_ranks, call, deadline_ns, status);
-        args.state[kStateCombineEpoch] = start.epoch;
+        every_peer_started(control_of(own), num_ranks, call - 1, deadline_ns, status);
+        finish_rounds(args.state, call - 1);
     }
 }
 

@@ -9,8 +9,9 @@ from ._math import ceil_div
 from .kernels.common import SCALE_BLOCK
 from .modes import internode, intranode
 
-# Sizes that the hints assume: a prefill/training batch of this many tokens per rank, top-8, and (unless
-# CUEP_RANKS_PER_NODE says otherwise) nodes of up to this many ranks, as DeepEP's.
+# Sizes that the hints assume: a prefill/training batch of this many tokens per rank (across nodes, where
+# the buffers still hold one call), top-8, and (unless CUEP_RANKS_PER_NODE says otherwise) nodes of up to
+# this many ranks, as DeepEP's.
 HINT_TOKENS_PER_RANK = 4096
 MAX_TOPK_HINT = 8
 HINT_RANKS_PER_NODE = 8
@@ -38,10 +39,12 @@ class Config:
             chunk sizes, kept for API compatibility.
 
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
-    buffers (no per-channel ring), so the NVL chunk sizes and ``num_max_rdma_chunked_recv_tokens`` are
-    unused, and the buffers must instead hold one call's tokens (see the size hints). Across nodes,
+    buffers (no per-channel ring). On one node they go through any batch in rounds of tokens that fit
+    the buffer; the NVL chunk sizes only size the hint's round (as many tokens as DeepEP's rings hold
+    at once). Across nodes the buffers hold one call's tokens (see the size hints), and
     ``num_max_rdma_chunked_send_tokens`` is the rows each signalled put (a put, then its signal) carries
-    (raised where a partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals).
+    (raised where a partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals);
+    ``num_max_rdma_chunked_recv_tokens`` is unused.
     """
 
     num_sms: int = 20
@@ -57,37 +60,40 @@ class Config:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Config(): {name} must be a positive int, got {value!r}")
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
-                                 num_tokens: int = HINT_TOKENS_PER_RANK, num_topk: int = MAX_TOPK_HINT,
-                                 num_ranks_per_node: int | None = None) -> int:
-        """Bytes of NVL buffer for dispatch and combine of ``num_tokens`` tokens per rank.
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: int | None = None,
+                                 num_topk: int = MAX_TOPK_HINT, num_ranks_per_node: int | None = None) -> int:
+        """Bytes of NVL buffer for dispatch and combine.
+
+        On one node the buffer's size does not limit the batch: the kernels move any number of tokens in
+        rounds, and the buffer sets how many tokens a round takes. Two regions (successive rounds use
+        them in turn, so that none has to wait for its peers before it writes into their buffers) each
+        hold, for every rank, a section of landing rows for one round's tokens: BF16 rows with the
+        top-k weights (combine) or with the FP8 scales (dispatch). A round takes ``num_tokens`` tokens
+        (an addition to DeepEP's arguments: fewer rounds, more bytes), or by default as many as DeepEP's
+        rings hold at once (``num_sms / 2`` channels of ``num_max_nvl_chunked_recv_tokens``), halved
+        for the two regions: a hint no larger than DeepEP's for the same arguments. A region also holds
+        the routing (top-k ids and weights, send lists: ``12 * num_topk + 4 * num_ranks`` bytes a token)
+        of a whole non-cached dispatch: at hidden 7168, over 100000 tokens per rank in the default hint.
 
         Across nodes (``num_ranks`` more than ``num_ranks_per_node``, which defaults to
-        ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows on a
-        forwarder: at most ``num_nodes * num_tokens * min(num_ranks_per_node, num_topk)`` BF16 rows with
-        their weights. On one node:
-
-        A dispatch with a layout stages every token once (hidden, FP8 scales, top-k ids and weights,
-        send lists); a cached dispatch lands every row a rank receives, at most ``num_ranks *
-        num_tokens`` (every token to one rank); combine lands one row per (token, rank holding a
-        copy), at most ``min(num_ranks, num_topk)`` copies per token. The buffer holds room for the
-        largest of these twice: successive calls use two regions in turn, so that none has to wait
-        for its peers before it writes into their buffers. Differs from DeepEP: the hint grows with
-        the tokens per call (``num_tokens``, an addition), because the kernels have no ring buffer to
-        cycle through.
+        ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows of a whole
+        call on a forwarder: at most ``num_nodes * num_tokens * min(num_ranks_per_node, num_topk)`` BF16
+        rows with their weights, ``num_tokens`` defaulting to ``HINT_TOKENS_PER_RANK``.
         """
         hidden = hidden_bytes // 2
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes > 1:
-            landing_rows = num_nodes * num_tokens * min(ranks_per_node, num_topk)
+            landing_rows = num_nodes * (num_tokens or HINT_TOKENS_PER_RANK) * min(ranks_per_node, num_topk)
             return internode.nvl_bytes_for(landing_rows, internode.combine_row_bytes(hidden, num_topk))
-        num_scales = ceil_div(hidden, SCALE_BLOCK)
-        dispatch = intranode.staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, num_ranks).end
-        cached = num_ranks * num_tokens * intranode.push_row_bytes(hidden_bytes, 0)
-        copies = num_tokens * min(num_ranks, num_topk)
-        combine = copies * intranode.landing_row_bytes(hidden, num_topk)
-        return intranode.nvl_bytes_for(max(dispatch, cached, combine))
+        if num_tokens is None:
+            ring_tokens = self.num_sms // 2 * self.num_max_nvl_chunked_recv_tokens // 2
+            num_tokens = max(intranode.ROUND_UNIT_TOKENS,
+                             ring_tokens // intranode.ROUND_UNIT_TOKENS * intranode.ROUND_UNIT_TOKENS)
+        row_bytes = max(intranode.push_row_bytes(hidden_bytes, 0),  # BF16 dispatch
+                        intranode.push_row_bytes(hidden, ceil_div(hidden, SCALE_BLOCK)),  # FP8 dispatch
+                        intranode.landing_row_bytes(hidden, num_topk))  # combine
+        return intranode.round_nvl_bytes(row_bytes, num_ranks, num_tokens)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: int = HINT_TOKENS_PER_RANK,
                                   num_topk: int = MAX_TOPK_HINT, num_ranks_per_node: int | None = None) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 import cuep
 from cuep import Config
+from cuep.modes import intranode
 
 SUPPORTED_RANKS = range(1, 9)  # the intranode kernels: up to 8 ranks on one node
 HIDDENS = (384, 1024, 2048, 4096, 7168)
@@ -90,28 +91,42 @@ def test_hint_does_not_shrink_with_more_tokens_or_a_larger_top_k():
     assert by_tokens == sorted(by_tokens) and by_topk == sorted(by_topk), (by_tokens, by_topk)
 
 
-def test_hint_defaults_are_a_4096_token_top_8_batch():
-    assert Config().get_nvl_buffer_size_hint(7168 * 2, 8) == nvl_hint(7168, 8, 4096, 8)
+def deepep_nvl_hint(config: Config, hidden_bytes: int, num_ranks: int) -> int:
+    """DeepEP V1's NVL hint on one node (csrc/config.hpp, as arithmetic): num_sms / 2 channels, each with a
+    ring of num_max_nvl_chunked_recv_tokens slots per rank; a slot holds a row, an 8-byte source record and
+    room for 128 top-k ids (int64), 128 weights and 128 scales (float32); plus 5 int32 counters per ring."""
+    rings = config.num_sms // 2 * num_ranks
+    slot = hidden_bytes + 8 + 128 * (8 + 4 + 4)
+    return -(-(rings * 5 * 4 + rings * config.num_max_nvl_chunked_recv_tokens * slot) // 128) * 128
+
+
+@pytest.mark.parametrize("num_sms", [8, 20, 24, 128])
+@pytest.mark.parametrize("num_ranks", SUPPORTED_RANKS)
+def test_default_hint_is_no_larger_than_deepeps(num_sms, num_ranks):
+    """Frameworks size the Buffer from the hint with no token count (Megatron does), then send any batch."""
+    config = Config(num_sms=num_sms)
+    for hidden in HIDDENS:
+        assert config.get_nvl_buffer_size_hint(hidden * 2, num_ranks) <= deepep_nvl_hint(config, hidden * 2, num_ranks)
 
 
 @pytest.mark.parametrize("num_ranks, num_topk, hidden, num_tokens", [
-    (8, 8, 7168, 4096),  # DeepSeek-V3's shape: a combine lands 8 copies of every token
-    (1, 8, 2048, 1001),  # one rank: the staged tokens are the largest
+    (8, 8, 7168, 4096),  # DeepSeek-V3's shape
+    (1, 8, 2048, 1001),
     (4, 16, 2048, 1001),  # more top-k entries than ranks
     (8, 4, 384, 1),  # one token, a hidden of three scale blocks
-    (2, 1, 1024, 513),  # top-1: the cached landing is the largest
+    (2, 1, 1024, 513),
 ])
-def test_hint_holds_the_largest_call_twice(num_ranks, num_topk, hidden, num_tokens):
-    """Successive calls use two regions in turn, each holding the largest of: a dispatch's staged tokens
-    (BF16 rows, FP8 scales, int64 top-k ids, float32 weights, a send list per rank), every rank's
-    tokens landing on one rank (a cached dispatch), and a combine's landed rows with their weights."""
+def test_hint_for_a_token_count_moves_it_in_one_round(num_ranks, num_topk, hidden, num_tokens):
+    """Given num_tokens, the hint's rounds take them all at once: a region holds a section of that many
+    landing rows (rounded up to whole units) per rank for a dispatch (BF16 rows, FP8 rows with their scales)
+    and a combine (BF16 rows with their weights), and a dispatch's staged routing."""
     hint = nvl_hint(hidden, num_ranks, num_tokens, num_topk)
-    bf16_row, num_scales = hidden * 2, -(-hidden // 128)
-    staged = num_tokens * (bf16_row + num_scales * 4 + num_topk * (8 + 4) + num_ranks * 4)
-    cached = num_ranks * num_tokens * bf16_row
-    cached_fp8 = num_ranks * num_tokens * (hidden + num_scales * 4)
-    combined = num_tokens * min(num_ranks, num_topk) * (bf16_row + num_topk * 4)
-    largest = max(staged, cached, cached_fp8, combined)
-    assert hint >= 2 * largest, (hint, staged, cached, combined)
-    # ... and not much more: rows padded to 128-byte lines, plus a fixed metadata region.
-    assert hint <= 2 * largest * 5 // 4 + (1 << 20), (hint, largest)
+    unit, num_scales = intranode.ROUND_UNIT_TOKENS, -(-hidden // 128)
+    rows = [intranode.push_row_bytes(hidden * 2, 0), intranode.push_row_bytes(hidden, num_scales),
+            intranode.landing_row_bytes(hidden, num_topk)]
+    for row_bytes in rows:
+        assert intranode.round_tokens(hint, row_bytes, num_ranks) >= -(-num_tokens // unit) * unit
+    assert intranode.staging_layout(num_tokens, num_topk, num_ranks).end <= intranode.region_bytes(hint)
+    # ... and not much more: one unit's worth of rows, lines of 128 bytes, plus a fixed metadata region.
+    largest = num_ranks * -(-num_tokens // unit) * unit * max(rows)
+    assert hint <= 2 * largest + intranode.META_BYTES + (1 << 12), (hint, largest)

@@ -41,7 +41,7 @@ SHARED = {"peer_bases": 0x1000, "rank": 3, "num_ranks": 8, "region_bytes": intra
           "state": 0x5000, "status": Status(0x2000, 0x3000), "next_row": 0x4000, "timeout_ns": 100_000_000_000}
 
 
-@pytest.mark.parametrize("struct", [kernels.StageArgs, kernels.NotifyArgs, kernels.DispatchArgs, kernels.PushArgs,
+@pytest.mark.parametrize("struct", [kernels.StageArgs, kernels.NotifyArgs, kernels.RoutingArgs, kernels.PushArgs,
                                     kernels.CombineArgs])
 def test_a_struct_from_the_template_equals_the_struct_built_whole(struct: type[KernelArgs]):
     random.seed(struct.__name__)

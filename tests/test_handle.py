@@ -10,10 +10,9 @@ from cuep.modes.intranode import HANDLE_ARRAYS, Handle
 def make_handle(num_recv=5, num_copies=7, num_tokens=4, num_ranks=2, num_rows=6):
     return Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
                   rank_prefix_matrix=np.ones((num_ranks, num_ranks), np.int32),
-                  recv_info=np.arange(3 + num_ranks + 3, dtype=np.int32),
-                  combine_offsets=np.zeros(2 * num_ranks, np.int32), send_offsets=np.zeros(num_ranks, np.int32),
-                  push_offsets=np.ones(2 * num_ranks, np.int32),
+                  recv_info=np.arange(3 + num_ranks + 1 + 3, dtype=np.int32),
                   send_pos=np.full((num_tokens, num_ranks), -1, np.int32),
+                  send_prefix=np.zeros((2, num_ranks), np.int32),
                   recv_src_idx=np.arange(num_rows, dtype=np.int32),
                   is_token_in_rank=np.zeros((num_tokens, num_ranks), bool))
 
@@ -35,13 +34,13 @@ def test_handle_round_trips_through_its_tuple(counts):
 def test_handle_arrays_that_do_not_fit_are_refused():
     arrays = dict(zip(HANDLE_ARRAYS, make_handle()))
     with pytest.raises(ValueError, match="do not fit together"):
-        Handle.from_arrays({**arrays, "push_offsets": np.zeros(3, np.int32)})
+        Handle.from_arrays({**arrays, "send_prefix": np.zeros((3, 2), np.int32)})
     with pytest.raises(ValueError, match="send_pos must be int32, got int64"):
         Handle.from_arrays({**arrays, "send_pos": arrays["send_pos"].astype(np.int64)})
 
 
 def test_handle_must_be_a_handle_or_its_tuple():
-    with pytest.raises(TypeError, match="handle must be a dispatch\\(\\)'s handle or the 9-item tuple"):
+    with pytest.raises(TypeError, match="handle must be a dispatch\\(\\)'s handle or the 7-item tuple"):
         _checks.normal_handle("combine()", (1, 2), 2)
 
 

@@ -33,7 +33,7 @@ CALLS = {
     "low-latency dispatch": [low_latency.DISPATCH_ENTRY],
     "low-latency combine": [low_latency.COMBINE_ENTRY],
     "intranode dispatch": [intranode.StageArgs.entry, barrier.ENTRY, intranode.NotifyArgs.entry,
-                           intranode.DispatchArgs.entry],
+                           intranode.RoutingArgs.entry, intranode.PushArgs.entry],
     "intranode cached dispatch": [intranode.PushArgs.entry],
     "intranode combine": [intranode.CombineArgs.entry],
     "internode dispatch": [barrier.ENTRY, internode.ScanArgs.entry, internode.SendArgs.entry,

@@ -6,7 +6,7 @@ buffer layout they assume are :mod:`cuep.modes.intranode`'s. Each entry has an a
 
     cuep::intranode::stage(StageArgs)           grid stage_grid(num_ranks, num_sms)
     cuep::intranode::notify(NotifyArgs)         grid 1
-    cuep::intranode::dispatch(DispatchArgs)     grid num_sms (every block resident at once)
+    cuep::intranode::receive_routing(RoutingArgs)   grid num_sms (every block resident at once)
     cuep::intranode::dispatch_push(PushArgs)    grid num_sms (every block resident at once)
     cuep::intranode::combine(CombineArgs)       grid num_sms (every block resident at once)
 
@@ -19,8 +19,8 @@ beside the C++ struct and its kernel; pointers are device addresses, ``0`` where
 absent.
 
 A profile finds a call's main kernel by name, as with DeepEP's: a dispatch launches one kernel whose
-name holds ``dispatch`` (``dispatch`` after stage, barrier and notify, or, cached, ``dispatch_push``
-alone) and a combine one with ``combine``.
+name holds ``dispatch`` (``dispatch_push``, after stage, barrier, notify and routing when not cached)
+and a combine one with ``combine``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,15 @@ NUM_THREADS = 512
 MAX_RANKS = 8                    # one NVLink domain; the notify kernel maps one thread per rank
 META_BYTES = 64 * 1024           # each buffer's meta region: the sender's header, then the protocol's flags
 CONTROL_BYTES = 20 * 1024        # the protocol's flags (SenderControl), at the end of the meta region
-META_HEADER_BYTES = 6 * 8 + MAX_RANKS * 4  # SenderMeta before its per-expert counts
+META_HEADER_BYTES = 4 * 8 + MAX_RANKS * 4  # SenderMeta before its per-expert counts
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4  # int32 per-expert counts that fit the header
-STATE_WORDS = 3                  # uint64 device state: finished dispatch epoch, blocks done, finished combine epoch
+STATE_WORDS = 4                  # uint64 device state: dispatch epoch, blocks done, calls, rounds ended
+ROUND_UNIT_TOKENS = 128          # rounds take whole units of source tokens; send_prefix has a row per unit
+MAX_ROUND_ROWS = 1024 * ROUND_UNIT_TOKENS  # landing rows of a round: kMaxChunks counters of at most a unit each
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
-             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS}
+             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS,
+             "round_unit_tokens": ROUND_UNIT_TOKENS}
 """What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones (its ``static_assert``\\ s
 check that they fit together)."""
 
@@ -56,7 +59,7 @@ def spec(arch: str, **features) -> KernelSpec:
 # Launch shapes
 
 def stage_grid(num_ranks: int, num_sms: int) -> int:
-    """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` copy rows."""
+    """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` stage top-k ids and weights."""
     return num_ranks + num_sms
 
 
@@ -92,23 +95,24 @@ class TokenRows(KernelArgs):
 
 
 class SenderTokens(KernelArgs):
-    """This rank's tokens in a non-cached dispatch, and where the stage kernel puts them (offsets
+    """This rank's routing in a non-cached dispatch, and where the stage kernel puts it (offsets
     relative to the call's region: :class:`cuep.modes.intranode.StagingLayout`)."""
 
     cxx_name = "SenderTokens"
-    _fields_ = [("rows", TokenRows), ("topk_idx", _ptr), ("topk_weights", _ptr), ("num_topk", _i32),
-                ("num_tokens", _i32), ("buffer", _ptr), ("scales_offset", _i64), ("topk_idx_offset", _i64),
-                ("topk_weights_offset", _i64), ("send_lists_offset", _i64)]
+    _fields_ = [("topk_idx", _ptr), ("topk_weights", _ptr), ("num_topk", _i32), ("num_tokens", _i32),
+                ("buffer", _ptr), ("topk_idx_offset", _i64), ("topk_weights_offset", _i64),
+                ("send_lists_offset", _i64)]
 
 
 class StageArgs(KernelArgs):
-    """``cuep::intranode::stage``: copy this rank's tokens into its buffer, scan its send lists."""
+    """``cuep::intranode::stage``: stage this rank's routing in its buffer, scan its send lists."""
 
     cxx_name = "StageArgs"
     entry = "cuep::intranode::stage"
     scalar_parameters = True
     _fields_ = [("tokens", SenderTokens), ("is_token_in_rank", _ptr), ("num_tokens_per_expert", _ptr),
-                ("num_experts", _i32), ("num_ranks", _i32), ("send_pos", _ptr), ("peer_bases", _ptr),
+                ("num_experts", _i32), ("num_ranks", _i32), ("send_pos", _ptr), ("send_prefix", _ptr),
+                ("peer_bases", _ptr),
                 ("rank", _i32), ("region_bytes", _i64), ("state", _ptr), ("status", Status),
                 ("timeout_ns", _u64)]
 
@@ -120,49 +124,51 @@ class NotifyArgs(KernelArgs):
     entry = "cuep::intranode::notify"
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_experts", _i32),
-                ("expert_alignment", _i32), ("recv_info", _ptr), ("combine_offsets", _ptr), ("send_offsets", _ptr),
-                ("push_offsets", _ptr), ("rank_prefix_matrix", _ptr)]
+                ("expert_alignment", _i32), ("recv_info", _ptr), ("rank_prefix_matrix", _ptr)]
 
 
-class RecvArrays(KernelArgs):
-    """Where a non-cached dispatch writes what this rank receives."""
+class RecvRouting(KernelArgs):
+    """Where a non-cached dispatch's routing kernel writes what this rank receives besides the rows."""
 
-    cxx_name = "RecvArrays"
-    _fields_ = [("x", _ptr), ("scales", _ptr), ("topk_idx", _ptr), ("topk_weights", _ptr), ("src_idx", _ptr)]
+    cxx_name = "RecvRouting"
+    _fields_ = [("topk_idx", _ptr), ("topk_weights", _ptr), ("src_idx", _ptr)]
 
 
-class DispatchArgs(KernelArgs):
-    """``cuep::intranode::dispatch``: pull the rows this rank receives from the senders' staging."""
+class RoutingArgs(KernelArgs):
+    """``cuep::intranode::receive_routing``: read the routing of the rows this rank receives from the
+    senders' staging."""
 
-    cxx_name = "DispatchArgs"
-    entry = "cuep::intranode::dispatch"
+    cxx_name = "RoutingArgs"
+    entry = "cuep::intranode::receive_routing"
     scalar_parameters = True
-    _fields_ = [("tokens", SenderTokens), ("peer_bases", _ptr), ("recv_info", _ptr), ("rank", _i32),
-                ("num_ranks", _i32), ("num_experts", _i32), ("num_rows", _i32), ("recv", RecvArrays),
-                ("state", _ptr), ("status", Status), ("next_row", _ptr), ("timeout_ns", _u64)]
+    _fields_ = [("num_topk", _i32), ("peer_bases", _ptr), ("recv_info", _ptr), ("rank", _i32), ("num_ranks", _i32),
+                ("num_experts", _i32), ("num_rows", _i32), ("recv", RecvRouting), ("state", _ptr), ("status", Status),
+                ("next_row", _ptr), ("timeout_ns", _u64)]
 
 
 class PushArgs(KernelArgs):
-    """``cuep::intranode::dispatch_push``: a cached dispatch, pushed into the receivers' landing rows."""
+    """``cuep::intranode::dispatch_push``: a dispatch's rows, pushed into the receivers' landing rows in rounds."""
 
     cxx_name = "PushArgs"
     entry = "cuep::intranode::dispatch_push"
     scalar_parameters = True
-    _fields_ = [("rows", TokenRows), ("send_pos", _ptr), ("push_offsets", _ptr), ("num_tokens", _i32),
-                ("push_warps", _i32), ("row_bytes", _i64), ("peer_bases", _ptr), ("recv_info", _ptr),
-                ("rank", _i32), ("num_ranks", _i32), ("region_bytes", _i64), ("num_rows", _i32), ("recv_x", _ptr),
+    _fields_ = [("rows", TokenRows), ("send_pos", _ptr), ("send_prefix", _ptr), ("recv_src_idx", _ptr),
+                ("num_tokens", _i32), ("push_warps", _i32), ("row_bytes", _i64), ("peer_bases", _ptr),
+                ("recv_info", _ptr), ("rank", _i32), ("num_ranks", _i32), ("region_bytes", _i64),
+                ("round_tokens", _i32), ("num_rows", _i32), ("recv_x", _ptr),
                 ("recv_scales", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),
                 ("timeout_ns", _u64)]
 
 
 class CombineArgs(KernelArgs):
-    """``cuep::intranode::combine``: push received rows back to their sources, which sum them."""
+    """``cuep::intranode::combine``: push received rows back to their sources, which sum them, in rounds."""
 
     cxx_name = "CombineArgs"
     entry = "cuep::intranode::combine"
     scalar_parameters = True
-    _fields_ = [("peer_bases", _ptr), ("recv_info", _ptr), ("combine_offsets", _ptr), ("send_pos", _ptr),
-                ("send_offsets", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32), ("x", _ptr),
+    _fields_ = [("peer_bases", _ptr), ("recv_info", _ptr), ("send_pos", _ptr), ("send_prefix", _ptr),
+                ("recv_src_idx", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32),
+                ("round_tokens", _i32), ("x", _ptr),
                 ("hidden_bytes", _i64), ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64),
                 ("region_bytes", _i64), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
                 ("combined_topk_weights", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),
@@ -171,6 +177,6 @@ class CombineArgs(KernelArgs):
 
 #: Every struct this module mirrors, nested ones included (``tests/test_kernel_args.py`` checks their layouts;
 #: :class:`~cuep.kernels.status.Status` is checked with its own module).
-ARGUMENT_STRUCTS = (TokenRows, SenderTokens, StageArgs, NotifyArgs, RecvArrays, DispatchArgs, PushArgs,
+ARGUMENT_STRUCTS = (TokenRows, SenderTokens, StageArgs, NotifyArgs, RecvRouting, RoutingArgs, PushArgs,
                     CombineArgs)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)

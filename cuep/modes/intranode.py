@@ -6,13 +6,14 @@ it needs), and the kernel sequence of each call, launched from ``cuda_src/intran
 :mod:`cuep.kernels.intranode`:
 
 * non-cached :func:`dispatch`: stage, device barrier, notify, the CPU wait for the received count
-  (unless ``num_worst_tokens``), pull;
+  (unless ``num_worst_tokens``), routing, then the rows as a cached dispatch pushes them;
 * :func:`cached_dispatch` (a dispatch given a handle): one push kernel;
 * :func:`combine`: one push-and-reduce kernel.
 
 The NVL buffer holds a meta region of :data:`META_BYTES`, then two regions of
-:func:`region_bytes` each, which successive dispatches and combines use in turn (see the top of
-``intranode.cu``), so a call needs room in one region only.
+:func:`region_bytes` each, which successive calls use in turn (see the top of ``intranode.cu``). The
+kernels that move rows go through any number of tokens in rounds that fit one region
+(:func:`round_tokens`), so the buffer's size sets how many rounds a batch takes, not which batches fit.
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ import numpy as np
 from .. import _deps, _interop
 from .._front import Front, carve
 from .._status import StatusWords
-from .._math import align_up
+from .._math import align_up, ceil_div
 from ..jit import Library
 from ..kernels import intranode as kernels
-from ..kernels.intranode import MAX_EXPERTS, MAX_RANKS, META_BYTES, STATE_WORDS, pusher_warps
+from ..kernels.intranode import (MAX_EXPERTS, MAX_RANKS, MAX_ROUND_ROWS, META_BYTES, ROUND_UNIT_TOKENS, STATE_WORDS,
+                                 pusher_warps)
 from ..kernels.launcher import KernelArgs, launch
 from ..kernels.status import Status
 from ..runtime.regions import SymmetricMemory
 from .handles import FlatHandle
 
-__all__ = ["ALIGN", "HANDLE_ARRAYS", "LANDING_ROW_ALIGN", "MAX_EXPERTS", "MAX_RANKS", "META_BYTES", "STATE_WORDS",
-           "Context", "Handle", "StagingLayout", "cached_dispatch", "combine", "dispatch", "landing_row_bytes",
-           "need_region_bytes", "nvl_bytes_for", "push_row_bytes", "pusher_warps", "region_bytes", "staging_layout"]
+__all__ = ["ALIGN", "HANDLE_ARRAYS", "LANDING_ROW_ALIGN", "MAX_EXPERTS", "MAX_RANKS", "META_BYTES", "ROUND_UNIT_TOKENS",
+           "STATE_WORDS", "Context", "Handle", "StagingLayout", "cached_dispatch", "combine", "dispatch",
+           "landing_row_bytes", "need_region_bytes", "nvl_bytes_for", "push_row_bytes", "pusher_warps", "region_bytes",
+           "round_tokens", "staging_layout"]
 
 ALIGN = 16  # each staged array starts on a 16-byte vector
 
@@ -53,25 +56,21 @@ LANDING_ROW_ALIGN = 128
 
 @dataclass(frozen=True)
 class StagingLayout:
-    """Where a sender's dispatch arrays sit in its call's region (byte offsets from the region's start;
-    ``end``: the bytes they take)."""
+    """Where a sender's dispatch routing sits in its call's region (byte offsets from the region's start;
+    ``end``: the bytes it takes). The rows are not staged: they are pushed in rounds."""
 
-    scales_offset: int
     topk_idx_offset: int
     topk_weights_offset: int
     send_lists_offset: int
     end: int
 
 
-def staging_layout(num_tokens: int, hidden_bytes: int, num_scales: int, num_topk: int, num_ranks: int) -> StagingLayout:
-    """The staging of a non-cached dispatch of ``num_tokens`` tokens: their rows (from offset 0), FP8
-    scales, top-k ids (int64) and weights (float32), then one send list per destination (int32)."""
-    scales = align_up(num_tokens * hidden_bytes, ALIGN)
-    topk_idx = scales + align_up(num_tokens * num_scales * 4, ALIGN)
-    topk_weights = topk_idx + align_up(num_tokens * num_topk * 8, ALIGN)
+def staging_layout(num_tokens: int, num_topk: int, num_ranks: int) -> StagingLayout:
+    """The staging of a non-cached dispatch of ``num_tokens`` tokens: top-k ids (int64) from offset 0 and
+    weights (float32), then one send list per destination (int32)."""
+    topk_weights = align_up(num_tokens * num_topk * 8, ALIGN)
     send_lists = topk_weights + align_up(num_tokens * num_topk * 4, ALIGN)
-    return StagingLayout(scales, topk_idx, topk_weights, send_lists, send_lists + align_up(num_ranks * num_tokens * 4,
-                                                                                           ALIGN))
+    return StagingLayout(0, topk_weights, send_lists, send_lists + align_up(num_ranks * num_tokens * 4, ALIGN))
 
 
 def region_bytes(num_nvl_bytes: int) -> int:
@@ -82,6 +81,22 @@ def region_bytes(num_nvl_bytes: int) -> int:
 def nvl_bytes_for(region_need: int) -> int:
     """The smallest ``num_nvl_bytes`` whose regions each hold ``region_need`` bytes."""
     return META_BYTES + 2 * align_up(region_need, LANDING_ROW_ALIGN)
+
+
+def round_tokens(num_nvl_bytes: int, row_bytes: int, num_ranks: int) -> int:
+    """Source tokens per round of a kernel that moves rows of ``row_bytes`` (a landing row) through a buffer
+    of ``num_nvl_bytes``: a region holds one section of that many landing rows per rank, whole units of
+    :data:`ROUND_UNIT_TOKENS`, at most :data:`MAX_ROUND_ROWS` rows in all. 0: not even one unit fits."""
+    per_section = min(region_bytes(num_nvl_bytes) // row_bytes, MAX_ROUND_ROWS) // num_ranks
+    return per_section // ROUND_UNIT_TOKENS * ROUND_UNIT_TOKENS
+
+
+def round_nvl_bytes(row_bytes: int, num_ranks: int, num_tokens: int) -> int:
+    """The smallest ``num_nvl_bytes`` whose rounds take ``num_tokens`` source tokens (rounded up to whole
+    units) of landing rows of ``row_bytes``."""
+    tokens = min(align_up(max(num_tokens, 1), ROUND_UNIT_TOKENS),
+                 max(ROUND_UNIT_TOKENS, MAX_ROUND_ROWS // num_ranks // ROUND_UNIT_TOKENS * ROUND_UNIT_TOKENS))
+    return nvl_bytes_for(num_ranks * tokens * row_bytes)
 
 
 def push_row_bytes(hidden_bytes: int, num_scales: int) -> int:
@@ -103,11 +118,12 @@ class Handle(FlatHandle):
 
     ``rank_prefix_matrix``: DeepEP's, `[R, R]` (``[s][d]``: the tokens senders ``0..s`` send to ``d``), the
     flat tuple's first item, where DeepEP's users read it.
-    ``recv_info``: ``[num_recv, num_send_copies, rank_prefix[R + 1], per-expert counts]`` on the GPU.
+    ``recv_info``: ``[num_recv, num_send_copies, max_tokens, rank_prefix[R + 1], per-expert counts]`` on the
+    GPU (``max_tokens``: the most tokens any rank dispatched, which sets the rounds of every call).
     ``send_pos[t, r]``: row of token ``t`` among those sent to rank ``r`` (-1 if not sent).
+    ``send_prefix[u, r]``: this rank's tokens before token ``u * ROUND_UNIT_TOKENS`` sent to rank ``r``; the
+    last row holds the totals.
     ``recv_src_idx[i]``: source token index of received row ``i``.
-    ``push_offsets``: ``[2R]`` this rank's first row among each destination's received rows, then each
-    destination's received row count (what a cached push dispatch needs).
 
     Like DeepEP's handle it iterates as a flat tuple of arrays (:data:`HANDLE_ARRAYS` in order: the GPU
     arrays, then ``scalars``, a host ``int64`` array of the counts a CPU wait found, -1 where none did),
@@ -120,16 +136,14 @@ class Handle(FlatHandle):
     num_send_copies: int | None
     rank_prefix_matrix: Any
     recv_info: Any
-    combine_offsets: Any
-    send_offsets: Any
-    push_offsets: Any
     send_pos: Any
+    send_prefix: Any
     recv_src_idx: Any
     is_token_in_rank: Any
 
     ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
-        "rank_prefix_matrix": np.int32, "recv_info": np.int32, "combine_offsets": np.int32, "send_offsets": np.int32, "push_offsets": np.int32,
-        "send_pos": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
+        "rank_prefix_matrix": np.int32, "recv_info": np.int32, "send_pos": np.int32, "send_prefix": np.int32,
+        "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
 
     def scalars(self) -> list[int]:
         return [-1 if c is None else c for c in (self.num_recv_tokens, self.num_send_copies)]
@@ -142,7 +156,8 @@ class Handle(FlatHandle):
         send_pos, recv_src_idx, scalars = arrays["send_pos"], arrays["recv_src_idx"], arrays["scalars"]
         num_ranks = send_pos.shape[1] if send_pos.ndim == 2 else -1
         cls.check_dtypes(arrays)
-        if (num_ranks < 1 or arrays["push_offsets"].shape != (2 * num_ranks,) or recv_src_idx.ndim != 1
+        units = ceil_div(send_pos.shape[0], ROUND_UNIT_TOKENS) if send_pos.ndim == 2 else -1
+        if (num_ranks < 1 or arrays["send_prefix"].shape != (units + 1, num_ranks) or recv_src_idx.ndim != 1
                 or arrays["rank_prefix_matrix"].shape != (num_ranks, num_ranks)
                 or arrays["is_token_in_rank"].shape != send_pos.shape or scalars.shape != (2,)):
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
@@ -171,8 +186,9 @@ class Context:
         status: `[STATUS_WORDS]` `int32` device array, where kernels record timeouts and overflows.
         status_host_ptr: device address of its pinned host mirror (kernels write both, no copy).
         next_row: `[num_ranks + 1]` `int32` device array of work counters, zero between kernels.
-        dispatch_state: `[STATE_WORDS]` `uint64` device array, zeroed: the finished dispatch and combine
-            epochs and the running kernel's finished blocks (``kState*`` in ``intranode.cu``).
+        dispatch_state: `[STATE_WORDS]` `uint64` device array, zeroed: the finished dispatch epoch and
+            intranode call, the running kernel's blocks done with its round and its rounds ended
+            (``kState*`` in ``intranode.cu``).
         device_sms: the GPU's SM count. Blocks of the dispatch and combine kernels wait on each other,
             so their grid must fit on the GPU at once.
         timeout_ns: the bound on every wait inside the kernels.
@@ -242,6 +258,19 @@ def need_region_bytes(call: str, ctx: Context, region_need: int, what: str) -> N
                          f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
 
 
+def need_round_tokens(call: str, ctx: Context, row_bytes: int, what: str) -> int:
+    """The source tokens per round of ``call``'s kernel, whose landing rows are ``row_bytes`` each; raises
+    ``ValueError`` naming ``call`` when the buffer holds less than one round of :data:`ROUND_UNIT_TOKENS`."""
+    tokens = round_tokens(ctx.buffer_bytes, row_bytes, ctx.num_ranks)
+    if tokens == 0:
+        needed = round_nvl_bytes(row_bytes, ctx.num_ranks, ROUND_UNIT_TOKENS)
+        raise ValueError(f"{call}: {what} needs an NVL buffer of at least {needed} bytes (two regions, each holding "
+                         f"{ROUND_UNIT_TOKENS} rows of {row_bytes} bytes from each of {ctx.num_ranks} ranks), but this "
+                         f"Buffer has num_nvl_bytes={ctx.buffer_bytes}; create it with num_nvl_bytes >= {needed} "
+                         f"(Config.get_nvl_buffer_size_hint gives a size)")
+    return tokens
+
+
 # ------------------------------------------------------------------------------------------------
 # Calls
 
@@ -258,24 +287,28 @@ def _token_rows(x, scales) -> kernels.TokenRows:
     return rows
 
 
-def _sender_tokens(ctx: Context, x, scales, topk_idx, topk_weights, layout: StagingLayout) -> kernels.SenderTokens:
-    """This rank's tokens and their staging, as the stage and dispatch kernels take them."""
+def _sender_tokens(ctx: Context, num_tokens: int, topk_idx, topk_weights,
+                   layout: StagingLayout) -> kernels.SenderTokens:
+    """This rank's routing and its staging, as the stage kernel takes them."""
     return kernels.SenderTokens(
-        rows=_token_rows(x, scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-        num_topk=topk_idx.shape[1] if topk_idx is not None else 0, num_tokens=x.shape[0], buffer=ctx.buffer_ptr,
-        scales_offset=layout.scales_offset, topk_idx_offset=layout.topk_idx_offset,
-        topk_weights_offset=layout.topk_weights_offset, send_lists_offset=layout.send_lists_offset)
+        topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+        num_topk=topk_idx.shape[1] if topk_idx is not None else 0, num_tokens=num_tokens, buffer=ctx.buffer_ptr,
+        topk_idx_offset=layout.topk_idx_offset, topk_weights_offset=layout.topk_weights_offset,
+        send_lists_offset=layout.send_lists_offset)
+
+
+RECV_INFO_RANK_PREFIX = 3  # recv_info: [num_recv, num_send_copies, max_tokens, rank_prefix[R + 1], per-expert counts]
 
 
 @functools.lru_cache(maxsize=64)
 def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> tuple[tuple, int]:
     """Where a non-cached dispatch's routing arrays (its handle's) sit in their one allocation, in the order
     the dispatch unpacks them, and its bytes."""
+    units = ceil_div(num_tokens, ROUND_UNIT_TOKENS)
     regions, nbytes = carve([("send_pos", (num_tokens, num_ranks), np.int32, None),
-                             ("recv_info", (3 + num_ranks + num_local_experts,), np.int32, None),
-                             ("combine_offsets", (2 * num_ranks,), np.int32, None),
-                             ("send_offsets", (num_ranks,), np.int32, None),
-                             ("push_offsets", (2 * num_ranks,), np.int32, None),
+                             ("send_prefix", (units + 1, num_ranks), np.int32, None),
+                             ("recv_info", (RECV_INFO_RANK_PREFIX + num_ranks + 1 + num_local_experts,), np.int32,
+                              None),
                              ("rank_prefix_matrix", (num_ranks, num_ranks), np.int32, None)])
     return tuple(regions.values()), nbytes
 
@@ -285,7 +318,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     """Enqueue a dispatch on ``stream`` (a CuPy stream; outputs are allocated on the current stream).
 
     Cached (``handle`` given): :func:`cached_dispatch`. Otherwise stage, barrier, notify, the CPU wait
-    for the received count (none with ``num_worst_tokens``), then the pull.
+    for the received count (none with ``num_worst_tokens``), the routing, then the rows, pushed in rounds
+    as a cached dispatch pushes them.
 
     Arguments:
         x: `[num_tokens, hidden]` (bf16, or FP8 bytes as uint8), C-contiguous.
@@ -309,31 +343,31 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         recv_x, recv_scales = cached_dispatch(ctx, stream, x, scales, handle, num_sms)
         return recv_x, recv_scales, None, None, [], handle
     front = ctx.front
-    num_tokens, hidden_bytes = x.shape[0], x.shape[1] * x.itemsize
+    num_tokens = x.shape[0]
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-    layout = staging_layout(num_tokens, hidden_bytes, num_scales, num_topk, ctx.num_ranks)
-    need_region_bytes("dispatch()", ctx, layout.end, f"dispatching {num_tokens} tokens")
-    tokens = _sender_tokens(ctx, x, scales, topk_idx, topk_weights, layout)
+    row_tokens = need_round_tokens("dispatch()", ctx, push_row_bytes(x.shape[1] * x.itemsize, num_scales),
+                                   "a dispatch of these rows")
+    layout = staging_layout(num_tokens, num_topk, ctx.num_ranks)
+    need_region_bytes("dispatch()", ctx, layout.end, f"staging the routing of {num_tokens} tokens")
 
     # Everything a kernel reads lives as long as the handle, so a captured CUDA graph stays valid.
     per_expert: list[int] = []
     num_recv = num_copies = None
     num_local_experts = num_experts // ctx.num_ranks
     regions, nbytes = _routing_arrays(num_tokens, ctx.num_ranks, num_local_experts)
-    send_pos, recv_info, combine_offsets, send_offsets, push_offsets, rank_prefix_matrix = front.readable_views(
+    send_pos, send_prefix, recv_info, rank_prefix_matrix = front.readable_views(
         front.storage(nbytes, regions[0].dtype), regions)
     stage = ctx.args_of(kernels.StageArgs)
-    stage.tokens, stage.is_token_in_rank = tokens, _ptr(is_token_in_rank)
+    stage.tokens = _sender_tokens(ctx, num_tokens, topk_idx, topk_weights, layout)
+    stage.is_token_in_rank = _ptr(is_token_in_rank)
     stage.num_tokens_per_expert, stage.num_experts = _ptr(num_tokens_per_expert), num_experts
-    stage.send_pos = send_pos.data.ptr
+    stage.send_pos, stage.send_prefix = send_pos.data.ptr, send_prefix.data.ptr
     launch(ctx.library, stage.entry, stream, kernels.stage_grid(ctx.num_ranks, num_sms), kernels.NUM_THREADS, stage)
     ctx.barrier(stream)
     notify = ctx.args_of(kernels.NotifyArgs)
     notify.num_experts, notify.expert_alignment = num_experts, expert_alignment
-    notify.recv_info, notify.combine_offsets = recv_info.data.ptr, combine_offsets.data.ptr
-    notify.send_offsets, notify.push_offsets = send_offsets.data.ptr, push_offsets.data.ptr
-    notify.rank_prefix_matrix = rank_prefix_matrix.data.ptr
+    notify.recv_info, notify.rank_prefix_matrix = recv_info.data.ptr, rank_prefix_matrix.data.ptr
     launch(ctx.library, notify.entry, stream, 1, kernels.NUM_THREADS, notify)
     if num_worst_tokens > 0:
         num_rows = num_worst_tokens
@@ -341,55 +375,61 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         info = _interop.read_on_host(recv_info, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
         ctx.raise_if_failed()  # a peer that never staged leaves counts that mean nothing
         num_recv, num_copies = int(info[0]), int(info[1])
-        num_rows, per_expert = num_recv, info[3 + ctx.num_ranks:].tolist()
+        num_rows, per_expert = num_recv, info[RECV_INFO_RANK_PREFIX + ctx.num_ranks + 1:].tolist()
 
-    recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
-    recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
     recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
     recv_src_idx = front.empty((num_rows,), np.int32)
-    pull = ctx.args_of(kernels.DispatchArgs)
-    pull.tokens, pull.recv_info, pull.num_experts, pull.num_rows = tokens, recv_info.data.ptr, num_experts, num_rows
-    pull.recv = kernels.RecvArrays(x=recv_x.data.ptr, scales=_ptr(recv_scales), topk_idx=_ptr(recv_topk_idx),
-                                   topk_weights=_ptr(recv_topk_weights), src_idx=recv_src_idx.data.ptr)
-    launch(ctx.library, pull.entry, stream, num_sms, kernels.NUM_THREADS, pull)
+    routing = ctx.args_of(kernels.RoutingArgs)
+    routing.num_topk, routing.recv_info, routing.num_experts, routing.num_rows = (num_topk, recv_info.data.ptr,
+                                                                                  num_experts, num_rows)
+    routing.recv = kernels.RecvRouting(topk_idx=_ptr(recv_topk_idx), topk_weights=_ptr(recv_topk_weights),
+                                       src_idx=recv_src_idx.data.ptr)
+    launch(ctx.library, routing.entry, stream, num_sms, kernels.NUM_THREADS, routing)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
-                    rank_prefix_matrix=rank_prefix_matrix, recv_info=recv_info, combine_offsets=combine_offsets, send_offsets=send_offsets,
-                    push_offsets=push_offsets, send_pos=send_pos, recv_src_idx=recv_src_idx,
-                    is_token_in_rank=is_token_in_rank)
+                    rank_prefix_matrix=rank_prefix_matrix, recv_info=recv_info, send_pos=send_pos,
+                    send_prefix=send_prefix, recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
+    recv_x, recv_scales = _push_rows(ctx, stream, x, scales, handle, num_sms, row_tokens)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
 def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: int):
     """Enqueue a cached dispatch (push form) on ``stream``; returns ``(recv_x, recv_scales)``.
 
-    Every receiver's region must hold its received rows (:func:`push_row_bytes` each); this rank checks
-    its own before launching, and the kernel checks every rank's (a rank whose buffer is too small
-    raises here, the others from the kernel's status).
+    The rows go in rounds of :func:`round_tokens` source tokens, as many as the largest token count
+    of the handle's dispatch needs.
 
     Arguments:
         x, scales: as in :func:`dispatch`, with the handle's token count.
         handle: the non-cached dispatch's handle, whose routing this dispatch repeats.
         num_sms: blocks of the kernel (at most the GPU's SMs).
     """
-    hidden_bytes = x.shape[1] * x.itemsize
     num_scales = scales.shape[1] if scales is not None else 0
-    row_bytes = push_row_bytes(hidden_bytes, num_scales)
-    need_region_bytes("dispatch()", ctx, handle.num_rows * row_bytes,
-                      f"this cached dispatch, landing {handle.num_rows} rows of {row_bytes} bytes on rank {ctx.rank},")
+    row_tokens = need_round_tokens("dispatch()", ctx, push_row_bytes(x.shape[1] * x.itemsize, num_scales),
+                                   "a dispatch of these rows")
+    return _push_rows(ctx, stream, x, scales, handle, num_sms, row_tokens)
+
+
+def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, row_tokens: int):
+    """Enqueue the push kernel that moves a dispatch's rows along ``handle``'s routing, ``row_tokens``
+    source tokens a round; returns ``(recv_x, recv_scales)``."""
+    num_scales = scales.shape[1] if scales is not None else 0
     recv_x = ctx.front.empty((handle.num_rows, x.shape[1]), x.dtype)
     recv_scales = ctx.front.empty((handle.num_rows, num_scales), scales.dtype) if scales is not None else None
     push = ctx.args_of(kernels.PushArgs)
     push.rows, push.num_tokens, push.send_pos = _token_rows(x, scales), x.shape[0], handle.send_pos.data.ptr
-    push.push_offsets, push.push_warps = handle.push_offsets.data.ptr, pusher_warps(ctx.num_ranks)
-    push.row_bytes, push.recv_info, push.num_rows = row_bytes, handle.recv_info.data.ptr, handle.num_rows
+    push.send_prefix, push.recv_src_idx = handle.send_prefix.data.ptr, handle.recv_src_idx.data.ptr
+    push.push_warps = pusher_warps(ctx.num_ranks)
+    push.row_bytes = push_row_bytes(x.shape[1] * x.itemsize, num_scales)
+    push.recv_info, push.round_tokens, push.num_rows = handle.recv_info.data.ptr, row_tokens, handle.num_rows
     push.recv_x, push.recv_scales = recv_x.data.ptr, _ptr(recv_scales)
     launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push)
     return recv_x, recv_scales
 
 
 def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int):
-    """Enqueue a combine on ``stream`` (outputs are allocated on the current stream).
+    """Enqueue a combine on ``stream`` (outputs are allocated on the current stream), in rounds of
+    :func:`round_tokens` source tokens.
 
     Arguments:
         x: `[handle.num_rows, hidden]` `bfloat16`, one row per received row of the handle's dispatch.
@@ -406,14 +446,14 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     row_bytes = landing_row_bytes(hidden, num_topk)
     num_sms = min(num_sms, ctx.device_sms)
-    copies = handle.num_send_copies if handle.num_send_copies is not None else handle.num_tokens * ctx.num_ranks
-    need_region_bytes("combine()", ctx, copies * row_bytes, f"combining {handle.num_tokens} tokens")
+    row_tokens = need_round_tokens("combine()", ctx, row_bytes, "a combine of these rows")
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
     combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if num_topk else None
     args = ctx.args_of(kernels.CombineArgs)
-    args.recv_info, args.combine_offsets = handle.recv_info.data.ptr, handle.combine_offsets.data.ptr
-    args.send_pos, args.send_offsets = handle.send_pos.data.ptr, handle.send_offsets.data.ptr
-    args.num_tokens, args.x, args.hidden_bytes = handle.num_tokens, x.data.ptr, hidden * x.itemsize
+    args.recv_info, args.send_pos = handle.recv_info.data.ptr, handle.send_pos.data.ptr
+    args.send_prefix, args.recv_src_idx = handle.send_prefix.data.ptr, handle.recv_src_idx.data.ptr
+    args.num_tokens, args.round_tokens, args.x = handle.num_tokens, row_tokens, x.data.ptr
+    args.hidden_bytes = hidden * x.itemsize
     args.topk_weights, args.num_topk, args.landing_row_bytes = _ptr(topk_weights), num_topk, row_bytes
     args.bias0, args.bias1 = _ptr(bias0), _ptr(bias1)
     args.combined_x, args.combined_topk_weights = combined_x.data.ptr, _ptr(combined_weights)

@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
-from cuep.modes import internode
+from cuep.modes import internode, intranode
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
@@ -428,24 +428,55 @@ def peer_that_skips_combine_times_out():
         "combine", lambda short, recv_x, recv_w, handle, x: short.combine(recv_x, handle, topk_weights=recv_w))
 
 
-def cached_dispatch_too_big_for_the_buffer_raises():
-    hidden, tokens = 1024, 300
-    # Regions with room to stage 300 tokens, not to land every rank's 300 on rank 0.
-    small = cuep.Buffer(comm, num_nvl_bytes=(64 << 10) + 2 * (tokens * hidden * 2 * 3 // 2 + (256 << 10)))
-    inputs = all_inputs(tokens, hidden, EXPERTS, 4, masked=0.0, route=lambda t: t % (EXPERTS // num_ranks))
-    _, _, handle = dispatch_and_check(small, inputs, EXPERTS)
-    errors = []
-    try:
-        small.dispatch(cupy.asarray(inputs[rank].x), handle=handle)
-    except ValueError as exc:  # rank 0, whose own rows do not fit, before any kernel runs
-        errors.append(exc)
-    try:
-        small.barrier()  # the other ranks learn it from the kernel's status
-    except ValueError as exc:
-        errors.append(exc)
-    assert len(errors) == 1 and "num_nvl_bytes" in str(errors[0]), errors
+def any_batch_through_a_buffer_of_a_few_rounds():
+    """A Buffer whose rounds take one unit of tokens (128) moves batches of many rounds, with token counts
+    that differ between ranks (one rank with none), every token to one rank, FP8, cached dispatches with new
+    rows, num_worst_tokens, and combines: each round reuses the same two regions, and every row and sum
+    must come out as the reference's."""
+    hidden, unit = 1024, intranode.ROUND_UNIT_TOKENS
+    row = max(intranode.push_row_bytes(2 * hidden, 0), intranode.landing_row_bytes(hidden, 8))
+    small = cuep.Buffer(comm, num_nvl_bytes=intranode.round_nvl_bytes(row, num_ranks, unit))
+    tokens = lambda s: 0 if s == 1 else 700 + 131 * s  # noqa: E731 - up to 8 rounds of 128
+    inputs = all_inputs(tokens, hidden, EXPERTS, 8)
+    recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS)
+    combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
+    outputs = []
+    for step in range(3):  # no host sync between the calls
+        new_x = [bf16_normals(6001 + step, tokens(s), hidden, s) for s in range(num_ranks)]
+        recv_x, _, _, _, _, _ = small.dispatch(cupy.asarray(new_x[rank]), handle=handle)
+        combined, _, _ = small.combine(recv_x, handle, topk_weights=recv_w)
+        outputs.append((new_x, recv_x, combined))
+    for new_x, recv_x, combined in outputs:
+        new_inputs = inputs.with_tokens(new_x)
+        expected = reference.dispatch(new_inputs.xs, new_inputs.topk_idxs, EXPERTS, new_inputs.topk_weights)
+        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected[rank].recv_x))
+        want_x, _ = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected],
+                                      new_inputs.num_tokens, [r.recv_topk_weights for r in expected])
+        magnitude, _ = reference.combine([np.abs(r.recv_x.astype(np.float32)) for r in expected],
+                                         [r.recv_src for r in expected], new_inputs.num_tokens)
+        assert_sum_close(combined.get().astype(np.float32), want_x[rank], magnitude[rank])
+    to_rank_0 = all_inputs(1000, hidden, EXPERTS, 4, masked=0.0, route=lambda t: t % (EXPERTS // num_ranks))
+    recv_x, recv_w, handle = dispatch_and_check(small, to_rank_0, EXPERTS)
+    combine_and_check(small, to_rank_0, EXPERTS, recv_x, recv_w, handle)
+    fp8 = all_inputs(lambda s: 600 + 97 * s, hidden, EXPERTS, 8, fp8=True)
+    dispatch_and_check(small, fp8, EXPERTS)
+    worst = sum(tokens(s) for s in range(num_ranks))
+    recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS, num_worst_tokens=worst)
+    combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
     small.barrier()
     small.destroy()
+
+
+def buffer_below_one_round_raises():
+    # Every rank works out the same round size, so all of them raise, before any kernel runs.
+    hidden = 1024
+    row = intranode.push_row_bytes(2 * hidden, 0)  # a BF16 dispatch's landing row
+    tiny = cuep.Buffer(comm, num_nvl_bytes=intranode.round_nvl_bytes(row, num_ranks, 1) - 4096)
+    inputs = all_inputs(300, hidden, EXPERTS, 8)
+    expect_error(ValueError, lambda: dispatch_and_check(tiny, inputs, EXPERTS),
+                 "a dispatch through a buffer below one round ran", match="num_nvl_bytes >= ")
+    tiny.barrier()
+    tiny.destroy()
 
 
 def dispatch_too_big_for_the_rdma_buffer_raises():
@@ -538,8 +569,9 @@ def main() -> None:
             ("a Buffer across nodes without num_rdma_bytes raises at construction",
              buffer_without_rdma_bytes_across_nodes_raises)]
     else:
-        with_own_buffers.append(("a cached dispatch too big for the buffer raises on every rank",
-                                 cached_dispatch_too_big_for_the_buffer_raises))
+        with_own_buffers += [
+            ("any batch through a buffer of a few rounds", any_batch_through_a_buffer_of_a_few_rounds),
+            ("a buffer below one round raises on every rank", buffer_below_one_round_raises)]
     cases = [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers
     run_cases(comm, selected_cases(cases, lambda named: getattr(named[1], "func", named[1]).__name__))
     buffer.destroy()
