@@ -4,7 +4,9 @@ One world per process, shared by every Buffer. Bootstrap uses a unique id broadc
 (an mpi4py communicator or a torch process group, :mod:`cuep.runtime.group`; any MPI works, and no MPI
 is needed: NVSHMEM's own MPI plugin needs Open MPI). The symmetric heap is
 sized from what the first Buffer asks for, through ``NVSHMEM_SYMMETRIC_SIZE`` set before init unless
-the user set it. :data:`NVSHMEM_DEFAULTS` are set the same way: they turn off what NVSHMEM prepares
+the user set it; a later, larger Buffer grows it (NVSHMEM maps more memory through CUDA VMM, on by
+default on x86), and a destroyed Buffer's memory stays in the heap for the next one (NVSHMEM does not
+give it back to the GPU). :data:`NVSHMEM_DEFAULTS` are set the same way: they turn off what NVSHMEM prepares
 for its own collectives and teams, which cuep never uses, and which took most of every start.
 
 Teardown order: every loaded NVSHMEM library is finalized (``library_finalize``), the symmetric
@@ -249,9 +251,11 @@ def allocate(nbytes: int):
     try:
         buffer = nvshmem.buffer(nbytes)
     except nvshmem.NvshmemError as exc:
-        raise CuepError(f"NVSHMEM could not allocate {nbytes} bytes of symmetric memory (the heap was sized "
-                        f"{world.heap_bytes} bytes for the first Buffer); create the largest Buffer first or "
-                        f"set NVSHMEM_SYMMETRIC_SIZE") from exc
+        raise CuepError(f"NVSHMEM could not allocate {nbytes} bytes of symmetric memory: its heap started at "
+                        f"{world.heap_bytes} bytes, sized for the first Buffer, and grows beyond that only through "
+                        f"CUDA VMM (off with NVSHMEM_DISABLE_CUDA_VMM=1, and where the driver lacks it) up to "
+                        f"NVSHMEM_MAX_MEMORY_PER_GPU, and only while the GPU has the memory; create the largest "
+                        f"Buffer first, or set NVSHMEM_SYMMETRIC_SIZE to what all of them need") from exc
     world._allocations.append(buffer)
     return buffer
 

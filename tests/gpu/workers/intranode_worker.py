@@ -527,6 +527,31 @@ def bytes_across_nodes_are_one_row_per_token_and_node(buffer):
             assert comm.allreduce(forwarded) == comm.allreduce(copies)  # every copy that went out comes back
 
 
+def larger_buffers_after_the_first_grow_the_heap(buffer):
+    """Frameworks make a second, larger Buffer in one process (Megatron grows its Buffer, vLLM keeps one per
+    configuration) with no NVSHMEM variable set: NVSHMEM grows its heap beyond what the first Buffer sized
+    (through CUDA VMM), the new Buffer serves calls, and a destroyed Buffer's memory serves the next one."""
+    first_heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])  # cuep sized it for the first Buffer
+    inputs = all_inputs(300, 1024, EXPERTS, 8)
+    size = first_heap + (1 << 30)
+    larger = make_buffer(size)
+    recv_x, recv_w, handle = dispatch_and_check(larger, inputs, EXPERTS)
+    combine_and_check(larger, inputs, EXPERTS, recv_x, recv_w, handle)
+    larger.barrier()
+    larger.destroy()
+    comm.Barrier()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    again = make_buffer(size)
+    again.barrier()
+    comm.Barrier()
+    taken = free_before - cupy.cuda.runtime.memGetInfo()[0]
+    assert taken < (64 << 20), f"a Buffer of the size just destroyed took {taken >> 20} MiB more of the GPU"
+    recv_x, recv_w, handle = dispatch_and_check(again, inputs, EXPERTS)
+    combine_and_check(again, inputs, EXPERTS, recv_x, recv_w, handle)
+    again.barrier()
+    again.destroy()
+
+
 def buffer_sizes_that_differ_between_ranks_raise():
     # On every rank, before any memory is allocated.
     expect_error(ValueError, lambda: cuep.Buffer(comm, num_nvl_bytes=(1 << 20) * (1 + rank)),
@@ -554,6 +579,8 @@ def main() -> None:
         ("async call keeps inputs alive after the caller drops them", async_inputs_outlive_the_callers_references),
         ("calls on two streams with no sync between run in order", calls_on_two_streams_are_ordered),
         ("1000 dispatch+combine without memory growth", thousand_calls_hold_no_memory),
+        ("larger Buffers after the first grow the heap; a destroyed one's memory serves the next",
+         larger_buffers_after_the_first_grow_the_heap),
     ]
     with_own_buffers = [
         ("a peer that skips dispatch makes the others time out", peer_that_skips_dispatch_times_out),
