@@ -29,22 +29,31 @@ class Resources:
 
     With an NVL buffer, the normal mode's context: the intranode one when every rank is on one node,
     the internode one (which needs the RDMA buffer too) when they span several; the low-latency
-    context exists with ``low_latency_mode`` and an RDMA buffer."""
+    context exists with ``low_latency_mode`` and an RDMA buffer. Across nodes a ``low_latency_mode``
+    Buffer whose sizes serve the internode mode too (SGLang's auto mode makes one) gives its RDMA buffer
+    to one mode at a time: the first call of the other mode hands it over (:meth:`normal_ready`,
+    :meth:`low_latency_ready`)."""
 
     def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  force_put: bool, shrink: bool = False, device_id: int | None = None,
                  num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK):
         nvshmem_world.check_group(group)  # before anything else is collective over a group that cannot work
         self.topology = discover_topology(group)
+        self.group = group
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode
-        across_nodes = self.topology.num_nodes > 1 and num_nvl_bytes > 0 and not low_latency_mode
-        if across_nodes:
+        across_nodes = self.topology.num_nodes > 1 and num_nvl_bytes > 0
+        self.internode_refusal: str | None = None  # why a low-latency Buffer across nodes has no normal mode
+        if across_nodes and not low_latency_mode:
             check_internode_sizes(self.topology, num_nvl_bytes, num_rdma_bytes)
+        elif across_nodes:  # a low-latency Buffer serves the internode mode too only where its sizes do
+            self.internode_refusal = internode_sizes_refusal(self.topology, num_nvl_bytes, num_rdma_bytes) or (
+                "a Buffer in shrink mode gives its RDMA buffer to the low-latency mode alone" if shrink else None)
+            across_nodes = self.internode_refusal is None
         self.regions = Regions.carve(barrier_kernel.signal_bytes(self.num_ranks), num_nvl_bytes, num_rdma_bytes)
         self.device_id = nvshmem_world.choose_device(group, self.topology, device_id)
-        # Across nodes a low-latency Buffer has no normal mode (its RDMA buffer is the low-latency one).
-        normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and low_latency_mode else num_nvl_bytes
+        # Across nodes a low-latency Buffer has a normal mode only where it can have the internode one.
+        normal_nvl_bytes = 0 if self.topology.num_nodes > 1 and not across_nodes else num_nvl_bytes
         load_kernels = start_kernels(NodeGroup(group, self.topology.local_rank, env.get("CUEP_COMPILE_TIMEOUT_S")),
                                      self.device_id, normal_nvl_bytes,
                                      num_rdma_bytes if low_latency_mode else 0, across_nodes,
@@ -79,6 +88,9 @@ class Resources:
         self.low_latency = low_latency.Context.create(
             libraries["low_latency"], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
             force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
+        # Which mode the RDMA buffer serves where both use it (None: neither yet; it starts zeroed).
+        self.rdma_shared = self.internode is not None and self.low_latency is not None
+        self.rdma_mode: str | None = None
         # The state above was zeroed on CuPy's stream; the kernels run on the front's, which may not wait for it.
         self.device.synchronize()
 
@@ -107,13 +119,15 @@ class Resources:
         launch(stream)
 
     def normal_ready(self, call: str) -> intranode.Context | internode.Context:
-        """The normal mode's context: intranode on one node, internode across nodes."""
+        """The normal mode's context: intranode on one node, internode across nodes (handed the RDMA buffer
+        first where the low-latency mode shares it)."""
         self.check_alive(call)
         if self.internode is not None:
+            self.hand_rdma_buffer_to("normal", call)
             return self.internode
-        if self.topology.num_nodes > 1 and self.low_latency_mode:
-            raise ValueError(f"{call}: the normal (internode) mode needs a Buffer made with low_latency_mode=False; "
-                             f"this one gives its RDMA buffer to the low-latency mode")
+        if self.internode_refusal is not None:
+            raise ValueError(f"{call}: the normal mode across nodes cannot run on this low_latency_mode Buffer: "
+                             f"{self.internode_refusal}")
         if self.intranode is None:
             raise ValueError(f"{call}: this Buffer has no NVL buffer (num_nvl_bytes=0); create it with "
                              f"num_nvl_bytes >= Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
@@ -127,7 +141,38 @@ class Resources:
         if self.low_latency is None:
             raise ValueError(f"{call}: create the Buffer with low_latency_mode=True and num_rdma_bytes >= "
                              f"Buffer.get_low_latency_rdma_size_hint(...)")
+        self.hand_rdma_buffer_to("low_latency", call)
         return self.low_latency
+
+    def hand_rdma_buffer_to(self, mode: str, call: str) -> None:
+        """Collective where the two modes share the RDMA buffer and the other one had it: wait until
+        nothing is in flight on any rank, zero the buffer and the state of ``mode`` ("normal": the NVL
+        buffer and the call count too; "low_latency": as :meth:`cuep.Buffer.clean_low_latency_buffer`
+        does), and wait for every rank again, so that no rank writes into a peer's buffer before the peer
+        has zeroed it. Every rank makes the same calls, so every rank hands over at the same call. Refused
+        during CUDA graph capture, where nothing may wait: make the first call after the other mode's
+        eagerly."""
+        if not self.rdma_shared or self.rdma_mode == mode:
+            return
+        if self.rdma_mode is None:  # the buffer is still as made: zeroed
+            self.rdma_mode = mode
+            return
+        if self.front.current_stream().is_capturing():
+            raise ValueError(f"{call}: this Buffer's RDMA buffer serves both modes, and the {self.rdma_mode} mode "
+                             f"used it last; make the first {mode} call after it outside CUDA graph capture "
+                             f"(it hands the buffer over, which waits for every rank)")
+        self.device.synchronize()
+        self.group.wait_for_all(call)
+        memset = _deps.cupy().cuda.runtime.memset
+        memset(self.memory.rdma, 0, self.regions.rdma_bytes)
+        if mode == "normal":  # the internode mode starts over: its flags in both buffers and its call count
+            memset(self.memory.nvl, 0, self.regions.nvl_bytes)
+            self.internode.state.fill(0)
+        else:
+            self.low_latency.restart(max(self.group.allgather(self.low_latency.newest_call(), call)))
+        self.device.synchronize()
+        self.group.wait_for_all(call)
+        self.rdma_mode = mode
 
     def free(self) -> None:
         """Collective: release the symmetric memory (every rank, nothing in flight). Idempotent."""
@@ -138,23 +183,30 @@ class Resources:
             self.destroyed = True
 
 
-def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
-    """Raises ``ValueError`` when a Buffer of these sizes cannot serve the internode mode on ``topology``."""
+def internode_sizes_refusal(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> str | None:
+    """Why a Buffer of these sizes cannot serve the internode mode on ``topology``, or ``None`` if it can."""
     t = topology
     shape = f"{t.num_nodes} nodes of {t.ranks_per_node} ranks"
     if t.ranks_per_node > internode.MAX_RANKS_PER_NODE or t.num_ranks > internode.MAX_RANKS:
-        raise ValueError(f"Buffer(): the internode mode serves at most {internode.MAX_RANKS_PER_NODE} ranks per node "
-                         f"and {internode.MAX_RANKS} in all, this job has {shape}")
+        return (f"the internode mode serves at most {internode.MAX_RANKS_PER_NODE} ranks per node and "
+                f"{internode.MAX_RANKS} in all, this job has {shape}")
     least = internode.rdma_bytes_for(internode.ROW_ALIGN, t.num_ranks, t.num_nodes)
     if num_rdma_bytes < least:
-        raise ValueError(f"Buffer(): the ranks span {shape}, so dispatch and combine run in the internode mode, "
-                         f"which needs num_rdma_bytes (got {num_rdma_bytes}, less than the {least} its signals "
-                         f"alone take); create the Buffer with num_rdma_bytes >= "
-                         f"Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks)")
+        return (f"the ranks span {shape}, so dispatch and combine run in the internode mode, which needs "
+                f"num_rdma_bytes (got {num_rdma_bytes}, less than the {least} its signals alone take); create the "
+                f"Buffer with num_rdma_bytes >= Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks)")
     if num_nvl_bytes <= internode.NVL_CONTROL_BYTES:
-        raise ValueError(f"Buffer(): the internode mode's combine lands rows in the NVL buffer, which must be larger "
-                         f"than {internode.NVL_CONTROL_BYTES} bytes, got num_nvl_bytes={num_nvl_bytes}; use "
-                         f"Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
+        return (f"the internode mode's combine lands rows in the NVL buffer, which must be larger than "
+                f"{internode.NVL_CONTROL_BYTES} bytes, got num_nvl_bytes={num_nvl_bytes}; use "
+                f"Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
+    return None
+
+
+def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    """Raises ``ValueError`` when a Buffer of these sizes cannot serve the internode mode on ``topology``."""
+    refusal = internode_sizes_refusal(topology, num_nvl_bytes, num_rdma_bytes)
+    if refusal is not None:
+        raise ValueError(f"Buffer(): {refusal}")
 
 
 def start_kernels(group: NodeGroup, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int,

@@ -13,6 +13,7 @@ checked against the reference (the test suite runs a few hundred; run it long by
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 
@@ -30,6 +31,7 @@ from common import (
     expect_peer_timeout,
     expert_outputs,
     run_cases,
+    selected_cases,
 )
 from mpi4py import MPI
 
@@ -446,6 +448,44 @@ def zeroed_buffer_and_cleaned_masks_serve_again():
     shrink.destroy()
 
 
+def normal_and_low_latency_calls_share_one_buffer():
+    """SGLang's auto mode: one low_latency_mode=True Buffer with both modes' sizes serves normal-mode calls
+    too (the internode mode across nodes, where the two share the RDMA buffer and each one's first call after
+    the other's hands it over), alternating with low-latency calls and a clean; every row and sum checked."""
+    hidden, tokens, config = 2048, 300, cuep.Config()
+    nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks, tokens)
+    rdma_bytes = max(RDMA_BYTES, config.get_rdma_buffer_size_hint(hidden * 2, num_ranks, tokens))
+    shared = cuep.Buffer(comm, nvl_bytes, rdma_bytes, low_latency_mode=True)
+    across_nodes = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks) < num_ranks
+    for step in range(3):
+        inputs = all_inputs(tokens, hidden, EXPERTS, 8)
+        mine = inputs[rank]
+        topk_idx = cupy.asarray(mine.topk_idx)
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = shared.get_dispatch_layout(topk_idx, EXPERTS)
+        recv_x, _, recv_w, _, handle, _ = shared.dispatch(
+            cupy.asarray(mine.x), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+            topk_weights=cupy.asarray(mine.topk_weights))
+        expected = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, inputs.topk_weights)
+        np.testing.assert_array_equal(bits(recv_x.get()), bits(expected[rank].recv_x))
+        np.testing.assert_array_equal(recv_w.get(), expected[rank].recv_topk_weights)
+        combined, _, _ = shared.combine(recv_x, handle)
+        want, _ = reference.combine([r.recv_x for r in expected], [r.recv_src for r in expected], inputs.num_tokens)
+        magnitude, _ = reference.combine([np.abs(r.recv_x.astype(np.float32)) for r in expected],
+                                         [r.recv_src for r in expected], inputs.num_tokens)
+        # Across nodes each node's partial is rounded to BF16 once before the source adds the partials.
+        tolerance = 1e-2 + 1e-2 * np.abs(want[rank]) + (2.0 ** -8 * magnitude[rank] if across_nodes else 0.0)
+        assert (np.abs(combined.get().astype(np.float32) - want[rank]) <= tolerance).all()
+        if across_nodes:  # the internode mode moved them, through the RDMA buffer the low-latency mode shares
+            assert shared.get_internode_traffic()["dispatch_rows"] > 0
+        ll_inputs = all_inputs(lambda s: 100 + 7 * s, hidden, EXPERTS, 8)
+        if step == 2:  # as SGLang switches back: clean first, then the low-latency calls
+            shared.clean_low_latency_buffer(MAX_TOKENS, hidden, EXPERTS)
+        ll_handle, ll_expected = dispatch_and_check(shared, ll_inputs, EXPERTS)
+        combine_and_check(shared, ll_inputs, ll_expected, EXPERTS, ll_handle)
+    shared.destroy()
+
+
 def thousand_calls_hold_no_memory(buffer):
     x, _, topk, weights = all_inputs(64, 1024, FEW_EXPERTS, 4)[rank].on_gpu()
 
@@ -666,7 +706,7 @@ def main() -> None:
     def on_buffer(case):
         return functools.partial(case, buffer)
 
-    run_cases(comm, [
+    run_cases(comm, selected_cases([
         ("fp8, top-8, hidden 7168, uneven token counts, -1 entries", on_buffer(fp8_topk8_hidden_7168_uneven_tokens)),
         ("fp8 round_scale, top-1, hidden 2048", on_buffer(fp8_round_scale_topk1_hidden_2048)),
         ("fp8 UE8M0, top-16", on_buffer(fp8_ue8m0_topk16)),
@@ -684,6 +724,7 @@ def main() -> None:
         ("one rank 1-5 ms late before each call", on_buffer(one_rank_late_before_each_call)),
         ("calls outside the order are refused within a second", on_buffer(calls_outside_the_order_are_refused_within_a_second)),
         ("vLLM's reset: the whole buffer zeroed, masks cleaned", zeroed_buffer_and_cleaned_masks_serve_again),
+        ("normal and low-latency calls share one low_latency_mode Buffer", normal_and_low_latency_calls_share_one_buffer),
         ("1000 calls without memory growth", on_buffer(thousand_calls_hold_no_memory)),
         ("an out-of-range expert id is reported", on_buffer(bad_expert_id_is_reported_by_the_next_call)),
         ("argument errors name the argument", on_buffer(argument_errors_name_the_argument)),
@@ -695,7 +736,7 @@ def main() -> None:
          on_buffer(logfmt_block_with_a_huge_channel_falls_back)),
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
-    ])
+    ], lambda named: getattr(named[1], "func", named[1]).__name__))
     buffer.destroy()
     if rank == 0:
         print(f"[rank 0] low-latency worker passed on {num_ranks} ranks", flush=True)
