@@ -1,0 +1,222 @@
+"""The training frameworks' own DeepEP code, unchanged, on cuep.torch or on DeepEP: the forward and backward
+of an MoE layer's token exchange at the frameworks' batch sizes, checked against the same layer in plain
+torch on every rank, then timed.
+
+    python benchmarks/frameworks_a2a.py --framework megatron --num-ranks 4 --tokens 4096,8192,32768
+    python benchmarks/frameworks_a2a.py --framework torchtitan --num-ranks 4
+    PYTHONPATH=/path/to/DeepEP python benchmarks/frameworks_a2a.py --backend deepep ...
+
+- ``--framework megatron``: ``megatron.core.transformer.moe.fused_a2a`` from ``megatron-core`` on PyPI (the
+  ``frameworks`` extra): ``set_deepep_num_sms``, ``fused_dispatch``, ``fused_combine``, ``async_finish`` off
+  and on.
+- ``--framework torchtitan``: ``torchtitan/distributed/deepep/deepep.py`` from ``torchtitan`` 0.2.2 on PyPI,
+  its last version on DeepEP V1's ``Buffer`` (0.3.0 moved to V2's ``ElasticBuffer``): ``dispatch_tokens``
+  (layout, dispatch, the expert-major permutation), ``combine_tokens``, ``sync_combine``, through its
+  ``torch.ops.deepep`` ops and their autograd. The file is loaded from the installed package by its path,
+  without the package's ``__init__`` (which pulls in its training stack); not a line of it changes.
+
+Nothing of either framework is copied here; both size their Buffer themselves, from the hints with no
+token count. The layer: each rank routes its tokens to ``--topk`` experts with softmax probabilities; an
+expert scales the rows it receives by its own factor (every expert's factor is known to every rank),
+weighted by the token's probability for it; the combine sums the scaled rows back. The plain-torch layer
+computes the same sums locally, so the check needs no communication: the output, the gradient of the input
+and the gradient of the probabilities must match it for every token (the last within the bf16 rounding of
+its terms: see ``assert_probability_gradient_close``). Then ``--iters`` forward + backward
+passes are timed with CUDA events; rank 0 prints the median over iterations of the slowest rank.
+
+One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
+rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def framework_module(framework: str, backend: str):
+    """The framework's DeepEP module, with ``deep_ep`` bound to cuep.torch (``--backend cuep``) or to DeepEP."""
+    if backend == "cuep":
+        import cuep.torch
+        sys.modules["deep_ep"] = cuep.torch
+    if framework == "megatron":
+        from megatron.core.transformer.moe import fused_a2a
+        if not fused_a2a.HAVE_DEEP_EP:
+            raise SystemExit(f"Megatron's fused_a2a found no DeepEP with --backend {backend}")
+        return fused_a2a
+    package = importlib.util.find_spec("torchtitan")
+    if package is None:
+        raise SystemExit("--framework torchtitan needs the torchtitan package: pip install --no-deps torchtitan==0.2.2")
+    path = os.path.join(package.submodule_search_locations[0], "distributed", "deepep", "deepep.py")
+    spec = importlib.util.spec_from_file_location("torchtitan_deepep_v1", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int):
+    """This rank's tokens, routing and output gradient, and every expert's factor (the same on every rank)."""
+    gen = torch.Generator(device="cuda").manual_seed(1000 * rank + tokens + num_experts)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    scores = torch.randn(tokens, num_experts, device="cuda", generator=gen)
+    top_scores, idx = scores.topk(topk, dim=1)
+    probs = top_scores.softmax(dim=1)
+    grad = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    factors = 1.0 + torch.arange(num_experts, device="cuda", dtype=torch.float32) / num_experts
+    return x, idx, probs, grad, factors
+
+
+def megatron_layer(fused_a2a, x, idx, probs, factors, num_experts, group, async_finish):
+    """Dispatch, the experts, combine: Megatron's calls, as its token dispatcher makes them."""
+    recv_x, recv_idx, recv_probs, _, handle = fused_a2a.fused_dispatch(x, idx, probs, num_experts, group,
+                                                                       async_finish=async_finish)
+    local_factors = factors.view(group.size(), -1)[group.rank()]
+    weight = torch.where(recv_idx >= 0, local_factors[recv_idx.clamp(min=0)], 0.0)
+    y = (recv_x.float() * (recv_probs * weight).sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    combined, _ = fused_a2a.fused_combine(y, group, handle, async_finish=async_finish)
+    return combined
+
+
+def torchtitan_layer(deepep, x, idx, probs, factors, num_experts, group):
+    """torchtitan's calls, as its MoE layer makes them: tokens in expert-major order, one expert after another
+    on its rows, the scores applied at combine (``score_before_experts=False``), then the combine's event."""
+    num_local = num_experts // group.size()
+    rows, tokens_per_expert, state = deepep.dispatch_tokens(x, idx, probs, num_local, num_experts, group,
+                                                            score_before_experts=False)
+    local_factors = factors.view(group.size(), -1)[group.rank()].to(rows.dtype)
+    expert_of_row = torch.repeat_interleave(torch.arange(num_local, device=rows.device), tokens_per_expert.long(),
+                                            output_size=rows.shape[0])
+    combined = deepep.combine_tokens(rows * local_factors[expert_of_row].unsqueeze(1), state)
+    deepep.sync_combine()
+    return combined
+
+
+def layer_of(framework: str, module, idx, factors, num_experts, group, async_finish: bool = False):
+    """``layer(x, probs)``: the framework's MoE layer on ``module``."""
+    if framework == "megatron":
+        return lambda x, p: megatron_layer(module, x, idx, p, factors, num_experts, group, async_finish)
+    return lambda x, p: torchtitan_layer(module, x, idx, p, factors, num_experts, group)
+
+
+def plain_layer(x, idx, probs, factors):
+    """The same layer without communication: every token's weighted sum over its experts, locally."""
+    return (x.float() * (probs * factors[idx]).sum(dim=1, keepdim=True)).to(torch.bfloat16)
+
+
+def forward_backward(layer, x, probs, grad):
+    """``layer(x, probs)``, then the gradients of ``(out * grad).sum()``: ``(out, x.grad, probs.grad)``."""
+    x = x.detach().requires_grad_()
+    probs = probs.detach().requires_grad_()
+    out = layer(x, probs)
+    out.backward(grad)
+    return out.detach(), x.grad, probs.grad
+
+
+def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """Each row within ``rtol`` of the plain layer's, relative to the row's norm (bf16 rounding on each side)."""
+    got, want = got.float(), want.float()
+    error = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)
+    worst = int(error.argmax()) if error.numel() else 0
+    if error.numel() and float(error[worst]) > rtol:
+        raise AssertionError(f"{name}: row {worst} off by {float(error[worst]):.3g} of its norm (> {rtol})")
+
+
+def assert_probability_gradient_close(name: str, got, want, x, idx, grad, factors) -> None:
+    """Each entry of the probabilities' gradient, ``factor(e) * (x . grad)`` per (token, expert), within 2^-5
+    of the size of that dot product's terms, ``factor(e) * |x * grad|_2``. A framework may form it in bf16
+    (torchtitan scales the expert rows by the scores in bf16), whose rounding of each product leaves an error
+    of that size however small the dot product comes out: a bound relative to the entry itself would fail
+    tokens whose dot product nearly cancels. A wrong gradient is off by the terms' full size."""
+    terms = (x.float() * grad.float()).norm(dim=1, keepdim=True) * factors[idx]
+    excess = (got.float() - want.float()).abs() - (2.0 ** -8 * want.float().abs() + 2.0 ** -5 * terms)
+    if excess.numel() and float(excess.max()) > 0:
+        token = int(excess.max(dim=1).values.argmax())
+        raise AssertionError(f"{name}: token {token}: {got[token].tolist()} against {want[token].tolist()}")
+
+
+def run_rank(rank: int, args, port: int) -> None:
+    num_gpus = torch.cuda.device_count()
+    torch.cuda.set_device(rank % num_gpus)
+    if args.share_gpus:
+        os.environ["CUEP_SHARE_GPUS"] = "1"
+    dist.init_process_group("gloo" if args.share_gpus else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=args.num_ranks)
+    group = dist.new_group(list(range(args.num_ranks)))
+    module = framework_module(args.framework, args.backend)
+    if args.framework == "megatron":
+        module.set_deepep_num_sms(args.sms)
+    else:  # torchtitan has no setting of its own: the Buffer's class-wide count, as DeepEP's users set it
+        module.Buffer.set_num_sms(args.sms)
+    rows = []
+    for num_experts in args.experts:
+        for tokens in args.tokens:
+            x, idx, probs, grad, factors = inputs(rank, tokens, args.hidden, num_experts, args.topk)
+            want = forward_backward(lambda x, p: plain_layer(x, idx, p, factors), x.float(), probs, grad.float())
+            # torchtitan's calls are always asynchronous (async_finish=True on the comm stream).
+            for async_finish in ((False, True) if args.framework == "megatron" else (True,)):
+                got = forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group, async_finish),
+                                       x, probs, grad)
+                case = f"{tokens} tokens, {num_experts} experts, async_finish={async_finish}"
+                assert_rows_close(f"{case}: output", got[0], want[0], rtol=2e-2)
+                assert_rows_close(f"{case}: input gradient", got[1], want[1], rtol=2e-2)
+                assert_probability_gradient_close(f"{case}: probability gradient", got[2], want[2], x, idx, grad,
+                                                  factors)
+            times = []
+            for i in range(args.warmup + args.iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group), x, probs, grad)
+                end.record()
+                end.synchronize()
+                if i >= args.warmup:
+                    times.append(start.elapsed_time(end))
+            slowest = [None] * args.num_ranks
+            dist.all_gather_object(slowest, statistics.median(times), group=group)
+            rows.append((tokens, num_experts, max(slowest)))
+            del x, idx, probs, grad, want, got
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
+              f"Buffer.set_num_sms({args.sms}); output and gradients match the plain-torch layer", flush=True)
+        print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10}", flush=True)
+        for tokens, num_experts, ms in rows:
+            print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f}", flush=True)
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    parser.add_argument("--framework", choices=["megatron", "torchtitan"], default="megatron")
+    parser.add_argument("--backend", choices=["cuep", "deepep"], default="cuep")
+    parser.add_argument("--num-ranks", type=int, default=4)
+    parser.add_argument("--tokens", type=ints, default=[4096, 8192, 32768], help="tokens per rank, comma-separated")
+    parser.add_argument("--experts", type=ints, default=[64, 256], help="expert counts, comma-separated")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--sms", type=int, default=20, help="Buffer.set_num_sms (Megatron's default: 20)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--share-gpus", action="store_true", help="ranks share the GPUs there are (cuep only)")
+    args = parser.parse_args()
+    if args.share_gpus and args.backend != "cuep":
+        parser.error("--share-gpus runs cuep only: DeepEP needs a GPU per rank")
+    torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
+
+
+if __name__ == "__main__":
+    main()
