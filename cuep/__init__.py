@@ -5,13 +5,13 @@ are compiled at first use with NVRTC for the GPU found, and run across MPI ranks
 NVSHMEM. Importing cuep touches no GPU, MPI, disk or environment.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.13.0"  # the one place the version is set: pyproject.toml and the docs read it here
 
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import (CallOrderError, CompileError, CuepError, MaskedRankError, MissingDependencyError,  # noqa: E402
-                     PeerTimeoutError)
+                     NoGPUError, PeerTimeoutError)
 from .event import EventOverlap  # noqa: E402
 
 __all__ = ["Buffer", "CallOrderError", "CompileError", "Config", "CuepError", "EventOverlap", "MaskedRankError",
-           "MissingDependencyError", "PeerTimeoutError", "__version__"]
+           "MissingDependencyError", "NoGPUError", "PeerTimeoutError", "__version__"]

@@ -7,6 +7,10 @@ class CuepError(RuntimeError):
     """Base class of cuep's runtime errors."""
 
 
+class NoGPUError(CuepError):
+    """The machine shows no CUDA GPU (none visible to this process, or no driver)."""
+
+
 class MissingDependencyError(ImportError):
     """A package cuep needs is absent or unusable; the message says what to install."""
 

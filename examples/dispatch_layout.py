@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
+import no_gpu  # examples/no_gpu.py: a machine without a GPU gets one line, not tracebacks
 
 
 def route(tokens: int, hidden: int, experts: int, topk: int, seed: int) -> cupy.ndarray:
@@ -60,4 +61,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    no_gpu.run(main)

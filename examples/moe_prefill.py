@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 import cuep
 from moe_common import expert_weight, gate, one_gpu_layer, worst_relative_error
+import no_gpu  # examples/no_gpu.py: a machine without a GPU gets one line, not tracebacks
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -75,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    no_gpu.run(main)

@@ -27,6 +27,7 @@ from mpi4py import MPI
 import cuep
 from cuep import reference
 from moe_common import BF16, gate, gpus_in_use, tokens_of_rank
+import no_gpu  # examples/no_gpu.py: a machine without a GPU gets one line, not tracebacks
 
 WARMUP_CALLS, TIMED_CALLS = 2, 5
 
@@ -209,4 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    no_gpu.run(main)

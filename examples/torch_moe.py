@@ -33,7 +33,9 @@ import os
 import torch
 import torch.distributed as dist
 
+import cuep
 from cuep.torch import Buffer, EventOverlap  # with DeepEP: from deep_ep import Buffer, EventOverlap
+import no_gpu  # examples/no_gpu.py: a machine without a GPU gets one line, not tracebacks
 
 # bf16 sums of a few partial results agree with plain torch to ~1e-2 relative.
 TOLERANCE = 2e-2
@@ -315,6 +317,9 @@ def init_distributed() -> dist.ProcessGroup:
     """torchrun's process group, on GPU ``LOCAL_RANK % device count``: NCCL when every local rank has a GPU of
     its own, else gloo with ``CUEP_SHARE_GPUS=1`` (NCCL refuses two ranks on one GPU)."""
     local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.device_count() == 0:
+        raise cuep.NoGPUError("torch found no CUDA GPU: run on a machine with an NVIDIA GPU, its driver and a CUDA "
+                              "build of torch")
     torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if torch.cuda.device_count() >= local_world_size:
         dist.init_process_group("nccl")
@@ -365,4 +370,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    no_gpu.run(main)

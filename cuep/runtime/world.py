@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _deps, env
-from ..errors import CuepError, PeerTimeoutError
+from ..errors import CuepError, NoGPUError, PeerTimeoutError
 from .._math import align_up
 from . import affinity
 from .group import Group
@@ -85,7 +85,7 @@ def pick_device(local_rank: int, num_devices: int) -> int:
     """The GPU of a host's ``local_rank``: its own when the host shows a GPU per rank, else round-robin
     (whether ranks may then share one is :func:`check_gpu_sharing`'s decision)."""
     if num_devices == 0:
-        raise CuepError("cuep found no CUDA GPU: run on a machine with an NVIDIA GPU and its driver")
+        raise NoGPUError("cuep found no CUDA GPU: run on a machine with an NVIDIA GPU and its driver")
     return local_rank % num_devices
 
 
