@@ -284,7 +284,7 @@ struct CombineArgs {
     const int32_t* send_pos;
     const int32_t* send_prefix;
     const int32_t* recv_src_idx;
-    int rank, num_ranks, num_tokens, round_tokens;
+    int rank, num_ranks, num_tokens, round_tokens, num_rows;
     const uint8_t* x;
     int64_t hidden_bytes;
     const float* topk_weights;
@@ -774,7 +774,7 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
 // count them in the receiver's per-chunk counters (SenderControl::arrivals); the other warps, and
 // the pushers once done, copy each landed row into recv_x as soon as its chunk is complete.
 // Pushing rather than pulling: on this fabric SM pushes move ~10% more than pulls
-// (docs/performance.md, v0.4.3), and the sender's tokens need no staging copy.
+// (docs/performance-log.md, v0.4.3), and the sender's tokens need no staging copy.
 namespace cuep {
 
 // Consecutive tokens a pusher takes at a time; their rows to one receiver are consecutive landing rows.
@@ -809,7 +809,9 @@ __device__ void plan_round(RoundPlan& plan, const int32_t* recv_src_idx, const i
         const int through = received_before(recv_src_idx, rank_prefix, warp, end_token, max_tokens, lane);
         if (lane == 0) {
             plan.rows_first[warp] = received_through;
-            plan.rows_prefix[warp + 1] = through - received_through;
+            // A round's rows from one source are at most its tokens: the clamp keeps a section within
+            // its bounds even for a handle whose arrays do not fit together (they would time out instead).
+            plan.rows_prefix[warp + 1] = min(through - received_through, static_cast<int>(end_token - first_token));
         }
         received_through = through;
     } else if (warp < num_ranks && lane == 0) {
@@ -1029,7 +1031,7 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
 // the source's per-chunk arrival counters; reducer warps sum, in FP32,
 // the copies of each of this rank's tokens as soon as they have landed. Pushers join the reduction
 // when no row is left. A rank's own rows go through its landing region too: summed straight from x
-// instead, they cost 6 us more at EP4 (docs/performance.md, v0.5.5), as the reducers then read them
+// instead, they cost 6 us more at EP4 (docs/performance-log.md, v0.5.5), as the reducers then read them
 // from HBM rather than from L2.
 namespace cuep {
 
@@ -1171,8 +1173,9 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 namespace cuep::intranode {
 
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
-// counter of token slices (both per round). send_pos, send_prefix, recv_src_idx: the handle's; x:
-// `[num received rows, hidden]` bf16; topk_weights: `[num received rows, num_topk]` or null;
+// counter of token slices (both per round). send_pos, send_prefix, recv_src_idx: the handle's; num_rows:
+// the rows of x and recv_src_idx (the dispatch's received arrays); x: `[num_rows, hidden]` bf16;
+// topk_weights: `[num_rows, num_topk]` or null;
 // round_tokens: the source tokens of a round (round_tokens in cuep/modes/intranode.py);
 // landing_row_bytes: one landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes:
 // the size of each of the two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x:
@@ -1180,14 +1183,16 @@ namespace cuep::intranode {
 __global__ void __launch_bounds__(kNumThreads, 1)
 combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const int32_t* args_send_pos,
         const int32_t* args_send_prefix, const int32_t* args_recv_src_idx, int args_rank, int args_num_ranks,
-        int args_num_tokens, int args_round_tokens, const uint8_t* args_x, int64_t args_hidden_bytes,
+        int args_num_tokens, int args_round_tokens, int args_num_rows, const uint8_t* args_x,
+        int64_t args_hidden_bytes,
         const float* args_topk_weights, int args_num_topk, int64_t args_landing_row_bytes,
         int64_t args_region_bytes, const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
         __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
         int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
         uint64_t args_timeout_ns) {
     const CombineArgs args{args_peer_bases, args_recv_info, args_send_pos, args_send_prefix, args_recv_src_idx,
-                           args_rank, args_num_ranks, args_num_tokens, args_round_tokens, args_x, args_hidden_bytes,
+                           args_rank, args_num_ranks, args_num_tokens, args_round_tokens, args_num_rows, args_x,
+                           args_hidden_bytes,
                            args_topk_weights, args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0,
                            args_bias1, args_combined_x, args_combined_topk_weights, args_state,
                            {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
@@ -1209,13 +1214,18 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
 
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
     const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
+    // A handle from a dispatch whose num_worst_tokens was too small holds fewer rows (x, recv_src_idx) than
+    // were sent: this rank pushes none back (its sources time out waiting for them) rather than read past them.
+    const bool rows_known = rank_prefix[num_ranks] <= args.num_rows;
+    if (!rows_known && blockIdx.x == 0 && threadIdx.x == 0)
+        status.record(kStatusOverflow, rank_prefix[num_ranks]);
     int received_through = 0;
     uint64_t call = start.call;
     for (int round = 0; round < rounds.count; ++round, ++call) {
         const int64_t region = region_offset(call, args.region_bytes);
         const int64_t first_token = static_cast<int64_t>(round) * rounds.tokens;
         plan_round(plan, args.recv_src_idx, rank_prefix, args.send_prefix, args.num_tokens, num_ranks, max_tokens,
-                   first_token, first_token + rounds.tokens, true, received_through);
+                   first_token, first_token + rounds.tokens, rows_known, received_through);
         if (blockIdx.x == 0)
             announce_call(control_of(own), peer_bases, rank, num_ranks, call);
         if (warp_in_block >= kReducerWarps) {

@@ -245,7 +245,7 @@ struct MaskedStatus {
 // word of the dispatch's allocation that the host keeps with the handle), so a hook finds its call
 // whatever was captured or replayed in between.
 //
-// The rules (the README's "Low-latency call order"): every rank makes the same low-latency calls in
+// The rules (docs/low-latency.md, "Low-latency call order"): every rank makes the same low-latency calls in
 // the same order, and a rank sends call n only once it has received every call up to n - 2 (at most
 // two results in flight, DeepEP's rule). Under them no send ever waits for a peer, and kNumBuffers =
 // 4 buffers are enough: this rank's send of n runs after its receive of n - 2 (stream order), which

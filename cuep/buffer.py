@@ -405,7 +405,7 @@ class Buffer:
         Requirements:
             a Buffer made with ``low_latency_mode=True`` and ``num_rdma_bytes >=``
             :meth:`get_low_latency_rdma_size_hint`; every rank calls it with the same
-            ``num_max_dispatch_tokens_per_rank``, hidden size and ``num_experts``. The call order (README,
+            ``num_max_dispatch_tokens_per_rank``, hidden size and ``num_experts``. The call order (docs/low-latency.md,
             "Low-latency call order"): every rank makes the same low-latency calls in the same order, and
             sends call ``n`` only after receiving every call up to ``n - 2`` (at most two results in
             flight). Which buffer a call uses is decided on the GPU, so hooks and CUDA graphs may split
@@ -529,7 +529,7 @@ class Buffer:
         other array; it exists so code written for DeepEP's zero-copy path runs unchanged.
         """
         call = "get_next_low_latency_combine_buffer()"
-        ctx = self._resources.low_latency_ready(call)
+        ctx = self._resources.low_latency_ready(call, hand_over=False)
         if not isinstance(handle, low_latency.Handle):
             raise TypeError(f"{call}: handle must come from low_latency_dispatch()")
         return ctx.combine_buffer(handle)
@@ -537,7 +537,7 @@ class Buffer:
     def get_low_latency_trace(self):
         """In a ``CUEP_TRACE=1`` build, `[num_sms, trace points]` `uint64`: when each block of the last
         low-latency kernel passed each phase (``cuep.bench --trace`` reads it); otherwise ``None``."""
-        return self._resources.low_latency_ready("get_low_latency_trace()").trace
+        return self._resources.low_latency_ready("get_low_latency_trace()", hand_over=False).trace
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: bring the low-latency buffer to a clean state (every live rank, nothing in flight).

@@ -34,9 +34,11 @@ class Config:
         num_sms: SMs (thread blocks) for the copy kernels; DeepEP's default is 20. More SMs keep
             more bytes in flight over NVLink; fewer leave SMs free for overlapped compute. Capped at
             the GPU's SM count (the kernels' blocks must all be resident at once).
-        num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
-        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's ring-buffer
-            chunk sizes, kept for API compatibility.
+        num_max_nvl_chunked_send_tokens: DeepEP's ring-buffer chunk sizes, this one and the next three,
+            kept for API compatibility (see below for what cuep makes of them).
+        num_max_nvl_chunked_recv_tokens: the tokens of one DeepEP ring; sizes the NVL hint's round.
+        num_max_rdma_chunked_send_tokens: across nodes, the rows of each signalled put.
+        num_max_rdma_chunked_recv_tokens: unused.
 
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
     buffers (no per-channel ring). On one node they go through any batch in rounds of tokens that fit
@@ -118,7 +120,7 @@ class Config:
 # SMs of the normal-mode kernels when no Config is given: DeepEP's default, which frameworks read
 # (Buffer.num_sms) to split the GPU between communication and overlapped GEMMs, and Megatron sets anyway.
 # Where nothing overlaps, more SMs move more bytes: `python -m cuep.bench --mode normal --tune` on 2, 4 and 8
-# H200s (docs/performance.md, v0.5.0 and v0.5.2) found gains up to 128 SMs (flat from 64 at 2 ranks).
+# H200s (docs/performance-log.md, v0.5.0 and v0.5.2) found gains up to 128 SMs (flat from 64 at 2 ranks).
 DEFAULT_NUM_SMS = 20
 
 

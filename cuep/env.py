@@ -3,7 +3,7 @@
 Each variable has a name, a type, a default and one line of documentation. Code reads a variable
 through :func:`get` at the moment it needs it (never at import), so a test or a user can change it
 between calls. A malformed value raises ``ValueError`` naming the variable and what was expected.
-``python -m cuep info`` prints this table with the values in force, and the README copies it.
+``python -m cuep info`` prints this table with the values in force, and docs/environment.md copies it.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class MaskedRankError(CuepError):
 
 
 class CallOrderError(CuepError):
-    """Low-latency calls broke a rule of their order (the README's "Low-latency call order"), found on the
+    """Low-latency calls broke a rule of their order (docs/low-latency.md, "Low-latency call order"), found on the
     device: too many results in flight on this rank, two combines of one dispatch's handle in flight, a
     receive run for a call whose send never ran or that was already received, or a peer whose newer call
     reached this rank's buffer before this rank read the call it waits for (the ranks' calls differ). The

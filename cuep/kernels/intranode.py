@@ -59,7 +59,8 @@ def spec(arch: str, **features) -> KernelSpec:
 # Launch shapes
 
 def stage_grid(num_ranks: int, num_sms: int) -> int:
-    """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` stage top-k ids and weights."""
+    """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` stage top-k ids
+    and weights."""
     return num_ranks + num_sms
 
 
@@ -168,7 +169,7 @@ class CombineArgs(KernelArgs):
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("recv_info", _ptr), ("send_pos", _ptr), ("send_prefix", _ptr),
                 ("recv_src_idx", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32),
-                ("round_tokens", _i32), ("x", _ptr),
+                ("round_tokens", _i32), ("num_rows", _i32), ("x", _ptr),
                 ("hidden_bytes", _i64), ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64),
                 ("region_bytes", _i64), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
                 ("combined_topk_weights", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),

@@ -50,7 +50,7 @@ BAD_IDS_CALL_NAMES = {BadIdsCall.LOW_LATENCY: "low_latency_dispatch()/low_latenc
 
 class CallOrderRule(enum.IntEnum):
     """Which rule of the low-latency call order a call broke (status word :data:`CALL_ORDER`); the kernels
-    name each ``kCallOrder<Name>``. The README's "Low-latency call order" states the rules."""
+    name each ``kCallOrder<Name>``. docs/low-latency.md ("Low-latency call order") states the rules."""
 
     IN_FLIGHT = 1    # a send while two earlier calls of this rank were not received yet
     UNSENT = 2       # a receive (a hook) of a call whose send never ran, or is not one of the two newest

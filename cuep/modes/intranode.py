@@ -452,7 +452,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     args = ctx.args_of(kernels.CombineArgs)
     args.recv_info, args.send_pos = handle.recv_info.data.ptr, handle.send_pos.data.ptr
     args.send_prefix, args.recv_src_idx = handle.send_prefix.data.ptr, handle.recv_src_idx.data.ptr
-    args.num_tokens, args.round_tokens, args.x = handle.num_tokens, row_tokens, x.data.ptr
+    args.num_tokens, args.round_tokens, args.num_rows = handle.num_tokens, row_tokens, handle.num_rows
+    args.x = x.data.ptr
     args.hidden_bytes = hidden * x.itemsize
     args.topk_weights, args.num_topk, args.landing_row_bytes = _ptr(topk_weights), num_topk, row_bytes
     args.bias0, args.bias1 = _ptr(bias0), _ptr(bias1)

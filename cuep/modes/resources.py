@@ -120,11 +120,15 @@ class Resources:
 
     def normal_ready(self, call: str) -> intranode.Context | internode.Context:
         """The normal mode's context: intranode on one node, internode across nodes (handed the RDMA buffer
-        first where the low-latency mode shares it)."""
-        self.check_alive(call)
+        first where the low-latency mode shares it: before anything recorded is raised, so that no rank
+        raises while the others wait for it in the hand-over)."""
         if self.internode is not None:
+            if self.destroyed:
+                raise CuepError(f"{call}: this Buffer was destroyed")
             self.hand_rdma_buffer_to("normal", call)
+            self.check_alive(call)
             return self.internode
+        self.check_alive(call)
         if self.internode_refusal is not None:
             raise ValueError(f"{call}: the normal mode across nodes cannot run on this low_latency_mode Buffer: "
                              f"{self.internode_refusal}")
@@ -136,12 +140,15 @@ class Resources:
                              f"this Buffer has {self.num_ranks}")
         return self.intranode
 
-    def low_latency_ready(self, call: str) -> low_latency.Context:
+    def low_latency_ready(self, call: str, hand_over: bool = True) -> low_latency.Context:
+        """The low-latency context, handed the RDMA buffer first where the normal mode shares it (unless
+        ``hand_over`` is false: accessors that one rank may call alone must not wait for the others)."""
+        if self.low_latency is not None and hand_over and not self.destroyed:
+            self.hand_rdma_buffer_to("low_latency", call)
         self.check_alive(call)
         if self.low_latency is None:
             raise ValueError(f"{call}: create the Buffer with low_latency_mode=True and num_rdma_bytes >= "
                              f"Buffer.get_low_latency_rdma_size_hint(...)")
-        self.hand_rdma_buffer_to("low_latency", call)
         return self.low_latency
 
     def hand_rdma_buffer_to(self, mode: str, call: str) -> None:
@@ -151,7 +158,8 @@ class Resources:
         does), and wait for every rank again, so that no rank writes into a peer's buffer before the peer
         has zeroed it. Every rank makes the same calls, so every rank hands over at the same call. Refused
         during CUDA graph capture, where nothing may wait: make the first call after the other mode's
-        eagerly."""
+        eagerly. A graph captured in one mode runs no Python when replayed, so it is replayed only after
+        an eager call of its mode (or ``clean_low_latency_buffer``) has taken the buffer back."""
         if not self.rdma_shared or self.rdma_mode == mode:
             return
         if self.rdma_mode is None:  # the buffer is still as made: zeroed
@@ -165,11 +173,12 @@ class Resources:
         self.group.wait_for_all(call)
         memset = _deps.cupy().cuda.runtime.memset
         memset(self.memory.rdma, 0, self.regions.rdma_bytes)
+        # Either way the low-latency calls start over: their results still in flight are dropped (their hooks
+        # are refused with CallOrderError), so no receive ever reads what the other mode wrote.
+        self.low_latency.restart(max(self.group.allgather(self.low_latency.newest_call(), call)))
         if mode == "normal":  # the internode mode starts over: its flags in both buffers and its call count
             memset(self.memory.nvl, 0, self.regions.nvl_bytes)
             self.internode.state.fill(0)
-        else:
-            self.low_latency.restart(max(self.group.allgather(self.low_latency.newest_call(), call)))
         self.device.synchronize()
         self.group.wait_for_all(call)
         self.rdma_mode = mode

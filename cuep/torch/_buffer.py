@@ -152,7 +152,7 @@ class Buffer:
         enable_shrink: low-latency shrink mode (see ``cuep.Buffer``).
         comm: an ``mpi4py`` communicator, used when ``group`` is ``None``.
 
-    Differs from DeepEP: see the README's "From a framework written for DeepEP".
+    Differs from DeepEP: see docs/from-deepep.md.
     """
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
