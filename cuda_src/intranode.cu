@@ -493,6 +493,15 @@ __device__ __forceinline__ void route_row(const SourcePlan& plan, int64_t token,
         recv.src_idx[row] = static_cast<int32_t>(token);
 }
 
+// Whether the received arrays (num_rows rows) hold the num_recv rows this rank receives; if not (a
+// dispatch whose num_worst_tokens was too small), block 0 records the overflow.
+__device__ __forceinline__ bool received_rows_fit(int num_recv, int num_rows, const Status& status) {
+    const bool fit = num_recv <= num_rows;
+    if (!fit && blockIdx.x == 0 && threadIdx.x == 0)
+        status.record(kStatusOverflow, num_recv);
+    return fit;
+}
+
 // Called by every thread at the end of a dispatch or combine kernel: true only for thread 0 of the
 // block that finishes last, after it has cleared the block count and the work counters
 // (next_row[0, num_ranks]) for the next kernel. That thread then finishes the call.
@@ -737,8 +746,7 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
     const bool ok = load_source_plans(plans, peer_bases, rank, num_ranks, start.epoch, deadline_ns, status);
 
     const int num_recv = rank_prefix[num_ranks];
-    if (num_recv > num_rows && blockIdx.x == 0 && threadIdx.x == 0)  // num_worst_tokens was too small
-        status.record(kStatusOverflow, num_recv);
+    const bool fits = received_rows_fit(num_recv, num_rows, status);
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
     for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
@@ -749,7 +757,7 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
         if (lane == 0)
             recv.src_idx[row] = -1;
     }
-    if (ok && num_recv <= num_rows) {
+    if (ok && fits) {
         const int experts_per_rank = args.num_experts / num_ranks;
         const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
         for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
@@ -974,10 +982,7 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
     const PushShape shape{args.rows, args.row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
     // fit the landing sections) but this rank neither awaits them nor writes recv_x.
-    const int num_recv = rank_prefix[num_ranks];
-    const bool fits_recv_x = num_recv <= args.num_rows;
-    if (!fits_recv_x && blockIdx.x == 0 && threadIdx.x == 0)
-        status.record(kStatusOverflow, num_recv);
+    const bool fits_recv_x = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
     const int pushers_per_block = min(args.push_warps, kWarpsPerBlock - 1);
     int* warp_confirmed = plan.confirmed[warp_in_block];
     int received_through = 0;
@@ -1216,9 +1221,7 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
     const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
     // A handle from a dispatch whose num_worst_tokens was too small holds fewer rows (x, recv_src_idx) than
     // were sent: this rank pushes none back (its sources time out waiting for them) rather than read past them.
-    const bool rows_known = rank_prefix[num_ranks] <= args.num_rows;
-    if (!rows_known && blockIdx.x == 0 && threadIdx.x == 0)
-        status.record(kStatusOverflow, rank_prefix[num_ranks]);
+    const bool rows_known = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
     int received_through = 0;
     uint64_t call = start.call;
     for (int round = 0; round < rounds.count; ++round, ++call) {
