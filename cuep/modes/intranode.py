@@ -344,10 +344,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         return recv_x, recv_scales, None, None, [], handle
     front = ctx.front
     num_tokens = x.shape[0]
-    num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
-    row_tokens = need_round_tokens("dispatch()", ctx, push_row_bytes(x.shape[1] * x.itemsize, num_scales),
-                                   "a dispatch of these rows")
+    rows = _rows_in_rounds(ctx, x, scales)
     layout = staging_layout(num_tokens, num_topk, ctx.num_ranks)
     need_region_bytes("dispatch()", ctx, layout.end, f"staging the routing of {num_tokens} tokens")
 
@@ -389,7 +387,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv, num_send_copies=num_copies,
                     rank_prefix_matrix=rank_prefix_matrix, recv_info=recv_info, send_pos=send_pos,
                     send_prefix=send_prefix, recv_src_idx=recv_src_idx, is_token_in_rank=is_token_in_rank)
-    recv_x, recv_scales = _push_rows(ctx, stream, x, scales, handle, num_sms, row_tokens)
+    recv_x, recv_scales = _push_rows(ctx, stream, x, scales, handle, num_sms, rows)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
@@ -404,15 +402,19 @@ def cached_dispatch(ctx: Context, stream, x, scales, handle: Handle, num_sms: in
         handle: the non-cached dispatch's handle, whose routing this dispatch repeats.
         num_sms: blocks of the kernel (at most the GPU's SMs).
     """
-    num_scales = scales.shape[1] if scales is not None else 0
-    row_tokens = need_round_tokens("dispatch()", ctx, push_row_bytes(x.shape[1] * x.itemsize, num_scales),
-                                   "a dispatch of these rows")
-    return _push_rows(ctx, stream, x, scales, handle, num_sms, row_tokens)
+    return _push_rows(ctx, stream, x, scales, handle, num_sms, _rows_in_rounds(ctx, x, scales))
 
 
-def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, row_tokens: int):
-    """Enqueue the push kernel that moves a dispatch's rows along ``handle``'s routing, ``row_tokens``
-    source tokens a round; returns ``(recv_x, recv_scales)``."""
+def _rows_in_rounds(ctx: Context, x, scales) -> tuple[int, int]:
+    """A dispatch's landing row (:func:`push_row_bytes`) and its source tokens per round; raises
+    ``ValueError`` (before any kernel runs) when the buffer holds less than one round of them."""
+    row_bytes = push_row_bytes(x.shape[1] * x.itemsize, scales.shape[1] if scales is not None else 0)
+    return row_bytes, need_round_tokens("dispatch()", ctx, row_bytes, "a dispatch of these rows")
+
+
+def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, rows: tuple[int, int]):
+    """Enqueue the push kernel that moves a dispatch's rows along ``handle``'s routing, ``rows`` being
+    :func:`_rows_in_rounds`'s; returns ``(recv_x, recv_scales)``."""
     num_scales = scales.shape[1] if scales is not None else 0
     recv_x = ctx.front.empty((handle.num_rows, x.shape[1]), x.dtype)
     recv_scales = ctx.front.empty((handle.num_rows, num_scales), scales.dtype) if scales is not None else None
@@ -420,8 +422,8 @@ def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, ro
     push.rows, push.num_tokens, push.send_pos = _token_rows(x, scales), x.shape[0], handle.send_pos.data.ptr
     push.send_prefix, push.recv_src_idx = handle.send_prefix.data.ptr, handle.recv_src_idx.data.ptr
     push.push_warps = pusher_warps(ctx.num_ranks)
-    push.row_bytes = push_row_bytes(x.shape[1] * x.itemsize, num_scales)
-    push.recv_info, push.round_tokens, push.num_rows = handle.recv_info.data.ptr, row_tokens, handle.num_rows
+    push.row_bytes, push.round_tokens = rows
+    push.recv_info, push.num_rows = handle.recv_info.data.ptr, handle.num_rows
     push.recv_x, push.recv_scales = recv_x.data.ptr, _ptr(recv_scales)
     launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push)
     return recv_x, recv_scales
