@@ -111,6 +111,17 @@ class SeededInputs:
 
 
 @contextlib.contextmanager
+def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, across_nodes: bool) -> None:
+    """A combined sum within 1e-2 (absolute and relative) of the reference's. Across nodes each node's
+    partial is rounded to BF16 before its source adds the partials (as DeepEP's), so an element may also be
+    off by that rounding: 2^-8 of the sum of the magnitudes (``magnitude``: the same combine of the absolute
+    values)."""
+    tolerance = 1e-2 + 1e-2 * np.abs(want) + (2.0 ** -8 * magnitude if across_nodes else 0.0)
+    bad = np.abs(got - want) > tolerance
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} elements off, e.g. at {np.argwhere(bad)[0]}: "
+                           f"{got[bad][:4]} against {want[bad][:4]} (tolerance {tolerance[bad][:4]})")
+
+
 def environment(**values: str):
     """Set environment variables for the block (cuep reads them when a Buffer is made), then restore them."""
     saved = {name: os.environ.get(name) for name in values}

@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import (BF16, AbsoluteRows, AllInputs, RankInputs, SeededInputs, bits, environment, expect_error,
-                    expert_outputs, selected_cases)
+from common import (BF16, AbsoluteRows, AllInputs, RankInputs, SeededInputs, assert_sum_close, bits, environment,
+                    expect_error, expert_outputs, selected_cases)
 
 import cuep
 import cuep.torch as deep_ep
@@ -230,15 +230,6 @@ def dispatch_and_check(buffer, inputs: AllInputs, with_topk: bool = True, num_wo
     return recv_x, recv_weights, handle
 
 
-def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray) -> None:
-    """A combined sum within 1e-2 (absolute and relative) of the reference's; across nodes also within
-    the BF16 rounding of each node's partial (2^-8 of the sum of the magnitudes)."""
-    tolerance = 1e-2 + 1e-2 * np.abs(want) + (2.0 ** -8 * magnitude if Normal.across_nodes else 0.0)
-    bad = np.abs(got - want) > tolerance
-    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} elements off, e.g. at {np.argwhere(bad)[0]}: "
-                           f"{got[bad][:4]} against {want[bad][:4]}")
-
-
 def combine_and_check(buffer, inputs: AllInputs, recv_x, recv_weights, handle, biases=None, **options) -> None:
     """Each rank scales the BF16 rows it received by (rank + 1) and combines them back (with the received
     weights, and ``biases``: one or two lists of every rank's bias); sums and weights against the reference.
@@ -264,7 +255,8 @@ def combine_and_check(buffer, inputs: AllInputs, recv_x, recv_weights, handle, b
                                      [[np.abs(b.astype(np.float32)) for b in per] for per in per_source_biases]
                                      if biases else None)
     assert_tensor(combined, torch.bfloat16, (inputs.num_tokens[rank], mine.shape[1]), "combined_x")
-    assert_sum_close(host(combined).astype(np.float32), want_x[rank].astype(BF16).astype(np.float32), magnitude[rank])
+    assert_sum_close(host(combined).astype(np.float32), want_x[rank].astype(BF16).astype(np.float32), magnitude[rank],
+                     Normal.across_nodes)
     if recv_weights is None:
         assert combined_weights is None, combined_weights
     else:
