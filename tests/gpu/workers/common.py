@@ -110,7 +110,6 @@ class SeededInputs:
         return inputs
 
 
-@contextlib.contextmanager
 def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, across_nodes: bool) -> None:
     """A combined sum within 1e-2 (absolute and relative) of the reference's. Across nodes each node's
     partial is rounded to BF16 before its source adds the partials (as DeepEP's), so an element may also be
@@ -122,6 +121,7 @@ def assert_sum_close(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray, a
                            f"{got[bad][:4]} against {want[bad][:4]} (tolerance {tolerance[bad][:4]})")
 
 
+@contextlib.contextmanager
 def environment(**values: str):
     """Set environment variables for the block (cuep reads them when a Buffer is made), then restore them."""
     saved = {name: os.environ.get(name) for name in values}
