@@ -10,8 +10,9 @@ the launches. What a front hands out is a device array the core reads like any i
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from . import _deps
 from ._math import align_up
 
 _ARRAY_ALIGN = 128  # each carved array starts a cache line of its own
+_POOL_ENTRIES = 4   # allocations kept per key and stream: two results in flight, and the two the caller still holds
+_POOL_KEYS = 8      # keys kept (a decode loop uses one per call kind and shape); the oldest goes first
 
 
 class Front(Protocol):
@@ -49,6 +52,15 @@ class Front(Protocol):
         """:meth:`views`, as the core reads arrays (as :meth:`empty` hands them out): for outputs that a kernel
         of this call or a later one is given too."""
 
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
+                readable: bool = False) -> tuple[Any, list]:
+        """``(storage, views)``: :meth:`storage` and :meth:`views` (:meth:`readable_views` if ``readable``), or the
+        same pair an earlier call with this ``key`` on ``stream`` got, once nothing outside the front holds it
+        any more (:class:`OutputPool`)."""
+
+    def release_outputs(self) -> None:
+        """Forget the allocations :meth:`outputs` keeps for reuse."""
+
     def current_stream(self) -> Any:
         """The callers' current stream, as a CuPy stream (the launches take CuPy streams)."""
 
@@ -59,8 +71,74 @@ class Front(Protocol):
         """What the callers get for a device array of this front (``None`` stays ``None``)."""
 
 
+class OutputPool:
+    """A call's outputs handed out again, call after call, once nothing outside the pool holds them.
+
+    Making a low-latency call's outputs (an allocation, then an array per output) is a large share of its
+    host time, and a decode loop makes the same outputs call after call with few of them alive at once. So
+    their allocations are kept here, by key and stream, and one is handed out again, with the same array
+    objects, once its callers have let go of every one of its arrays, of every view of them and of the
+    handle that holds it. Nothing reads that memory then but work already queued on that stream, which the
+    next call follows in stream order: the rule by which a caching allocator hands out freed memory again
+    on the same stream. (Work on another stream must keep its own reference while it runs; torch's
+    ``record_stream`` does not count.) Nothing is kept or reused while ``stream`` is being captured into a CUDA
+    graph: those outputs belong to the graph.
+
+    ``allocate(nbytes, dtype, regions, readable)`` makes ``(storage, views)``; ``watched(storage, views)`` lists
+    the objects whose holders count (the storage, each view, what a view wraps); ``memory_holders(storage)``
+    counts what refers to the memory itself (views a caller made of the outputs)."""
+
+    def __init__(self, allocate: Callable[..., tuple[Any, list]], watched: Callable[[Any, list], list],
+                 memory_holders: Callable[[Any], int]):
+        self._allocate, self._watched, self._memory_holders = allocate, watched, memory_holders
+        self._entries: dict[tuple, list[_PoolEntry]] = {}
+
+    def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
+        if stream.is_capturing():
+            return self._allocate(nbytes, dtype, regions, readable)
+        key = (key, stream.ptr)
+        entries = self._entries.get(key)
+        if entries is None:
+            if len(self._entries) >= _POOL_KEYS:
+                del self._entries[next(iter(self._entries))]
+            entries = self._entries[key] = []
+        for entry in entries:
+            if entry.holders() == entry.unheld:
+                return entry.storage, entry.views
+        entry = self._new_entry(nbytes, dtype, regions, readable)
+        # Counted now, while only the entry holds its objects: every later count is taken the same way.
+        entry.unheld = entry.holders()
+        if len(entries) < _POOL_ENTRIES:
+            entries.append(entry)
+        return entry.storage, entry.views
+
+    def _new_entry(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> _PoolEntry:
+        storage, views = self._allocate(nbytes, dtype, regions, readable)
+        return _PoolEntry(storage, views, self._watched(storage, views), self._memory_holders)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class _PoolEntry:
+    __slots__ = ("storage", "views", "watched", "memory_holders", "unheld")
+
+    def __init__(self, storage: Any, views: list, watched: list, memory_holders: Callable[[Any], int]):
+        self.storage, self.views, self.watched, self.memory_holders = storage, views, tuple(watched), memory_holders
+        self.unheld: tuple[int, ...] = ()
+
+    def holders(self) -> tuple[int, ...]:
+        """References to each watched object, then to the memory: equal to ``unheld`` when no caller holds any."""
+        return (*map(sys.getrefcount, self.watched), self.memory_holders(self.storage))
+
+
 class CupyFront:
     """``cuep.Buffer``'s front: CuPy arrays from CuPy's memory pool, CuPy's current stream."""
+
+    def __init__(self):
+        # A view a caller makes of an output holds the allocation's memory object; one it exports holds the output.
+        self._pool = OutputPool(self._allocate, lambda storage, views: [storage, *views],
+                                lambda storage: sys.getrefcount(storage.mem))
 
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         return _deps.cupy().empty(shape, dtype=dtype)
@@ -78,6 +156,17 @@ class CupyFront:
                 for view in regions]
 
     readable_views = views  # the core reads CuPy arrays as they are
+
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
+                readable: bool = False) -> tuple[Any, list]:
+        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
+
+    def release_outputs(self) -> None:
+        self._pool.clear()
+
+    def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
+        storage = self.storage(nbytes, dtype)
+        return storage, self.views(storage, regions)
 
     def current_stream(self) -> Any:
         return _deps.cupy().cuda.get_current_stream()

@@ -512,8 +512,10 @@ class Buffer:
         wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                              np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
-        if out is None:
-            out = self._front.empty((handle.num_tokens, handle.hidden), _checks.bf16_dtype())
+        if out is None:  # reused once the caller has let go of an earlier one (Front.outputs)
+            regions, nbytes = _combined_outputs(handle.num_tokens, handle.hidden)
+            _, (out,) = self._front.outputs(regions, self._front.current_stream(), nbytes, regions[0].dtype, regions,
+                                            readable=True)
         launch = low_latency.combine(ctx, x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
                                      wait_stats)
         event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
@@ -668,6 +670,14 @@ def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens
     per_node = [("per_node", (num_nodes,), np.int32, None)] if num_nodes > 1 else []
     regions, nbytes = carve([("per_rank", (num_ranks,), np.int32, None), ("per_expert", (num_experts,), np.int32, None),
                              ("in_rank", (num_tokens, num_ranks), np.bool_, None), *per_node])
+    return tuple(regions.values()), nbytes
+
+
+@functools.lru_cache(maxsize=64)
+def _combined_outputs(num_tokens: int, hidden: int) -> tuple[tuple, int]:
+    """A low-latency combine's output as one region of its own allocation, and its bytes (the tuple is the key
+    its allocations are kept under)."""
+    regions, nbytes = carve([("combined_x", (num_tokens, hidden), _checks.bf16_dtype(), None)])
     return tuple(regions.values()), nbytes
 
 

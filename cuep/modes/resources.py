@@ -188,6 +188,7 @@ class Resources:
         if not self.destroyed:
             self.device.synchronize()
             self.streams.release()
+            self.front.release_outputs()
             self.memory.free()
             self.destroyed = True
 

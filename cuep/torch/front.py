@@ -9,13 +9,14 @@ go to torch's current stream, wrapped once per stream as a CuPy stream.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, ContextManager
 
 import numpy as np
 
 from .. import _deps
 from .._checks import bf16_dtype
-from .._front import View
+from .._front import OutputPool, View
 from .._interop import TensorView
 
 
@@ -45,6 +46,11 @@ class TorchFront:
         # Keyed by the NumPy scalar type and by its dtype (the modes pass either): (torch dtype, NumPy dtype).
         self._dtypes = {key: (theirs, np.dtype(ours)) for ours, theirs in pairs for key in (ours, np.dtype(ours))}
         self._uint8 = torch.uint8
+        # The storage's use count counts every tensor over the memory: a caller's views and exports, and the
+        # storage's own typed views (made on demand, the handle's included), which are not the caller's.
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self._pool = None if use_count is None else OutputPool(
+            self._allocate, _watched, lambda storage: use_count(storage.storage_handle) - len(storage._typed))
 
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
         torch_dtype, numpy_dtype = self._dtypes[dtype]
@@ -82,6 +88,20 @@ class TorchFront:
         return [known(typed(torch_dtype).as_strided(shape, strides, offset), numpy_dtype, shape, base + view.offset,
                       device, view.strides, contiguous)
                 for torch_dtype, shape, strides, offset, (view, numpy_dtype, contiguous) in self._steps(regions)]
+
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
+                readable: bool = False) -> tuple[Any, list]:
+        if self._pool is None:  # a torch without the storage's use count: allocated every time
+            return self._allocate(nbytes, dtype, regions, readable)
+        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
+
+    def release_outputs(self) -> None:
+        if self._pool is not None:
+            self._pool.clear()
+
+    def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Storage, list]:
+        storage = self.storage(nbytes, dtype)
+        return storage, (self.readable_views if readable else self.views)(storage, regions)
 
     def _steps(self, regions: tuple[View, ...]) -> tuple:
         """Per View of ``regions``: ``(torch dtype, shape, element strides, element offset, (View, NumPy
@@ -154,15 +174,28 @@ def _c_contiguous(shape: tuple[int, ...], element_strides: tuple[int, ...]) -> b
     return True
 
 
+def _watched(storage: Storage, views: list) -> list:
+    """What holds a pooled allocation (:class:`cuep._front.OutputPool`): the storage (a handle holds it), each
+    view handed out, and the tensor a readable view wraps (the caller gets that tensor)."""
+    return [storage, *views, *(view.tensor for view in views if type(view) is TensorView)]
+
+
 class Storage:
     """One call's outputs in one tensor (``.ptr`` its address; of the first view's dtype, else ``uint8``), and its
     typed views, made once each: every torch op costs host time, so a region is one ``as_strided`` of its
     dtype's view (the tensor itself for its own dtype)."""
 
-    __slots__ = ("tensor", "ptr", "_typed")
+    __slots__ = ("tensor", "ptr", "_typed", "_untyped")
 
     def __init__(self, tensor):
-        self.tensor, self.ptr, self._typed = tensor, tensor.data_ptr(), {tensor.dtype: tensor}
+        self.tensor, self.ptr, self._typed, self._untyped = tensor, tensor.data_ptr(), {tensor.dtype: tensor}, None
+
+    @property
+    def storage_handle(self) -> int:
+        """The address torch's ``_storage_Use_Count`` takes; the untyped storage object is kept so it stays valid."""
+        if self._untyped is None:
+            self._untyped = self.tensor.untyped_storage()
+        return self._untyped._cdata
 
     def typed(self, torch_dtype):
         """The whole storage as ``torch_dtype`` elements."""

@@ -278,6 +278,38 @@ def eager_step(buffer, mine, hooks: bool = False):
     return received, recv_count, combined
 
 
+def outputs_let_go_of_come_back_and_held_ones_keep_their_rows(buffer):
+    """A step's outputs come back to the next step as the same arrays once the caller has let go of them
+    (the decode loop's host path); an output still held in any way keeps its rows through the steps after it."""
+    inputs, on_gpu = step_inputs(6)
+    received, recv_count, combined = eager_step(buffer, on_gpu[0])
+    first = (id(received), id(recv_count), id(combined), received.data.ptr, combined.data.ptr)
+    del received, recv_count, combined
+    received, recv_count, combined = eager_step(buffer, on_gpu[1])
+    assert (id(received), id(recv_count), id(combined), received.data.ptr, combined.data.ptr) == first, \
+        "a step's outputs, let go of, did not come back to the next step"
+    check_step(inputs[1], received, recv_count, combined)
+    del received, recv_count, combined
+    for step, hold in enumerate(("received rows", "a slice of them", "the combined tokens", "the handle"), start=2):
+        received, recv_count, handle, _, _ = buffer.low_latency_dispatch(on_gpu[step].x, on_gpu[step].topk_idx,
+                                                                        MAX_TOKENS, FEW_EXPERTS, use_fp8=False)
+        combined, _, _ = buffer.low_latency_combine(received, on_gpu[step].topk_idx, on_gpu[step].topk_weights,
+                                                    handle)
+        held = {"received rows": received, "a slice of them": received[:, 1:5], "the combined tokens": combined,
+                "the handle": handle}[hold]
+        pointers = {received.data.ptr, combined.data.ptr}
+        check_step(inputs[step], received, recv_count, combined)
+        rows = held.get() if hold != "the handle" else None
+        del received, recv_count, handle, combined
+        later = eager_step(buffer, on_gpu[(step + 1) % len(on_gpu)])
+        check_step(inputs[(step + 1) % len(on_gpu)], *later)
+        if hold == "the handle":
+            assert later[0].data.ptr not in pointers, "a dispatch's allocation went to the next step while its handle was held"
+        else:
+            np.testing.assert_array_equal(bits(held.get()), bits(rows), err_msg=f"held {hold} changed by a later step")
+        del held, later
+
+
 def thousand_eager_steps_without_a_sync(buffer):
     """1000 steps issued 100 at a time with no host sync between calls (inputs uploaded beforehand), half of
     them through hooks; every step's received rows and combined tokens checked against the reference."""
@@ -716,6 +748,8 @@ def main() -> None:
         ("forced NVSHMEM put path", forced_put_path),
         ("CUDA graph: capture once, 1000 replays with fresh inputs", on_buffer(cuda_graph_capture_then_1000_replays)),
         ("1000 eager steps without a host sync, half through hooks", on_buffer(thousand_eager_steps_without_a_sync)),
+        ("outputs let go of come back to the next step; held ones keep their rows",
+         on_buffer(outputs_let_go_of_come_back_and_held_ones_keep_their_rows)),
         ("a hook's send and receive replayed from separate CUDA graphs, 1000 times",
          on_buffer(hook_send_and_receive_replayed_from_separate_graphs)),
         ("a graph of three calls, eager calls between its replays",

@@ -797,6 +797,43 @@ def clean_low_latency_buffer_between_calls(buffer):
     ll_combine_and_check(buffer, inputs, expected, LowLatency.experts, handle)
 
 
+def outputs_let_go_of_come_back_and_held_ones_keep_their_rows(buffer):
+    """A step's tensors come back to the next step as the same tensors once the caller has let go of them;
+    one still held in any way (the FP8 pair, a view, a tensor of the handle, a slice of the combined tokens)
+    keeps its contents through the steps after it. Every step is checked against the reference."""
+    experts = LowLatency.experts
+
+    def step(inputs):
+        mine = inputs[rank]
+        received, recv_count, handle, _, _ = buffer.low_latency_dispatch(gpu(mine.x), gpu(mine.topk_idx), MAX_TOKENS,
+                                                                        experts, use_fp8=True)
+        expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, experts, MAX_TOKENS, True)
+        outputs = expert_outputs(expected, experts)
+        combined, _, _ = buffer.low_latency_combine(gpu(outputs[rank]), gpu(mine.topk_idx), gpu(mine.topk_weights),
+                                                    handle)
+        check_low_latency_received(received, recv_count, handle, expected[rank], experts, mine.x.shape[1], True)
+        check_combined(combined, inputs, outputs, experts)
+        return received, recv_count, handle, combined
+
+    def identities_of_a_step():  # everything the step returned is let go of on return
+        received, recv_count, _, combined = step(LowLatency.inputs(96, 2048, experts, 8))
+        return id(received[0]), id(received[1]), id(recv_count), id(combined), received[0].data_ptr()
+
+    assert identities_of_a_step() == identities_of_a_step(), \
+        "a step's tensors, let go of, did not come back to the next step"
+    for hold in ("the FP8 pair", "a uint8 view of the data", "the handle's first tensor", "a slice of the combined"):
+        received, recv_count, handle, combined = step(LowLatency.inputs(96, 2048, experts, 8))
+        held = {"the FP8 pair": lambda: received, "a uint8 view of the data": lambda: received[0].view(torch.uint8),
+                "the handle's first tensor": lambda: handle[0], "a slice of the combined": lambda: combined[3:40]}[hold]()
+        contents = [host(t).copy() for t in (held if isinstance(held, tuple) else (held,))]
+        del received, recv_count, handle, combined
+        step(LowLatency.inputs(96, 2048, experts, 8))
+        torch.cuda.synchronize()
+        for got, want in zip((held if isinstance(held, tuple) else (held,)), contents):
+            same_bits(host(got), want, f"held {hold}, after a later step")
+        del held
+
+
 def thousand_calls_hold_no_memory_ll(buffer):
     mine = LowLatency.inputs(64, 1024, LowLatency.few_experts, 4)[rank]
     x, topk, weights = gpu(mine.x), gpu(mine.topk_idx), gpu(mine.topk_weights)
@@ -819,7 +856,8 @@ def low_latency_suite():
                  async_finish_and_cumulative_stats, logfmt_combine_bf16_and_fp8_dispatch,
                  cuda_graph_captured_with_torch_replayed_with_new_inputs,
                  profile_shows_one_dispatch_and_one_combine_kernel, bad_inputs_raise_before_any_kernel_ll,
-                 clean_low_latency_buffer_between_calls, thousand_calls_hold_no_memory_ll]
+                 clean_low_latency_buffer_between_calls, thousand_calls_hold_no_memory_ll,
+                 outputs_let_go_of_come_back_and_held_ones_keep_their_rows]
     cases = [functools.partial(case, buffer) for case in on_buffer] + [put_path_without_nvlink]
     return cases, buffer.destroy, "one node"
 
