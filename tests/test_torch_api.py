@@ -127,3 +127,38 @@ def test_cuep_torch_without_torch_says_what_to_install():
     done = _run_without_torch("import cuep.torch")
     assert done.returncode != 0
     assert "MissingDependencyError: cuep.torch needs PyTorch with CUDA: pip install torch." in done.stderr, done.stderr
+
+
+# Every call that makes or reads tensors on the host path runs with torch-function modes off.
+TORCH_FUNCTION_OFF = ["combine", "dispatch", "get_dispatch_layout", "get_local_buffer_tensor", "get_low_latency_trace",
+                      "get_next_low_latency_combine_buffer", "internode_combine", "internode_dispatch",
+                      "low_latency_combine", "low_latency_dispatch", "low_latency_query_mask_buffer"]
+
+
+@pytest.mark.parametrize("method", TORCH_FUNCTION_OFF)
+def test_tensor_calls_run_with_torch_function_modes_off(deep_ep, method):
+    assert getattr(getattr(deep_ep.Buffer, method), "__wrapped__", None) is not None, \
+        f"Buffer.{method} runs under the caller's torch-function modes"
+
+
+def test_a_default_device_does_not_reach_the_host_path(deep_ep):
+    """``torch.set_default_device`` (DeepEP's tests set it) installs a torch-function mode; inside a wrapped call
+    it is off, and back on after, also when the call raises."""
+    import torch
+
+    from cuep.torch._buffer import _torch_function_off
+
+    @_torch_function_off
+    def seen(fail: bool = False):
+        if fail:
+            raise ValueError("bad argument")
+        return torch._C._is_torch_function_mode_enabled(), torch.empty(1).device.type
+
+    torch.set_default_device("meta")
+    try:
+        assert seen() == (False, "cpu")  # the mode would have made it a meta tensor
+        with pytest.raises(ValueError, match="bad argument"):
+            seen(fail=True)
+        assert torch._C._is_torch_function_mode_enabled() and torch.empty(1).device.type == "meta"
+    finally:
+        torch.set_default_device(None)

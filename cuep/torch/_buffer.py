@@ -10,6 +10,8 @@ and :class:`~cuep.torch.event.EventOverlap`\\ s.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
 from typing import Any
 
@@ -19,6 +21,24 @@ from ..config import Config
 from ..modes import low_latency
 from .event import EventHandle, EventOverlap, core_event, wrap
 from .front import TorchFront
+
+
+def _torch_function_off(method):
+    """``method`` with torch's ``__torch_function__`` handling off while it runs (not in hooks it returns).
+
+    Under a Python torch-function mode every torch call of the host path runs through the mode in Python:
+    ``torch.set_default_device``, which DeepEP's tests and some frameworks set, makes a low-latency call's
+    views, allocations and tensor queries cost more than twice as much. DeepEP makes its tensors in C++,
+    where no such mode reaches. cuep names every device, dtype and stream itself, so a mode has nothing to
+    add here, and its arguments are plain tensors: a subclass's ``__torch_function__`` is not consulted
+    either, as DeepEP's C++ never consults it."""
+    torch_function_off = getattr(_deps.torch()._C, "DisableTorchFunction", contextlib.nullcontext)
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with torch_function_off():
+            return method(*args, **kwargs)
+    return call
 
 
 class DispatchHandle(tuple):
@@ -229,6 +249,7 @@ class Buffer:
         ``allocate_on_comm_stream`` (or captured into a CUDA graph) run their kernels."""
         return self._front.torch_stream(self._core.get_comm_stream())
 
+    @_torch_function_off
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
         """A torch view of this rank's own buffer memory (NVSHMEM symmetric memory, peers can reach it).
 
@@ -253,6 +274,7 @@ class Buffer:
 
     # ----------------------------------------------------------------------------------------------
     # Normal mode
+    @_torch_function_off
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Count, from the top-k routing, what each rank, node and expert will receive.
@@ -270,6 +292,7 @@ class Buffer:
             self._record_on_current_stream(outputs)
         return (*outputs, wrap(event))
 
+    @_torch_function_off
     def dispatch(self, x, handle: tuple | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
@@ -299,6 +322,7 @@ class Buffer:
                                             recv_topk_weights, *handle))
         return recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle, wrap(event)
 
+    @_torch_function_off
     def combine(self, x, handle: tuple, topk_weights=None, bias=None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
@@ -323,6 +347,7 @@ class Buffer:
 
     # ----------------------------------------------------------------------------------------------
     # Low-latency mode
+    @_torch_function_off
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
@@ -341,6 +366,7 @@ class Buffer:
         # The front made recv_x (FP8 as float8_e4m3fn), its scales and recv_count as torch tensors already.
         return recv_x, recv_count, self._low_latency_handle(core_handle), wrap(event), hook
 
+    @_torch_function_off
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None):
@@ -354,6 +380,7 @@ class Buffer:
             zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
         return combined_x, wrap(event), hook
 
+    @_torch_function_off
     def get_next_low_latency_combine_buffer(self, handle: tuple):
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` tensor for
         the next :meth:`low_latency_combine`'s expert outputs (cuep reads any ``x`` in place, so this only
@@ -370,6 +397,7 @@ class Buffer:
         """Mask (``mask=True``) or unmask a rank in shrink mode (see ``cuep.Buffer``)."""
         self._core.low_latency_update_mask_buffer(rank_to_mask, mask)
 
+    @_torch_function_off
     def low_latency_query_mask_buffer(self, mask_status) -> None:
         """Write this rank's mask into ``mask_status``, `[num_ranks]` `torch.int` (1: masked), in stream order."""
         self._core.low_latency_query_mask_buffer(mask_status)
@@ -378,6 +406,7 @@ class Buffer:
         """Collective: unmask every rank and resume together (shrink mode)."""
         self._core.low_latency_clean_mask_buffer()
 
+    @_torch_function_off
     def get_low_latency_trace(self):
         """In a ``CUEP_TRACE=1`` build, the last low-latency kernel's per-block phase times (cuep's own)."""
         trace = self._core.get_low_latency_trace()
