@@ -1,0 +1,160 @@
+"""The eager decode step as DeepEP's ``tests/test_low_latency.py`` times it, on cuep.torch or on DeepEP, with the
+host's share of it taken apart.
+
+    python benchmarks/decode_step.py --num-ranks 4                                  # cuep.torch
+    PYTHONPATH=/path/to/DeepEP python benchmarks/decode_step.py --backend deepep     # DeepEP V1, built in place
+
+The step: an FP8 ``low_latency_dispatch`` with cumulative statistics, then a BF16 ``low_latency_combine`` of
+per-expert outputs, 128 tokens per rank, hidden 7168, top-8 of 288 experts with a few ``-1`` choices (DeepEP's
+test's workload). Per rank, each over ``--steps`` steps after ``--warmup``, CUDA events around each step and
+no synchronisation between steps, as DeepEP's ``bench``:
+
+- ``events``: DeepEP's figure, the mean of the per-step event spans (``avg_t``), and their minimum;
+- ``host``: the host's wall time per step over the same loop (the calls and the two event records);
+- ``dispatch``, ``combine``: the host's time inside each call;
+- ``aligned``: ``events`` again, every rank starting together (a barrier and a device synchronisation first);
+- ``synced``: the wall time of a step that ends with a device synchronisation.
+
+``--profile``: rank 0 then prints where its host time goes (cProfile, by own time; it slows every call).
+
+A step whose event span is near its host time is set by the host (the GPU idles between launches, and each
+rank's kernels wait for the slowest rank's); one near the ``synced`` figure is set by the GPU. Rank 0 prints
+the mean and the largest over ranks. One process per rank (``torch.multiprocessing``), one GPU each, an NCCL
+group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_module(backend: str):
+    if backend == "cuep":
+        import cuep.torch
+        return cuep.torch
+    import deep_ep
+    return deep_ep
+
+
+def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int, num_ranks: int):
+    generator = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    x = torch.randn((tokens, hidden), dtype=torch.bfloat16, device="cuda", generator=generator)
+    scores = torch.randn((tokens, num_experts), dtype=torch.float32, device="cuda", generator=generator).abs() + 1
+    topk_idx = torch.topk(scores, topk, dim=-1, largest=True, sorted=True)[1]
+    topk_weights = torch.randn((tokens, topk), dtype=torch.float32, device="cuda", generator=generator).abs()
+    for i in range(10):  # DeepEP's test drops a few choices
+        topk_idx[(rank * 7 + i * 13) % tokens, (rank + i) % topk] = -1
+    local = num_experts // num_ranks
+    expert_x = torch.randn((local, num_ranks * tokens, hidden), dtype=torch.bfloat16, device="cuda",
+                           generator=generator)
+    stats = torch.zeros((local,), dtype=torch.int, device="cuda")
+    return x, topk_idx, topk_weights, expert_x, stats
+
+
+def run_rank(rank: int, args, port: int) -> None:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.num_ranks)
+    group = dist.new_group(list(range(args.num_ranks)))
+    module = backend_module(args.backend)
+    rdma_bytes = module.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, args.num_ranks, args.experts)
+    buffer = module.Buffer(group, 0, rdma_bytes, low_latency_mode=True,
+                           num_qps_per_rank=args.experts // args.num_ranks)
+    x, topk_idx, topk_weights, expert_x, stats = step_inputs(rank, args.tokens, args.hidden, args.experts, args.topk,
+                                                             args.num_ranks)
+    inside = {"dispatch": 0.0, "combine": 0.0}
+
+    def step() -> None:
+        started = time.perf_counter()
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            x, topk_idx, args.tokens, args.experts, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+            async_finish=False, return_recv_hook=False)
+        dispatched = time.perf_counter()
+        buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle, return_recv_hook=False)
+        inside["dispatch"] += dispatched - started
+        inside["combine"] += time.perf_counter() - dispatched
+
+    def timed(aligned: bool) -> tuple[float, float, float]:
+        """DeepEP's bench: warm-up steps, then event pairs around each step, one synchronisation at the end;
+        returns (mean event span, least span, host wall per step), in us."""
+        torch.cuda.synchronize()
+        for _ in range(args.warmup):
+            step()
+        if aligned:
+            torch.cuda.synchronize()
+            dist.barrier(group)
+        inside.update(dispatch=0.0, combine=0.0)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps)]
+        began = time.perf_counter()
+        for start, end in zip(starts, ends):
+            start.record()
+            step()
+            end.record()
+        host = (time.perf_counter() - began) / args.steps * 1e6
+        torch.cuda.synchronize()
+        spans = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]  # DeepEP drops the first
+        return sum(spans) / len(spans), min(spans), host
+
+    events, least, host = timed(aligned=False)
+    per_call = {name: seconds / args.steps * 1e6 for name, seconds in inside.items()}
+    aligned, _, _ = timed(aligned=True)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+        torch.cuda.synchronize()
+    synced = (time.perf_counter() - began) / args.steps * 1e6
+    row = {"events": events, "least event span": least, "host": host, "dispatch": per_call["dispatch"],
+           "combine": per_call["combine"], "aligned": aligned, "synced": synced}
+    rows = [None] * args.num_ranks
+    dist.all_gather_object(rows, row, group=group)
+    if rank == 0:
+        print(f"decode step on {args.backend}: {args.num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, "
+              f"top-{args.topk} of {args.experts}; us per step, {args.steps} steps", flush=True)
+        print(f"{'':18} {'mean':>8} {'max':>8}   per rank", flush=True)
+        for name in row:
+            values = [r[name] for r in rows]
+            print(f"{name:18} {sum(values) / len(values):8.1f} {max(values):8.1f}   "
+                  + " ".join(f"{v:7.1f}" for v in values), flush=True)
+    if args.profile and rank == 0:  # where the host's time goes: cProfile over more steps, by own time
+        import cProfile
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps * 4):
+            step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["cuep", "deepep"], default="cuep")
+    parser.add_argument("--num-ranks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=288)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of its steps' host time")
+    args = parser.parse_args()
+    torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
+
+
+if __name__ == "__main__":
+    main()
