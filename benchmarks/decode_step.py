@@ -15,6 +15,7 @@ no synchronisation between steps, as DeepEP's ``bench``:
 - ``aligned``: ``events`` again, every rank starting together (a barrier and a device synchronisation first);
 - ``synced``: the wall time of a step that ends with a device synchronisation.
 
+``--default-device cuda``: every rank first calls ``torch.set_default_device('cuda')``, as DeepEP's tests do.
 ``--profile``: rank 0 then prints where its host time goes (cProfile, by own time; it slows every call).
 
 A step whose event span is near its host time is set by the host (the GPU idles between launches, and each
@@ -65,6 +66,8 @@ def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int
 def run_rank(rank: int, args, port: int) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.num_ranks)
+    if args.default_device:  # as DeepEP's tests do (torch.set_default_device('cuda') in their init_dist)
+        torch.set_default_device(args.default_device)
     group = dist.new_group(list(range(args.num_ranks)))
     module = backend_module(args.backend)
     rdma_bytes = module.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, args.num_ranks, args.experts)
@@ -151,6 +154,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--default-device", default=None,
+                        help="torch.set_default_device in every rank first (DeepEP's tests set 'cuda')")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of its steps' host time")
     args = parser.parse_args()
     torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
