@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
 
-from . import _deps
+from . import _deps, env
 from ._math import align_up
 
 _ARRAY_ALIGN = 128  # each carved array starts a cache line of its own
@@ -84,13 +84,16 @@ class OutputPool:
     ``record_stream`` does not count.) Nothing is kept or reused while ``stream`` is being captured into a CUDA
     graph: those outputs belong to the graph.
 
-    ``allocate(nbytes, dtype, regions, readable)`` makes ``(storage, views)``; ``watched(storage, views)`` lists
-    the objects whose holders count (the storage, each view, what a view wraps); ``memory_holders(storage)``
-    counts what refers to the memory itself (views a caller made of the outputs)."""
+    The front says what counts, in three functions: ``allocate(nbytes, dtype, regions, readable)`` makes
+    ``(storage, views)``; ``watched(storage, views)`` lists the objects whose Python references count (the
+    storage, each view, what a view wraps or shares); ``counts(storage, watched)`` adds what refers to them from
+    elsewhere (a caller's views of the memory; references held in C++). ``spoiled(views)``, asked of an entry no
+    caller holds, says that a caller changed one of its objects in a way the next call must not inherit: that
+    entry is dropped."""
 
     def __init__(self, allocate: Callable[..., tuple[Any, list]], watched: Callable[[Any, list], list],
-                 memory_holders: Callable[[Any], int]):
-        self._allocate, self._watched, self._memory_holders = allocate, watched, memory_holders
+                 counts: Callable[[Any, tuple], tuple], spoiled: Callable[[list], bool] = lambda views: False):
+        self._allocate, self._watched, self._counts, self._spoiled = allocate, watched, counts, spoiled
         self._entries: dict[tuple, list[_PoolEntry]] = {}
 
     def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
@@ -104,7 +107,10 @@ class OutputPool:
             entries = self._entries[key] = []
         for entry in entries:
             if entry.holders() == entry.unheld:
-                return entry.storage, entry.views
+                if not self._spoiled(entry.views):
+                    return entry.storage, entry.views
+                entries.remove(entry)  # let go of, but changed by its caller: its memory goes back
+                break
         entry = self._new_entry(nbytes, dtype, regions, readable)
         # Counted now, while only the entry holds its objects: every later count is taken the same way.
         entry.unheld = entry.holders()
@@ -114,31 +120,41 @@ class OutputPool:
 
     def _new_entry(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> _PoolEntry:
         storage, views = self._allocate(nbytes, dtype, regions, readable)
-        return _PoolEntry(storage, views, self._watched(storage, views), self._memory_holders)
+        return _PoolEntry(storage, views, self._watched(storage, views), self._counts)
 
     def clear(self) -> None:
         self._entries.clear()
 
 
 class _PoolEntry:
-    __slots__ = ("storage", "views", "watched", "memory_holders", "unheld")
+    __slots__ = ("storage", "views", "watched", "counts", "unheld")
 
-    def __init__(self, storage: Any, views: list, watched: list, memory_holders: Callable[[Any], int]):
-        self.storage, self.views, self.watched, self.memory_holders = storage, views, tuple(watched), memory_holders
+    def __init__(self, storage: Any, views: list, watched: list, counts: Callable[[Any, tuple], tuple]):
+        self.storage, self.views, self.watched, self.counts = storage, views, tuple(watched), counts
         self.unheld: tuple[int, ...] = ()
 
     def holders(self) -> tuple[int, ...]:
-        """References to each watched object, then to the memory: equal to ``unheld`` when no caller holds any."""
-        return (*map(sys.getrefcount, self.watched), self.memory_holders(self.storage))
+        """References to each watched object, then the front's counts: equal to ``unheld`` when no caller
+        holds any."""
+        return (*map(sys.getrefcount, self.watched), *self.counts(self.storage, self.watched))
+
+
+def _cupy_watched(storage, views: list) -> list:
+    """A CuPy allocation's holders: the storage (a handle holds it), each array, and each array's memory
+    pointer (an array made on it, ``memptr=out.data``, shares it)."""
+    return [storage, *views, *(view.data for view in views)]
+
+
+def _cupy_counts(storage, watched: tuple) -> tuple[int]:
+    """A view or slice a caller makes of an output holds the allocation's memory object."""
+    return (sys.getrefcount(storage.mem),)
 
 
 class CupyFront:
     """``cuep.Buffer``'s front: CuPy arrays from CuPy's memory pool, CuPy's current stream."""
 
     def __init__(self):
-        # A view a caller makes of an output holds the allocation's memory object; one it exports holds the output.
-        self._pool = OutputPool(self._allocate, lambda storage, views: [storage, *views],
-                                lambda storage: sys.getrefcount(storage.mem))
+        self._pool = OutputPool(self._allocate, _cupy_watched, _cupy_counts) if env.get("CUEP_REUSE_OUTPUTS") else None
 
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         return _deps.cupy().empty(shape, dtype=dtype)
@@ -159,10 +175,13 @@ class CupyFront:
 
     def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
                 readable: bool = False) -> tuple[Any, list]:
+        if self._pool is None:  # CUEP_REUSE_OUTPUTS=0
+            return self._allocate(nbytes, dtype, regions, readable)
         return self._pool.take(key, stream, nbytes, dtype, regions, readable)
 
     def release_outputs(self) -> None:
-        self._pool.clear()
+        if self._pool is not None:
+            self._pool.clear()
 
     def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
         storage = self.storage(nbytes, dtype)

@@ -576,7 +576,7 @@ class Buffer:
         topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
         stream = front.current_stream()
         *_, handle, dispatch = low_latency.dispatch(ctx, x, topk_idx, max_tokens, num_experts, None,
-                                                    None, False, False, False)
+                                                    None, False, False, False, reuse_outputs=False)
         dispatch(stream)
         low_latency.combine(ctx, x, topk_idx, weights, handle, out)(stream)
         stream.synchronize()

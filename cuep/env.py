@@ -105,6 +105,9 @@ _TABLE: tuple[EnvVar, ...] = (
     EnvVar("CUEP_TIMEOUT_S", "seconds", 100.0,
            "how long a kernel or the host waits for a peer before raising PeerTimeoutError",
            _parse_seconds, "runtime"),
+    EnvVar("CUEP_REUSE_OUTPUTS", "bool", True,
+           "hand a low-latency call's outputs out again once the caller lets go of them (docs/low-latency.md); "
+           "0 allocates them anew for every call; read when a Buffer is made", _parse_bool, "runtime"),
     EnvVar("CUEP_COMBINE_SPLIT_US", "microseconds", 20.0,
            "how long a low-latency combine send looks for a late source's top-k weights before it sends the "
            "rows of a token it holds several experts of one by one (more bytes, no wait); read when a Buffer is made",

@@ -28,26 +28,41 @@ STREAM = FakeStream(1)
 
 @pytest.fixture
 def torch_pool(monkeypatch):
-    """An OutputPool as the torch front builds it, over CPU tensors; with the dispatch's regions."""
+    """The torch front's own pool over CPU tensors (only its allocation replaced); with the dispatch's regions."""
     torch = pytest.importorskip("torch")
     from cuep.torch import front as torch_front
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
+    monkeypatch.delenv("CUEP_REUSE_OUTPUTS", raising=False)
     front = torch_front.TorchFront(0)
     assert front._pool is not None  # this torch counts a storage's users
 
     def allocate(nbytes, dtype, regions, readable):
         storage = torch_front.Storage(torch.empty(nbytes // np.dtype(dtype).itemsize, dtype=front._dtypes[dtype][0]))
-        return storage, front.views(storage, regions)
+        return storage, (front.readable_views if readable else front.views)(storage, regions)
 
-    pool = OutputPool(allocate, torch_front._watched, front._pool._memory_holders)
+    front._pool._allocate = allocate
     regions, nbytes = low_latency.dispatch_regions(2, 8, 512, 8, 2, True, False, np.dtype(np.uint16))
     outputs = (regions["recv_x"], regions["recv_count"], regions["recv_scales"])
-    return torch, pool, (nbytes, outputs[0].dtype, outputs)
+    return torch, Taker(front), (nbytes, outputs[0].dtype, outputs)
 
 
-def take(pool, shape, stream=STREAM, key="dispatch"):
+class Taker:
+    """``take(key, stream, nbytes, dtype, regions, readable)`` through a front's ``outputs``."""
+
+    def __init__(self, front):
+        self.front = front
+        self._entries = front._pool._entries
+
+    def take(self, key, stream, nbytes, dtype, regions, readable):
+        return self.front.outputs(key, stream, nbytes, dtype, regions, readable)
+
+    def clear(self):
+        self.front.release_outputs()
+
+
+def take(pool, shape, stream=STREAM, key="dispatch", readable=False):
     nbytes, dtype, regions = shape
-    return pool.take(key, stream, nbytes, dtype, regions, False)
+    return pool.take(key, stream, nbytes, dtype, regions, readable)
 
 
 def test_outputs_let_go_of_come_back_as_the_same_objects(torch_pool):
@@ -61,27 +76,57 @@ def test_outputs_let_go_of_come_back_as_the_same_objects(torch_pool):
 
 @pytest.mark.parametrize("hold", ["an output", "the tuple of FP8 data and scales", "a slice of an output",
                                   "a dtype view of an output", "the storage (as a handle does)", "a DLPack export",
-                                  "a list holding an output"])
+                                  "a list holding an output", "an output's untyped storage", "an output's base",
+                                  "a tensor autograd saved", "the combined output (a readable view)"])
 def test_an_allocation_still_held_is_never_handed_out_again(torch_pool, hold):
     torch, pool, shape = torch_pool
-    storage, views = take(pool, shape)
-    recv_x, recv_count, scales = views
+    readable = hold == "the combined output (a readable view)"
+    storage, views = take(pool, shape, readable=readable)
+    recv_x, recv_count, scales = (view.tensor for view in views) if readable else views
+    weight = torch.ones(scales.shape, requires_grad=True)
     held = {"an output": lambda: recv_count,
             "the tuple of FP8 data and scales": lambda: (recv_x, scales),
             "a slice of an output": lambda: recv_x[0, 1:3],
             "a dtype view of an output": lambda: recv_x.view(torch.uint8),
             "the storage (as a handle does)": lambda: types.SimpleNamespace(storage=storage),
             "a DLPack export": lambda: torch.utils.dlpack.to_dlpack(scales),
-            "a list holding an output": lambda: [recv_x]}[hold]()
+            "a list holding an output": lambda: [recv_x],
+            "an output's untyped storage": lambda: recv_count.untyped_storage(),
+            "an output's base": lambda: recv_count._base,
+            "a tensor autograd saved": lambda: scales * weight,  # keeps scales itself (in C++) for the gradient
+            "the combined output (a readable view)": lambda: recv_count}[hold]()
+    del views
     pointer = storage.ptr
-    del storage, views, recv_x, recv_count, scales
+    del storage, recv_x, recv_count, scales, weight
     gc.collect()
-    again, _ = take(pool, shape)
+    again, _ = take(pool, shape, readable=readable)
     assert again.ptr != pointer, f"an allocation still held through {hold} was handed out again"
     del again, _, held
     gc.collect()
     # Let go of, it comes back (the first entry, the oldest, is checked first).
-    assert take(pool, shape)[0].ptr == pointer
+    assert take(pool, shape, readable=readable)[0].ptr == pointer
+
+
+def test_inference_tensors_go_only_to_calls_under_inference_mode(torch_pool):
+    torch, pool, shape = torch_pool
+    with torch.inference_mode():
+        storage, _ = take(pool, shape)
+        pointer = storage.ptr
+        del storage, _
+    assert take(pool, shape)[0].ptr != pointer  # not an inference tensor outside inference mode
+    with torch.inference_mode():
+        assert take(pool, shape)[0].ptr == pointer
+
+
+def test_an_output_made_to_require_gradients_is_dropped_not_handed_out(torch_pool):
+    torch, pool, shape = torch_pool
+    storage, (recv_x, recv_count, scales) = take(pool, shape)
+    pointer = storage.ptr
+    scales.requires_grad_()
+    del storage, recv_x, recv_count, scales
+    again, views = take(pool, shape)
+    assert again.ptr != pointer and not any(view.requires_grad for view in views)
+    assert len(pool._entries[(("dispatch", False), STREAM.ptr)]) == 1  # the spoiled one went back to torch
 
 
 def test_a_handle_s_tensors_hold_the_allocation_while_they_live(torch_pool):
@@ -115,7 +160,7 @@ def test_allocations_are_kept_per_key_and_stream_and_bounded(torch_pool):
     assert take(pool, shape, FakeStream(2))[0].ptr != pointer
     assert take(pool, shape, key="another shape")[0].ptr != pointer
     held = [take(pool, shape) for _ in range(_front._POOL_ENTRIES + 2)]
-    assert len(pool._entries[("dispatch", STREAM.ptr)]) == _front._POOL_ENTRIES
+    assert len(pool._entries[(("dispatch", False), STREAM.ptr)]) == _front._POOL_ENTRIES
     assert len({storage.ptr for storage, _ in held}) == len(held)
     for key in range(_front._POOL_KEYS + 1):
         take(pool, shape, key=key)
@@ -148,7 +193,8 @@ class FakeArray:
         return FakeArray(self.data + 0, base=self)
 
 
-def test_the_cupy_rule_counts_views_exports_and_handles():
+def test_the_cupy_rule_counts_views_exports_and_handles(monkeypatch):
+    monkeypatch.delenv("CUEP_REUSE_OUTPUTS", raising=False)
     front = _front.CupyFront()
     regions, nbytes = carve([("a", (4,), np.int32, None), ("b", (2,), np.int64, None)])
     pool = front._pool
@@ -159,10 +205,11 @@ def test_the_cupy_rule_counts_views_exports_and_handles():
     pointer = id(storage)
     del storage, a, b
     assert id(take(pool, shape)[0]) == pointer
-    for hold in ("view", "export", "handle"):
+    for hold in ("view", "export", "handle", "an array on its memory pointer"):
         storage, (a, b) = take(pool, shape)
         assert id(storage) == pointer
-        held = {"view": lambda: a.view(), "export": lambda: [b], "handle": lambda: (storage,)}[hold]()
+        held = {"view": lambda: a.view(), "export": lambda: [b], "handle": lambda: (storage,),
+                "an array on its memory pointer": lambda: FakeArray(b.data)}[hold]()
         del storage, a, b
         other, _ = take(pool, shape)
         assert id(other) != pointer, f"held through a {hold}, handed out again"
@@ -174,3 +221,13 @@ def test_every_front_keeps_outputs_for_reuse():
         assert hasattr(_front.Front, name) and hasattr(_front.CupyFront, name)
     torch_front = pytest.importorskip("cuep.torch.front")
     assert all(hasattr(torch_front.TorchFront, name) for name in ("outputs", "release_outputs"))
+
+
+def test_cuep_reuse_outputs_0_allocates_every_time(monkeypatch):
+    monkeypatch.setenv("CUEP_REUSE_OUTPUTS", "0")
+    front = _front.CupyFront()
+    made = []
+    front._allocate = lambda *args: made.append(args) or (FakePointer(FakeMemory()), [])
+    for _ in range(3):
+        front.outputs("dispatch", STREAM, 64, np.int32, ())
+    assert len(made) == 3 and front._pool is None

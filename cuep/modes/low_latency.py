@@ -417,12 +417,15 @@ def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int,
 
 
 def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
-             use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+             use_fp8: bool, round_scale: bool, use_ue8m0: bool, reuse_outputs: bool = True):
     """Allocate a dispatch's outputs (on the current stream; reused, see ``Front.outputs``) and build its launch.
 
     Arguments are the Buffer's, checked: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx``
     `[num_tokens, num_topk]` `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or
     ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``. The kernel picks the call's buffer.
+
+    ``reuse_outputs``: take the outputs from the front's pool (``Front.outputs``); ``False`` for a one-off call
+    whose allocation should not be kept.
 
     Returns:
         ``(recv_x, recv_scales, recv_count, handle, launch)``: the outputs (views of one allocation that
@@ -437,8 +440,12 @@ def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumul
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path), the
     # same one again once the caller has let go of it.
-    storage, (recv_x, recv_count, *scales) = front.outputs(key, front.current_stream(), plan.storage_bytes,
-                                                           plan.outputs[0].dtype, plan.outputs)
+    if reuse_outputs:
+        storage, (recv_x, recv_count, *scales) = front.outputs(key, front.current_stream(), plan.storage_bytes,
+                                                               plan.outputs[0].dtype, plan.outputs)
+    else:
+        storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
+        recv_x, recv_count, *scales = front.views(storage, plan.outputs)
     recv_scales = scales[0] if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, plan.regions, plan.handle_items)
     a = plan.arguments(DispatchArgs)

@@ -9,12 +9,12 @@ go to torch's current stream, wrapped once per stream as a CuPy stream.
 from __future__ import annotations
 
 import contextlib
-import sys
+import functools
 from typing import Any, ContextManager
 
 import numpy as np
 
-from .. import _deps
+from .. import _deps, env
 from .._checks import bf16_dtype
 from .._front import OutputPool, View
 from .._interop import TensorView
@@ -46,11 +46,11 @@ class TorchFront:
         # Keyed by the NumPy scalar type and by its dtype (the modes pass either): (torch dtype, NumPy dtype).
         self._dtypes = {key: (theirs, np.dtype(ours)) for ours, theirs in pairs for key in (ours, np.dtype(ours))}
         self._uint8 = torch.uint8
-        # The storage's use count counts every tensor over the memory: a caller's views and exports, and the
-        # storage's own typed views (made on demand, the handle's included), which are not the caller's.
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        self._pool = None if use_count is None else OutputPool(
-            self._allocate, _watched, lambda storage: use_count(storage.storage_handle) - len(storage._typed))
+        # Outputs made under inference mode are inference tensors: they go to calls under it only.
+        self._inference_mode = torch.is_inference_mode_enabled
+        counts_holders = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
+        self._pool = OutputPool(self._allocate, _watched, functools.partial(_counts, torch), _spoiled) \
+            if counts_holders and env.get("CUEP_REUSE_OUTPUTS") else None
 
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
         torch_dtype, numpy_dtype = self._dtypes[dtype]
@@ -91,9 +91,9 @@ class TorchFront:
 
     def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
                 readable: bool = False) -> tuple[Any, list]:
-        if self._pool is None:  # a torch without the storage's use count: allocated every time
+        if self._pool is None:  # CUEP_REUSE_OUTPUTS=0, or a torch that cannot count holders: made every time
             return self._allocate(nbytes, dtype, regions, readable)
-        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
+        return self._pool.take((key, self._inference_mode()), stream, nbytes, dtype, regions, readable)
 
     def release_outputs(self) -> None:
         if self._pool is not None:
@@ -175,9 +175,26 @@ def _c_contiguous(shape: tuple[int, ...], element_strides: tuple[int, ...]) -> b
 
 
 def _watched(storage: Storage, views: list) -> list:
-    """What holds a pooled allocation (:class:`cuep._front.OutputPool`): the storage (a handle holds it), each
+    """What holds a pooled allocation (:class:`cuep._front.OutputPool`): the storage (a handle holds it), its
+    untyped storage and typed views (a caller reaches them through ``untyped_storage()`` and ``_base``), each
     view handed out, and the tensor a readable view wraps (the caller gets that tensor)."""
-    return [storage, *views, *(view.tensor for view in views if type(view) is TensorView)]
+    return [storage, storage.untyped, *storage.typed_views(), *views,
+            *(view.tensor for view in views if type(view) is TensorView)]
+
+
+def _counts(torch, storage: Storage, watched: tuple) -> tuple[int, ...]:
+    """The storage's use count less its own typed views (made on demand, the handle's too): what else holds
+    the memory, a caller's views and exports. Then each watched tensor's own use count: references from C++
+    (autograd's saved tensors, say), which raise neither of the others on every torch."""
+    tensor = torch.Tensor
+    return (torch._C._storage_Use_Count(storage.untyped._cdata) - storage.num_typed_views(),
+            *(item._use_count() for item in watched if isinstance(item, tensor)))
+
+
+def _spoiled(views: list) -> bool:
+    """An output a caller made require gradients (or hooked, or gave a ``grad``, which need that) must not
+    come back to the next call with them."""
+    return any(view.requires_grad for view in (v.tensor if type(v) is TensorView else v for v in views))
 
 
 class Storage:
@@ -191,11 +208,17 @@ class Storage:
         self.tensor, self.ptr, self._typed, self._untyped = tensor, tensor.data_ptr(), {tensor.dtype: tensor}, None
 
     @property
-    def storage_handle(self) -> int:
-        """The address torch's ``_storage_Use_Count`` takes; the untyped storage object is kept so it stays valid."""
+    def untyped(self):
+        """The tensor's untyped storage, made once (torch hands the same object to every caller who asks)."""
         if self._untyped is None:
             self._untyped = self.tensor.untyped_storage()
-        return self._untyped._cdata
+        return self._untyped
+
+    def typed_views(self) -> list:
+        return list(self._typed.values())
+
+    def num_typed_views(self) -> int:
+        return len(self._typed)
 
     def typed(self, torch_dtype):
         """The whole storage as ``torch_dtype`` elements."""
