@@ -84,16 +84,15 @@ class OutputPool:
     ``record_stream`` does not count.) Nothing is kept or reused while ``stream`` is being captured into a CUDA
     graph: those outputs belong to the graph.
 
-    The front says what counts, in three functions: ``allocate(nbytes, dtype, regions, readable)`` makes
-    ``(storage, views)``; ``watched(storage, views)`` lists the objects whose Python references count (the
-    storage, each view, what a view wraps or shares); ``counts(storage, watched)`` adds what refers to them from
-    elsewhere (a caller's views of the memory; references held in C++). ``spoiled(views)``, asked of an entry no
-    caller holds, says that a caller changed one of its objects in a way the next call must not inherit: that
-    entry is dropped."""
+    The front says what counts: ``allocate(nbytes, dtype, regions, readable)`` makes ``(storage, views)``, and
+    ``watch(storage, views)`` gives ``(watched, counts, spoiled)``: the objects whose Python references count
+    (the outputs, the storage, what an output wraps or shares, the likeliest held first); ``counts()``, what
+    refers to them from elsewhere (a caller's views of the memory; references held in C++); and ``spoiled()``,
+    asked of an entry no caller holds, whether a caller changed one of its objects in a way the next call must
+    not inherit (that entry is dropped)."""
 
-    def __init__(self, allocate: Callable[..., tuple[Any, list]], watched: Callable[[Any, list], list],
-                 counts: Callable[[Any, tuple], tuple], spoiled: Callable[[list], bool] = lambda views: False):
-        self._allocate, self._watched, self._counts, self._spoiled = allocate, watched, counts, spoiled
+    def __init__(self, allocate: Callable[..., tuple[Any, list]], watch: Callable[[Any, list], tuple]):
+        self._allocate, self._watch = allocate, watch
         self._entries: dict[tuple, list[_PoolEntry]] = {}
 
     def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
@@ -106,55 +105,68 @@ class OutputPool:
                 del self._entries[next(iter(self._entries))]
             entries = self._entries[key] = []
         for entry in entries:
-            if entry.holders() == entry.unheld:
-                if not self._spoiled(entry.views):
+            if entry.unheld():
+                if not entry.spoiled():
                     return entry.storage, entry.views
                 entries.remove(entry)  # let go of, but changed by its caller: its memory goes back
                 break
         entry = self._new_entry(nbytes, dtype, regions, readable)
         # Counted now, while only the entry holds its objects: every later count is taken the same way.
-        entry.unheld = entry.holders()
+        entry.count_unheld()
         if len(entries) < _POOL_ENTRIES:
             entries.append(entry)
         return entry.storage, entry.views
 
     def _new_entry(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> _PoolEntry:
         storage, views = self._allocate(nbytes, dtype, regions, readable)
-        return _PoolEntry(storage, views, self._watched(storage, views), self._counts)
+        return _PoolEntry(storage, views, *self._watch(storage, views))
 
     def clear(self) -> None:
         self._entries.clear()
 
 
 class _PoolEntry:
-    __slots__ = ("storage", "views", "watched", "counts", "unheld")
+    __slots__ = ("storage", "views", "watched", "counts", "spoiled", "_references", "_counts")
 
-    def __init__(self, storage: Any, views: list, watched: list, counts: Callable[[Any, tuple], tuple]):
-        self.storage, self.views, self.watched, self.counts = storage, views, tuple(watched), counts
-        self.unheld: tuple[int, ...] = ()
+    def __init__(self, storage: Any, views: list, watched: list, counts: Callable[[], tuple],
+                 spoiled: Callable[[], bool]):
+        self.storage, self.views, self.watched, self.counts, self.spoiled = storage, views, tuple(watched), counts, spoiled
+        self._references: tuple[int, ...] = ()
+        self._counts: tuple[int, ...] = ()
 
-    def holders(self) -> tuple[int, ...]:
-        """References to each watched object, then the front's counts: equal to ``unheld`` when no caller
-        holds any."""
-        return (*map(sys.getrefcount, self.watched), *self.counts(self.storage, self.watched))
+    def count_unheld(self) -> None:
+        """Take the counts of an entry nobody else holds: what :meth:`unheld` compares with. Each object is
+        counted as :meth:`unheld` counts it, by index, so that no loop variable adds a reference to one count
+        and not to the other."""
+        watched = self.watched
+        self._references = tuple([sys.getrefcount(watched[i]) for i in range(len(watched))])
+        self._counts = self.counts()
+
+    def unheld(self) -> bool:
+        """Whether no caller holds any of the entry's objects: every reference count as when it was made (the
+        first that differs ends the look: an entry in use usually differs at one of its first objects, the
+        outputs), then the front's counts."""
+        watched, references = self.watched, self._references
+        for i in range(len(watched)):
+            if sys.getrefcount(watched[i]) != references[i]:
+                return False
+        return self.counts() == self._counts
 
 
-def _cupy_watched(storage, views: list) -> list:
-    """A CuPy allocation's holders: the storage (a handle holds it), each array, and each array's memory
-    pointer (an array made on it, ``memptr=out.data``, shares it)."""
-    return [storage, *views, *(view.data for view in views)]
-
-
-def _cupy_counts(storage, watched: tuple) -> tuple[int]:
-    """A view or slice a caller makes of an output holds the allocation's memory object."""
-    return (sys.getrefcount(storage.mem),)
+def _cupy_watch(storage, views: list) -> tuple[list, Callable[[], tuple], Callable[[], bool]]:
+    """A CuPy allocation's holders (:class:`OutputPool`): each array, the storage (a handle holds it), and each
+    array's memory pointer (an array made on it, ``memptr=out.data``, shares it); then the references to the
+    memory object, which a view or slice a caller makes of an output holds. A CuPy array has nothing a
+    caller could change that the next call would inherit."""
+    mem = storage.mem
+    return [*views, storage, *(view.data for view in views)], lambda: (sys.getrefcount(mem),), lambda: False
 
 
 class CupyFront:
     """``cuep.Buffer``'s front: CuPy arrays from CuPy's memory pool, CuPy's current stream."""
 
     def __init__(self):
-        self._pool = OutputPool(self._allocate, _cupy_watched, _cupy_counts) if env.get("CUEP_REUSE_OUTPUTS") else None
+        self._pool = OutputPool(self._allocate, _cupy_watch) if env.get("CUEP_REUSE_OUTPUTS") else None
 
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         return _deps.cupy().empty(shape, dtype=dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class TorchFront:
         # Outputs made under inference mode are inference tensors: they go to calls under it only.
         self._inference_mode = torch.is_inference_mode_enabled
         counts_holders = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
-        self._pool = OutputPool(self._allocate, _watched, functools.partial(_counts, torch), _spoiled) \
+        self._pool = OutputPool(self._allocate, functools.partial(_watch, torch)) \
             if counts_holders and env.get("CUEP_REUSE_OUTPUTS") else None
 
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
@@ -174,27 +174,29 @@ def _c_contiguous(shape: tuple[int, ...], element_strides: tuple[int, ...]) -> b
     return True
 
 
-def _watched(storage: Storage, views: list) -> list:
-    """What holds a pooled allocation (:class:`cuep._front.OutputPool`): the storage (a handle holds it), its
-    untyped storage and typed views (a caller reaches them through ``untyped_storage()`` and ``_base``), each
-    view handed out, and the tensor a readable view wraps (the caller gets that tensor)."""
-    return [storage, storage.untyped, *storage.typed_views(), *views,
-            *(view.tensor for view in views if type(view) is TensorView)]
+def _watch(torch, storage: Storage, views: list) -> tuple[list, Callable[[], tuple], Callable[[], bool]]:
+    """What holds a pooled allocation (:class:`cuep._front.OutputPool`).
 
+    Watched, the likeliest held first: each view handed out and the tensor a readable view wraps (the caller
+    gets that tensor), the storage (a handle holds it), its untyped storage and typed views (a caller reaches
+    them through ``untyped_storage()`` and ``_base``). Counted: the storage's use count less its own typed views
+    (made on demand, the handle's too), which is what else holds the memory (a caller's views and exports); then
+    each tensor's own use count, for references from C++ (autograd's saved tensors, say), which raise neither of
+    the others on every torch. Spoiled: an output a caller made require gradients (or hooked, or gave a
+    ``grad``, which need that) must not come back to the next call with them."""
+    outputs = [view.tensor if type(view) is TensorView else view for view in views]
+    typed = storage.typed_views()
+    tensors = (*outputs, *typed)
+    use_count, handle = torch._C._storage_Use_Count, storage.untyped._cdata
 
-def _counts(torch, storage: Storage, watched: tuple) -> tuple[int, ...]:
-    """The storage's use count less its own typed views (made on demand, the handle's too): what else holds
-    the memory, a caller's views and exports. Then each watched tensor's own use count: references from C++
-    (autograd's saved tensors, say), which raise neither of the others on every torch."""
-    tensor = torch.Tensor
-    return (torch._C._storage_Use_Count(storage.untyped._cdata) - storage.num_typed_views(),
-            *(item._use_count() for item in watched if isinstance(item, tensor)))
+    def counts() -> tuple[int, ...]:
+        return (use_count(handle) - storage.num_typed_views(), *[tensor._use_count() for tensor in tensors])
 
+    def spoiled() -> bool:
+        return any([output.requires_grad for output in outputs])
 
-def _spoiled(views: list) -> bool:
-    """An output a caller made require gradients (or hooked, or gave a ``grad``, which need that) must not
-    come back to the next call with them."""
-    return any(view.requires_grad for view in (v.tensor if type(v) is TensorView else v for v in views))
+    readable = [view for view in views if type(view) is TensorView]
+    return [*views, *(view.tensor for view in readable), storage, storage.untyped, *typed], counts, spoiled
 
 
 class Storage:
