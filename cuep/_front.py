@@ -56,7 +56,7 @@ class Front(Protocol):
                 readable: bool = False) -> tuple[Any, list]:
         """``(storage, views)``: :meth:`storage` and :meth:`views` (:meth:`readable_views` if ``readable``), or the
         same pair an earlier call with this ``key`` on ``stream`` got, once nothing outside the front holds it
-        any more (:class:`OutputPool`)."""
+        any more (:class:`OutputPool`); ``key`` ``None``: a new pair, not kept."""
 
     def release_outputs(self) -> None:
         """Forget the allocations :meth:`outputs` keeps for reuse."""
@@ -91,12 +91,16 @@ class OutputPool:
     asked of an entry no caller holds, whether a caller changed one of its objects in a way the next call must
     not inherit (that entry is dropped)."""
 
-    def __init__(self, allocate: Callable[..., tuple[Any, list]], watch: Callable[[Any, list], tuple]):
-        self._allocate, self._watch = allocate, watch
+    def __init__(self, allocate: Callable[..., tuple[Any, list]], watch: Callable[[Any, list], tuple],
+                 enabled: bool = True):
+        self._allocate, self._watch, self.enabled = allocate, watch, enabled
         self._entries: dict[tuple, list[_PoolEntry]] = {}
 
     def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
-        if stream.is_capturing():
+        """``(storage, views)`` for a call with ``key`` on ``stream``: an entry no caller holds, else a new
+        allocation (kept if there is room). Allocated and not kept when the pool is off, ``key`` is ``None``
+        (a one-off call) or ``stream`` is being captured."""
+        if not self.enabled or key is None or stream.is_capturing():
             return self._allocate(nbytes, dtype, regions, readable)
         key = (key, stream.ptr)
         entries = self._entries.get(key)
@@ -166,7 +170,7 @@ class CupyFront:
     """``cuep.Buffer``'s front: CuPy arrays from CuPy's memory pool, CuPy's current stream."""
 
     def __init__(self):
-        self._pool = OutputPool(self._allocate, _cupy_watch) if env.get("CUEP_REUSE_OUTPUTS") else None
+        self._pool = OutputPool(self._allocate, _cupy_watch, enabled=env.get("CUEP_REUSE_OUTPUTS"))
 
     def empty(self, shape: tuple[int, ...], dtype) -> Any:
         return _deps.cupy().empty(shape, dtype=dtype)
@@ -187,13 +191,10 @@ class CupyFront:
 
     def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
                 readable: bool = False) -> tuple[Any, list]:
-        if self._pool is None:  # CUEP_REUSE_OUTPUTS=0
-            return self._allocate(nbytes, dtype, regions, readable)
         return self._pool.take(key, stream, nbytes, dtype, regions, readable)
 
     def release_outputs(self) -> None:
-        if self._pool is not None:
-            self._pool.clear()
+        self._pool.clear()
 
     def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
         storage = self.storage(nbytes, dtype)

@@ -34,7 +34,7 @@ def torch_pool(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
     monkeypatch.delenv("CUEP_REUSE_OUTPUTS", raising=False)
     front = torch_front.TorchFront(0)
-    assert front._pool is not None  # this torch counts a storage's users
+    assert front._pool.enabled  # this torch counts a storage's users
 
     def allocate(nbytes, dtype, regions, readable):
         storage = torch_front.Storage(torch.empty(nbytes // np.dtype(dtype).itemsize, dtype=front._dtypes[dtype][0]))
@@ -152,6 +152,13 @@ def test_a_captured_call_keeps_and_reuses_nothing(torch_pool):
     assert not pool._entries
 
 
+def test_a_one_off_call_without_a_key_keeps_nothing(torch_pool):
+    _, pool, shape = torch_pool
+    storage, _ = take(pool, shape, key=None)
+    assert not pool._entries and sys.getrefcount(storage) == 2  # this local alone
+    assert take(pool, shape, key=None)[0] is not storage
+
+
 def test_allocations_are_kept_per_key_and_stream_and_bounded(torch_pool):
     _, pool, shape = torch_pool
     storage, _ = take(pool, shape)
@@ -227,7 +234,7 @@ def test_cuep_reuse_outputs_0_allocates_every_time(monkeypatch):
     monkeypatch.setenv("CUEP_REUSE_OUTPUTS", "0")
     front = _front.CupyFront()
     made = []
-    front._allocate = lambda *args: made.append(args) or (FakePointer(FakeMemory()), [])
+    front._pool._allocate = lambda *args: made.append(args) or (FakePointer(FakeMemory()), [])
     for _ in range(3):
         front.outputs("dispatch", STREAM, 64, np.int32, ())
-    assert len(made) == 3 and front._pool is None
+    assert len(made) == 3 and not front._pool.enabled and not front._pool._entries

@@ -440,12 +440,8 @@ def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumul
                                                   round_scale, use_ue8m0, x.dtype))
     # One allocation for every output of the call (each allocation costs host time on the decode path), the
     # same one again once the caller has let go of it.
-    if reuse_outputs:
-        storage, (recv_x, recv_count, *scales) = front.outputs(key, front.current_stream(), plan.storage_bytes,
-                                                               plan.outputs[0].dtype, plan.outputs)
-    else:
-        storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
-        recv_x, recv_count, *scales = front.views(storage, plan.outputs)
+    storage, (recv_x, recv_count, *scales) = front.outputs(key if reuse_outputs else None, front.current_stream(),
+                                                           plan.storage_bytes, plan.outputs[0].dtype, plan.outputs)
     recv_scales = scales[0] if use_fp8 else None
     handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, plan.regions, plan.handle_items)
     a = plan.arguments(DispatchArgs)

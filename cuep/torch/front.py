@@ -49,8 +49,8 @@ class TorchFront:
         # Outputs made under inference mode are inference tensors: they go to calls under it only.
         self._inference_mode = torch.is_inference_mode_enabled
         counts_holders = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
-        self._pool = OutputPool(self._allocate, functools.partial(_watch, torch)) \
-            if counts_holders and env.get("CUEP_REUSE_OUTPUTS") else None
+        self._pool = OutputPool(self._allocate, functools.partial(_watch, torch),
+                                enabled=counts_holders and env.get("CUEP_REUSE_OUTPUTS"))
 
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
         torch_dtype, numpy_dtype = self._dtypes[dtype]
@@ -91,13 +91,12 @@ class TorchFront:
 
     def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
                 readable: bool = False) -> tuple[Any, list]:
-        if self._pool is None:  # CUEP_REUSE_OUTPUTS=0, or a torch that cannot count holders: made every time
-            return self._allocate(nbytes, dtype, regions, readable)
-        return self._pool.take((key, self._inference_mode()), stream, nbytes, dtype, regions, readable)
+        if key is not None:
+            key = (key, self._inference_mode())
+        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
 
     def release_outputs(self) -> None:
-        if self._pool is not None:
-            self._pool.clear()
+        self._pool.clear()
 
     def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Storage, list]:
         storage = self.storage(nbytes, dtype)
