@@ -16,7 +16,8 @@ no synchronisation between steps, as DeepEP's ``bench``:
 - ``synced``: the wall time of a step that ends with a device synchronisation.
 
 ``--default-device cuda``: every rank first calls ``torch.set_default_device('cuda')``, as DeepEP's tests do.
-``--profile``: rank 0 then prints where its host time goes (cProfile, by own time; it slows every call).
+``--profile``: rank 0 then prints where its host time goes (cProfile, by own and by cumulative time; it slows
+every call).
 
 A step whose event span is near its host time is set by the host (the GPU idles between launches, and each
 rank's kernels wait for the slowest rank's); one near the ``synced`` figure is set by the GPU. Rank 0 prints
@@ -139,7 +140,9 @@ def run_rank(rank: int, args, port: int) -> None:
             step()
         profiler.disable()
         torch.cuda.synchronize()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(45)
     dist.barrier(group)
     dist.destroy_process_group()
 

@@ -22,7 +22,11 @@ weighted by the token's probability for it; the combine sums the scaled rows bac
 computes the same sums locally, so the check needs no communication: the output, the gradient of the input
 and the gradient of the probabilities must match it for every token (the last within the bf16 rounding of
 its terms: see ``assert_probability_gradient_close``). Then ``--iters`` forward + backward
-passes are timed with CUDA events; rank 0 prints the median over iterations of the slowest rank.
+passes are timed with CUDA events; rank 0 prints the median over iterations of the slowest rank, and two
+memory figures, each the largest over the ranks: ``Buffer MiB``, the GPU memory outside torch's allocator that
+the first pass took (the framework makes its Buffer there: NVSHMEM's heap and state for cuep, DeepEP's buffers
+for DeepEP), and ``pass MiB``, the most torch's allocator held during a timed pass beyond what it held before
+(the outputs, gradients and any temporaries of the calls, the layer's own tensors alike on both backends).
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
@@ -111,6 +115,14 @@ def layer_of(framework: str, module, idx, factors, num_experts, group, async_fin
     return lambda x, p: torchtitan_layer(module, x, idx, p, factors, num_experts, group)
 
 
+def memory_outside_torch() -> int:
+    """Bytes of this GPU in use but not held by torch's allocator: the CUDA context, NCCL's communicators, and
+    what a communication library took for itself (DeepEP's buffers, or NVSHMEM's heap, its own state and
+    CuPy's pool for cuep). The difference across the framework's first pass is what its Buffer took."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
 def plain_layer(x, idx, probs, factors):
     """The same layer without communication: every token's weighted sum over its experts, locally."""
     return (x.float() * (probs * factors[idx]).sum(dim=1, keepdim=True)).to(torch.bfloat16)
@@ -160,6 +172,9 @@ def run_rank(rank: int, args, port: int) -> None:
         module.set_deepep_num_sms(args.sms)
     else:  # torchtitan has no setting of its own: the Buffer's class-wide count, as DeepEP's users set it
         module.Buffer.set_num_sms(args.sms)
+    dist.barrier(group)  # the group's own communicator exists before the memory is first read
+    torch.cuda.synchronize()
+    outside_before, buffer_mib = memory_outside_torch(), None
     rows = []
     for num_experts in args.experts:
         for tokens in args.tokens:
@@ -174,6 +189,12 @@ def run_rank(rank: int, args, port: int) -> None:
                 assert_rows_close(f"{case}: input gradient", got[1], want[1], rtol=2e-2)
                 assert_probability_gradient_close(f"{case}: probability gradient", got[2], want[2], x, idx, grad,
                                                   factors)
+                if buffer_mib is None:  # the framework made its Buffer in the first pass
+                    torch.cuda.synchronize()
+                    buffer_mib = (memory_outside_torch() - outside_before) / 2**20
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            allocated_before = torch.cuda.memory_allocated()
             times = []
             for i in range(args.warmup + args.iters):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -183,17 +204,20 @@ def run_rank(rank: int, args, port: int) -> None:
                 end.synchronize()
                 if i >= args.warmup:
                     times.append(start.elapsed_time(end))
+            peak_mib = (torch.cuda.max_memory_allocated() - allocated_before) / 2**20
             slowest = [None] * args.num_ranks
-            dist.all_gather_object(slowest, statistics.median(times), group=group)
-            rows.append((tokens, num_experts, max(slowest)))
+            dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib), group=group)
+            rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
         print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
               f"Buffer.set_num_sms({args.sms}); output and gradients match the plain-torch layer", flush=True)
-        print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10}", flush=True)
-        for tokens, num_experts, ms in rows:
-            print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f}", flush=True)
+        print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10} {'Buffer MiB':>10} "
+              f"{'pass MiB':>9}", flush=True)
+        for tokens, num_experts, ms, buffer_mib, peak_mib in rows:
+            print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}",
+                  flush=True)
     dist.barrier(group)
     dist.destroy_process_group()
 

@@ -35,8 +35,9 @@ from .topology import Topology
 
 logger = logging.getLogger("cuep.runtime")
 
-# Room for NVSHMEM's own symmetric allocations and cuep's control words, beyond the Buffers' data.
-HEAP_RESERVE_BYTES = 256 << 20
+# Room for NVSHMEM's own symmetric allocations beyond the Buffers' data (which include cuep's control
+# words). Small: with CUDA VMM the heap grows when a Buffer needs more (see NVSHMEM_DEFAULTS).
+HEAP_RESERVE_BYTES = 8 << 20
 _HEAP_ALIGN_BYTES = 2 << 20
 # At exit, how long to wait for the other ranks before skipping the collective finalize.
 _EXIT_TIMEOUT_S = 30.0
@@ -48,7 +49,10 @@ _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 #  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (256 by
 #    default in 3.8), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
 #    the number of its predefined teams to that number, so 1 means "the predefined teams only".
-NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1"}
+#  - NVSHMEM_CUMEM_GRANULARITY: with CUDA VMM, NVSHMEM maps the heap in pieces of this size (512 MiB by
+#    default), so a heap of any smaller size took a whole piece of GPU memory; 2 MiB is the GPU's own
+#    granularity, so the heap takes what was asked, rounded to 2 MiB.
+NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_CUMEM_GRANULARITY": str(2 << 20)}
 # DeepEP's default queue pairs per peer; as in DeepEP, a Buffer's num_qps_per_rank becomes IBGDA's
 # reliable connections per peer (the first Buffer's, since NVSHMEM starts once per process).
 DEFAULT_QPS_PER_RANK = 24
