@@ -94,6 +94,7 @@ struct SenderControl {
     uint64_t meta_epoch;               // newest epoch whose SenderMeta header this sender has published
     uint64_t done[kMaxRanks];          // done[r]: newest dispatch epoch receiver r has finished here
     uint64_t started[kMaxRanks];       // started[r]: newest intranode call rank r has started
+    uint64_t pushed[kMaxRanks];        // pushed[r]: newest dispatch call whose rows rank r has all pushed here
     uint32_t arrivals[2][kMaxChunks];  // rows pushed here per chunk (cached dispatch, combine), per region
 };
 constexpr int64_t kControlBytes = CUEP_CONTROL_BYTES;
@@ -104,13 +105,15 @@ static_assert(sizeof(SenderMeta) + kMaxExperts * sizeof(int32_t) <= kControlOffs
 
 // Per-rank state on the device (kStateWords uint64 words): the last finished dispatch epoch, the
 // blocks of the running kernel that are done with its current round (the last one ends the round),
-// the last finished intranode call, and the rounds of the running kernel that have ended.
+// the last finished intranode call, the rounds of the running kernel that have ended, and the pusher
+// warps of a dispatch that are done with the current round (the last one tells the receivers).
 constexpr int kStateEpoch = 0;
 constexpr int kStateBlocksDone = 1;
 constexpr int kStateCalls = 2;
 constexpr int kStateRoundsEnded = 3;
+constexpr int kStatePushersDone = 4;
 constexpr int kStateWords = CUEP_STATE_WORDS;
-static_assert(kStateRoundsEnded < kStateWords, "the host allocates too few state words");
+static_assert(kStatePushersDone < kStateWords, "the host allocates too few state words");
 
 // What a non-cached dispatch's notify kernel writes for this rank (the handle's recv_info): the rows
 // it receives, the copies of its tokens it sends, the largest token count of any rank (which sets the
@@ -607,6 +610,40 @@ __device__ void finish_dispatch(const uint64_t* peer_bases, int rank, int num_ra
     finish_rounds(state, call);
 }
 
+// A pusher warp of a dispatch, done with its rows of `call`: the last of the `num_pushers` warps to finish
+// tells every receiver that this rank has pushed all its rows of the call there (SenderControl::pushed).
+// Only a receiver that does not await its rows (one whose num_worst_tokens was too small) reads it: it
+// must not clear the call's arrival counters while a peer may still count rows in them.
+__device__ void count_pusher_done(uint64_t* state, const uint64_t* peer_bases, int rank, int num_ranks,
+                                  uint64_t call, int num_pushers, int lane) {
+    __syncwarp();
+    unsigned long long done = 0;
+    if (lane == 0) {
+        __threadfence_system();  // this warp's rows and counts come before its share of the count
+        done = atomicAdd(reinterpret_cast<unsigned long long*>(state + kStatePushersDone), 1ull) + 1;
+    }
+    if (__shfl_sync(kFullWarpMask, done, 0) != static_cast<unsigned long long>(num_pushers))
+        return;
+    if (lane == 0)
+        state[kStatePushersDone] = 0;  // every pusher of the round has counted; the next round counts anew
+    if (lane < num_ranks) {
+        __threadfence_system();
+        st_release_sys_global(&control_of_rank(peer_bases, lane)->pushed[rank], call);
+    }
+}
+
+// A receiver that does not await its rows of `call` waits instead until every peer has pushed them all
+// (count_pusher_done). Block-wide; false (after recording the peer) on a timeout.
+__device__ bool every_peer_pushed(const SenderControl* own, int num_ranks, uint64_t call, uint64_t deadline_ns,
+                                  const Status& status) {
+    return wait_for_every_peer(num_ranks, [&](int peer) {
+        if (wait_at_least_until(&own->pushed[peer], call, deadline_ns))
+            return true;
+        status.record_timeout(peer, kPhaseIntranodePushed);
+        return false;
+    });
+}
+
 }  // namespace cuep
 
 // The entries take their argument struct's fields as scalar parameters, in the struct's order
@@ -981,7 +1018,8 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
 
     const PushShape shape{args.rows, args.row_bytes};
     // A handle from a dispatch whose num_worst_tokens was too small: the peers still push (their rows
-    // fit the landing sections) but this rank neither awaits them nor writes recv_x.
+    // fit the landing sections) but this rank neither copies them out nor writes recv_x; it waits only
+    // until every peer has pushed all of a round's rows (every_peer_pushed).
     const bool fits_recv_x = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
     const int pushers_per_block = min(args.push_warps, kWarpsPerBlock - 1);
     int* warp_confirmed = plan.confirmed[warp_in_block];
@@ -994,13 +1032,15 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
                    first_token, first_token + rounds.tokens, fits_recv_x, received_through);
         if (blockIdx.x == 0)
             announce_call(control_of(own), peer_bases, rank, num_ranks, call);
-        if (warp_in_block < pushers_per_block)
+        if (warp_in_block < pushers_per_block) {
             push_tokens(shape, args.send_pos,
                         PushTargets{peer_bases, region, rank * rounds.tokens, plan.sent_first, rounds.chunk_rows},
                         rank, num_ranks, static_cast<int>(min(first_token, static_cast<int64_t>(args.num_tokens))),
                         static_cast<int>(min(first_token + rounds.tokens, static_cast<int64_t>(args.num_tokens))),
                         blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, call,
                         fits_recv_x ? args.recv_x : nullptr, args.recv_scales, rank_prefix[rank], lane);
+            count_pusher_done(args.state, peer_bases, rank, num_ranks, call, gridDim.x * pushers_per_block, lane);
+        }
         const uint32_t* pushed = control_of(own)->arrivals[call % 2];
         const PushedCall pushed_call{control_of(own), call, num_ranks};
         for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, plan.rows_prefix, rank, num_ranks,
@@ -1019,6 +1059,8 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
                          rank_prefix[source] + plan.rows_first[source] + j, args.recv_x, args.recv_scales, lane);
             return true;
         }, rank);
+        if (!fits_recv_x)  // its rows were not awaited: the next round clears the counters they land in
+            every_peer_pushed(control_of(own), num_ranks, call, deadline_ns, status);
         if (round + 1 < rounds.count)
             end_round(args.state, args.next_row, control_of(own), num_ranks, call, round, deadline_ns, status);
     }

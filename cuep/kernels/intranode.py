@@ -38,7 +38,7 @@ META_BYTES = 64 * 1024           # each buffer's meta region: the sender's heade
 CONTROL_BYTES = 20 * 1024        # the protocol's flags (SenderControl), at the end of the meta region
 META_HEADER_BYTES = 4 * 8 + MAX_RANKS * 4  # SenderMeta before its per-expert counts
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4  # int32 per-expert counts that fit the header
-STATE_WORDS = 4                  # uint64 device state: dispatch epoch, blocks done, calls, rounds ended
+STATE_WORDS = 5                  # uint64 device state: dispatch epoch, blocks done, calls, rounds ended, pushers done
 ROUND_UNIT_TOKENS = 128          # rounds take whole units of source tokens; send_prefix has a row per unit
 MAX_ROUND_ROWS = 1024 * ROUND_UNIT_TOKENS  # landing rows of a round: kMaxChunks counters of at most a unit each
 

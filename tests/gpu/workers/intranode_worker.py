@@ -457,6 +457,33 @@ def any_batch_through_a_buffer_of_a_few_rounds():
     small.destroy()
 
 
+def too_few_worst_tokens_raise_and_the_buffer_serves_on():
+    """Rank 0 receives more rows than num_worst_tokens, through a Buffer of many rounds. Its next call
+    raises ValueError naming num_worst_tokens (on that rank only); it does not await its rows, but before
+    each round ends it waits until every peer has pushed them all, so no late count lands in a later call's
+    counters: the dispatches and combines after it on the same Buffer come out as the reference's."""
+    hidden, unit = 1024, intranode.ROUND_UNIT_TOKENS
+    row = max(intranode.push_row_bytes(2 * hidden, 0), intranode.landing_row_bytes(hidden, 8))
+    small = cuep.Buffer(comm, num_nvl_bytes=intranode.round_nvl_bytes(row, num_ranks, unit))
+    to_rank_0 = all_inputs(1000, hidden, EXPERTS, 4, masked=0.0, route=lambda t: t % (EXPERTS // num_ranks))
+    x, _, topk, weights = to_rank_0[rank].on_gpu()
+    cupy.cuda.get_current_stream().synchronize()
+    per_rank, _, per_expert, in_rank, _ = small.get_dispatch_layout(topk, EXPERTS)
+    small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                   topk_idx=topk, topk_weights=weights, num_worst_tokens=1000 * num_ranks - 1)
+    cupy.cuda.Device().synchronize()
+    if rank == 0:
+        expect_error(ValueError, lambda: small.get_dispatch_layout(topk, EXPERTS),
+                     "a dispatch that overflowed num_worst_tokens was not reported", match="num_worst_tokens")
+    comm.Barrier()
+    for step in range(3):
+        inputs = all_inputs(lambda s: 500 + 77 * s + step, hidden, EXPERTS, 8)
+        recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS)
+        combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
+    small.barrier()
+    small.destroy()
+
+
 def buffer_below_one_round_raises():
     # Every rank works out the same round size, so all of them raise, before any kernel runs.
     hidden = 1024
@@ -588,6 +615,8 @@ def main() -> None:
     else:
         with_own_buffers += [
             ("any batch through a buffer of a few rounds", any_batch_through_a_buffer_of_a_few_rounds),
+            ("too few num_worst_tokens raise on that rank; the Buffer serves on",
+             too_few_worst_tokens_raise_and_the_buffer_serves_on),
             ("a buffer below one round raises on every rank", buffer_below_one_round_raises)]
     cases = [(name, functools.partial(case, buffer)) for name, case in on_the_buffer] + with_own_buffers
     run_cases(comm, selected_cases(cases, lambda named: getattr(named[1], "func", named[1]).__name__))
