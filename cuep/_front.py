@@ -70,6 +70,11 @@ class Front(Protocol):
     def export(self, array: Any) -> Any:
         """What the callers get for a device array of this front (``None`` stays ``None``)."""
 
+    def record_stream(self, stream, arrays: tuple) -> tuple:
+        """Tell the allocator that work enqueued on ``stream`` so far uses ``arrays``, so that the memory of any
+        the callers drop is not handed out again before that work is done; returns those it could not tell
+        about, which the caller holds until then (:meth:`cuep._streams.CallStreams.keep_alive`)."""
+
 
 class OutputPool:
     """A call's outputs handed out again, call after call, once nothing outside the pool holds them.
@@ -208,6 +213,9 @@ class CupyFront:
 
     def export(self, array: Any) -> Any:
         return getattr(array, "tensor", array)  # a caller's own torch tensor (given as ``out=``) goes back as it came
+
+    def record_stream(self, stream, arrays: tuple) -> tuple:
+        return arrays  # CuPy's pool has no record_stream: every array is held
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 DeepEP's rules, kept by every mode: a call runs after ``previous_event`` (default: the work already
 on the current stream) and after the Buffer's previous call; ``async_finish`` leaves the current
 stream free and returns an event; ``allocate_on_comm_stream`` allocates the outputs on the comm stream.
-Arrays a queued kernel still uses are held here until its event completes (CuPy has no
-``record_stream``; for torch tensors, holding them keeps torch's caching allocator from handing their
-memory to another stream meanwhile). Streams are the front's (:mod:`cuep._front`): CuPy's current stream
+Arrays that a kernel on the comm stream still uses after an ``async_finish`` call returns are kept from
+reuse until it is done: a normal-mode call's torch tensors are recorded on that stream for torch's caching
+allocator, as DeepEP records its tensors; anything else (CuPy's pool has no ``record_stream``), and a
+low-latency call's arrays, which its output pool counts, are held here until the kernel's event completes. Streams are the front's (:mod:`cuep._front`): CuPy's current stream
 for ``cuep.Buffer``, torch's for ``cuep.torch``.
 """
 
@@ -49,6 +50,8 @@ class CallStreams:
             done, _, own = in_flight.popleft()
             if own:
                 self._spare_events.append(done)
+        if not arrays:
+            return
         own = event is None
         if own and self._spare_events:
             event = self._spare_events.pop()
@@ -81,7 +84,7 @@ class CallStreams:
             # No event is recorded unless someone waits on this call from another stream (DeepEP returns
             # none here): back-to-back calls then have nothing but kernels between them on the GPU.
             self._last_call = (compute_stream.ptr, EventOverlap.after_work_on(compute_stream))
-            return outputs, EventOverlap.after_work_on(compute_stream, extra_arrays=tuple(inputs))
+            return outputs, EventOverlap.after_work_on(compute_stream)
         comm_stream = self.comm_stream
         if not capturing:
             self._wait_for_last_call(comm_stream)
@@ -92,13 +95,13 @@ class CallStreams:
         else:
             outputs, inputs = enqueue(comm_stream)
         done = record_event(comm_stream)
-        if async_finish:
-            self.keep_alive(comm_stream, (*inputs, *outputs), done)
+        if async_finish:  # torch's allocator is told (DeepEP's record_stream); what it cannot be told is held
+            self.keep_alive(comm_stream, self.front.record_stream(comm_stream, (*inputs, *outputs)), done)
         else:
             compute_stream.wait_event(done)
         if not capturing:  # a captured call runs when its graph is replayed, ordered by the replay's stream
             self._last_call = (comm_stream.ptr, EventOverlap(done))
-        return outputs, EventOverlap(done, extra_arrays=tuple(inputs))
+        return outputs, EventOverlap(done)
 
     def _wait_for_last_call(self, stream) -> None:
         """Order ``stream`` after the previous call if that ran on another stream: calls share the

@@ -1,8 +1,12 @@
 """What a Buffer's calls hold until their kernels are done (cuep._streams.CallStreams.keep_alive), with
 fake streams and events (no GPU): arrays are held until their event completes, never released early, a call
-queries only the oldest events, and the events the bookkeeping makes itself are recorded again once done."""
+queries only the oldest events, and the events the bookkeeping makes itself are recorded again once done;
+the torch front records torch tensors on the stream instead, as DeepEP does, and only the rest is held."""
 
 import types
+
+import numpy as np
+import pytest
 
 from cuep import _streams
 
@@ -40,7 +44,14 @@ def _streams_with_fake_events(monkeypatch) -> _streams.CallStreams:
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=FakeEvent, Stream=lambda non_blocking: None))
     monkeypatch.setattr(_streams._deps, "cupy", lambda: fake_cupy)
     FakeEvent.made = 0
-    return _streams.CallStreams(front=None)
+    return _streams.CallStreams(front=HoldingFront())
+
+
+class HoldingFront:
+    """A front whose allocator cannot be told which stream uses an array (CuPy's): every array is held."""
+
+    def record_stream(self, stream, arrays):
+        return arrays
 
 
 def held(streams: _streams.CallStreams) -> list:
@@ -87,3 +98,28 @@ def test_nothing_is_held_while_the_stream_is_captured(monkeypatch):
     streams.keep_alive(FakeStream(), ("y",))
     streams.release()
     assert held(streams) == []
+
+
+def test_torch_tensors_are_recorded_on_the_stream_and_only_the_rest_is_held(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from cuep._interop import TensorView
+    from cuep.torch import front as torch_front
+
+    recorded = []
+
+    class Tensor(torch.Tensor):  # a CPU tensor cannot record a CUDA stream: note what would be recorded
+        def record_stream(self, stream):
+            recorded.append((self, stream))
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
+    front = torch_front.TorchFront(0)
+    monkeypatch.setattr(front, "torch_stream", lambda stream: f"torch stream {stream.ptr:#x}")
+    streams = _streams_with_fake_events(monkeypatch)
+    given, viewed = torch.zeros(4).as_subclass(Tensor), torch.ones(2).as_subclass(Tensor)
+    handle = object()
+    rest = front.record_stream(FakeStream(), (given, TensorView(viewed, np.dtype(np.float32)), None, handle))
+    assert recorded == [(given, "torch stream 0x10"), (viewed, "torch stream 0x10")] and rest == (handle,)
+    streams.keep_alive(FakeStream(), rest)
+    assert held(streams) == [(handle,)] and FakeEvent.made == 1
+    streams.keep_alive(FakeStream(), front.record_stream(FakeStream(), (given,)))  # nothing left: no event
+    assert held(streams) == [(handle,)] and FakeEvent.made == 1 and len(recorded) == 3

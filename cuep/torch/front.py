@@ -147,6 +147,23 @@ class TorchFront:
             found = self._torch_streams[stream.ptr] = self._torch.cuda.ExternalStream(stream.ptr, device=self.device)
         return found
 
+    def record_stream(self, stream, arrays: tuple) -> tuple:
+        """Each torch tensor of ``arrays`` (as given, or read through a :class:`TensorView`) is recorded on
+        ``stream``, as DeepEP records a call's tensors: torch's allocator then keeps a dropped tensor's memory
+        until the stream's work enqueued so far is done, no longer. Holding the tensors instead kept them
+        until a later call found that work done, which in a training step, whose host runs ahead of the GPU,
+        meant until after the next layers had allocated theirs. Returns what is not a torch tensor."""
+        torch_stream, tensor_type, rest = None, self._torch.Tensor, []
+        for array in arrays:
+            tensor = array.tensor if type(array) is TensorView else array
+            if isinstance(tensor, tensor_type):
+                if torch_stream is None:
+                    torch_stream = self.torch_stream(stream)
+                tensor.record_stream(torch_stream)
+            elif array is not None:
+                rest.append(array)
+        return tuple(rest)
+
     def allocating_on(self, stream) -> ContextManager:
         if stream.ptr == self._raw_current_stream(self.device_index):
             return contextlib.nullcontext()

@@ -326,6 +326,26 @@ def async_previous_event_comm_stream_on_a_torch_side_stream(buffer):
     side.synchronize()
 
 
+def async_inputs_dropped_by_the_caller_keep_their_memory(buffer):
+    """An ``async_finish`` dispatch whose ``x`` the caller drops at once, as a framework drops a temporary:
+    torch's allocator must not hand x's memory to the tensors made next on this stream while the comm stream
+    still reads it (cuep records the call's tensors on the comm stream, as DeepEP does, instead of holding
+    them until a later call)."""
+    inputs = Normal.inputs(2048, 4096, Normal.experts, 8)
+    x = gpu(inputs[rank].x)
+    x_ptr, x_bytes = x.data_ptr(), x.numel() * x.element_size()
+    recv_x, _, _, _, _, event = buffer.dispatch(x, **layout_of(buffer, gpu(inputs[rank].topk_idx)),
+                                                previous_event=buffer.capture(), async_finish=True)
+    del x
+    garbage = [torch.full((2048, 4096), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    overlapping = [g for g in garbage if g.data_ptr() < x_ptr + x_bytes and x_ptr < g.data_ptr() + g.numel() * 2]
+    assert not overlapping, "a tensor made on this stream took the memory of an input the comm stream still read"
+    event.current_stream_wait()
+    expected = reference.dispatch(inputs.xs, inputs.topk_idxs, Normal.experts)[rank]
+    np.testing.assert_array_equal(bits(host(recv_x)), bits(expected.recv_x))
+    del garbage
+
+
 def num_worst_tokens_without_cpu_wait(buffer):
     inputs = Normal.inputs(lambda s: 100 + 50 * s, 1024, Normal.experts, 8)
     worst = sum(100 + 50 * s for s in range(num_ranks))
@@ -488,7 +508,8 @@ def normal_suite():
     buffer = normal_buffer()
     cases = [layout_bf16_top8_odd_tokens_with_weights, fp8_float8_e4m3fn_with_column_major_scales,
              cached_dispatch_and_combine_with_one_and_two_biases, without_topk,
-             async_previous_event_comm_stream_on_a_torch_side_stream, num_worst_tokens_without_cpu_wait,
+             async_previous_event_comm_stream_on_a_torch_side_stream,
+             async_inputs_dropped_by_the_caller_keep_their_memory, num_worst_tokens_without_cpu_wait,
              zero_tokens_on_rank_1, autograd_layer_forward_and_gradient, bad_inputs_raise_before_any_kernel,
              a_group_that_is_not_the_nvshmem_world_raises, local_buffer_tensor_views_the_buffer,
              thousand_calls_hold_no_memory]
