@@ -333,13 +333,11 @@ def async_inputs_dropped_by_the_caller_keep_their_memory(buffer):
     them until a later call)."""
     inputs = Normal.inputs(2048, 4096, Normal.experts, 8)
     x = gpu(inputs[rank].x)
-    x_ptr, x_bytes = x.data_ptr(), x.numel() * x.element_size()
     recv_x, _, _, _, _, event = buffer.dispatch(x, **layout_of(buffer, gpu(inputs[rank].topk_idx)),
                                                 previous_event=buffer.capture(), async_finish=True)
     del x
+    # Written on this stream while the dispatch may still read x: had they taken its memory, recv_x would hold 7s.
     garbage = [torch.full((2048, 4096), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-    overlapping = [g for g in garbage if g.data_ptr() < x_ptr + x_bytes and x_ptr < g.data_ptr() + g.numel() * 2]
-    assert not overlapping, "a tensor made on this stream took the memory of an input the comm stream still read"
     event.current_stream_wait()
     expected = reference.dispatch(inputs.xs, inputs.topk_idxs, Normal.experts)[rank]
     np.testing.assert_array_equal(bits(host(recv_x)), bits(expected.recv_x))
