@@ -5,27 +5,47 @@
 // The ranks with the same local index on every node form a rail; a token crosses between nodes only
 // along its source's rail.
 //
+// Any batch through buffers of fixed size: the rows move in rounds. Round w takes the source tokens
+// [w * K, (w + 1) * K) of every rank (K, round_tokens, a multiple of kRoundUnitTokens, is what the host
+// worked out from the buffers' sizes), so a partition of the RDMA buffer holds one round of one source's
+// rows, and the combine's landing region one round of every local rank's copies. Every call runs the
+// same rounds on every rank: as many as the largest token count of any rank needs (each count message
+// carries its source's count). The host launches each round's kernels; a round's rows may overwrite the
+// previous round's only once their readers are done with them, and the readers say so (below). The
+// scan keeps, for every multiple of kRoundUnitTokens, how many tokens before it go to each rank and each
+// node (unit_prefix, in the handle), so every kernel finds a round's rows without a search.
+//
 // Dispatch (rank s = (m, i) sends its T tokens):
 //   scan:   each token's position among the tokens sent to each rank (send_pos) and to each node
-//           (node_pos, with the inverse node_list), and the counts.
-//   send:   s puts one count message to every rank (what it sends to that rank, to its node, to each
-//           rank of its node, and per expert), then each token once per destination node n, with its
-//           routing and its position at every rank of n, into partition m of rank (n, i)'s receive
-//           region (the forwarder), at slot node_pos. Rows go in chunks of consecutive slots, each
-//           chunk then its signal (put, fence, signal), so a chunk is complete when its signal is.
+//           (node_pos, with the inverse node_list), the counts, and unit_prefix.
+//   counts: s puts one count message to every rank: what it sends to that rank, to its node, to each
+//           rank of its node, per expert, and its token count.
 //   notify: each rank waits for every count message and lays out its plan (rank prefix, per-expert
-//           counts, where the combine lands rows); the host may wait for the received count here.
-//   pull:   each rank reads, over NVLink, the chunks that reached its node's forwarders (their
-//           signals say when), and copies the rows that name it to their place in its output,
-//           ordered by source rank, then token. A forwarder also keeps each of its rows' positions
-//           (the handle's forward_pos) for the combine.
-// Combine (the reverse):
-//   push:    each rank writes every row it received into the NVL landing region of the forwarder
-//            the row came through, then raises a flag there.
-//   forward: each forwarder sums, in FP32, the copies its node holds of each row it forwarded, and
-//            puts one BF16 partial per (token, node) back into partition n of the source's receive
-//            region (chunks with signals, as the dispatch).
-//   reduce:  each source sums the partials of every node its token went to, and the biases.
+//           counts, the largest token count); the host may wait for the received count here.
+//   then per round w, two kernels:
+//   send:   s puts its round's tokens once per destination node n, with their routing and their position
+//           at every rank of n (absolute, and from the round's first), into partition m of rank (n, i)'s
+//           receive region (the forwarder), at the token's node position less the round's first; first
+//           a header (the round's first node position and its rows) with the round's signal, then the
+//           rows in chunks, each chunk then its signal (put, fence, signal). Before round w > 0 it waits
+//           until every rank has released round w - 1 (below).
+//   pull:   each rank reads, over NVLink, the headers and chunks that reached its node's forwarders, and
+//           copies the rows that name it to their place in its output, ordered by source rank, then
+//           token. A forwarder also keeps each of its rows' positions from the round's first at every
+//           local rank, and its source token (the handle's forward_pos, forward_src), for the combine.
+//           Then it releases the round to every source (a signal).
+// Combine (the reverse, per round w):
+//   push:    each rank writes every row it received in the round into the NVL landing region of the
+//            forwarder the row came through, in the section of (this rank, the source's node), at the
+//            row's place among this rank's rows of the round from that source; then raises a flag
+//            there. Before round w > 0 it waits until every local forwarder has released the region.
+//   forward: each forwarder sums, in FP32, the copies its node holds of each row of the round it
+//            forwarded, and puts one BF16 partial per (token, node) back into partition n of the
+//            source's receive region (chunks with signals, as the dispatch); then releases the landing
+//            region to its node's ranks. Before round w > 0 it waits until every source on its rail
+//            has released the partitions.
+//   reduce:  each source sums the partials of every node its tokens of the round went to, and the
+//            biases; then releases the round to the forwarders on its rail.
 //
 // Only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits, quiet), so any
 // transport serves; data is never inferred from the arrival of a later write. Ranks of one node
@@ -33,7 +53,8 @@
 //
 // Every call starts with the device barrier (cuda_src/barrier.cu), so no rank writes into a buffer
 // that a peer still reads from the previous call. Calls are numbered on the device (kStateCall, equal
-// on every rank): a signal is set to the call's number, never reset, and a wait is for >= it.
+// on every rank), and a call's rounds after it: a signal is set to its round's number (round_number),
+// never reset, and a wait is for >= it.
 //
 // Every wait is bounded (cuep/sync.cuh); a timed-out wait records the peer and phase in `status`.
 // The constants come from cuep/kernels/internode.py (CUEP_* macros), which mirrors the argument
@@ -64,6 +85,7 @@ constexpr int kMaxLocalExperts = CUEP_MAX_LOCAL_EXPERTS;
 constexpr int kMaxChunks = CUEP_MAX_CHUNKS;
 constexpr int kCountHeaderWords = CUEP_COUNT_HEADER_WORDS;
 constexpr int kCountWords = CUEP_COUNT_WORDS;
+constexpr int kRoundUnitTokens = CUEP_ROUND_UNIT_TOKENS;
 constexpr int kStateCall = 0;        // internode calls finished on this rank
 constexpr int kStateBlocksDone = 1;  // blocks of the running kernel that are done
 static_assert(kStateBlocksDone < CUEP_STATE_WORDS, "the host allocates too few state words");
@@ -75,10 +97,14 @@ static_assert(kCountWords >= kCountHeaderWords + kMaxLocalExperts && kCountWords
 constexpr int kCountToRank = 0;        // tokens to q
 constexpr int kCountToNode = 1;        // tokens to q's node
 constexpr int kCountToNodeRanks = 2;   // then tokens to each rank of q's node
+constexpr int kCountTokens = kCountToNodeRanks + kMaxRanksPerNode;  // the source's token count
+static_assert(kCountTokens < kCountHeaderWords, "the count header holds the source's token count");
 // Traffic counters (uint64): rows and bytes put to other nodes, by dispatches and by combines.
 constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombineRows = 2,
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
+// A round's number: the call's in the high bits, one more than the round's index in the low ones.
+constexpr int kRoundBits = 20;
 
 struct Topology {
     int rank, num_ranks, node, num_nodes, local, ranks_per_node;
@@ -87,7 +113,12 @@ struct Topology {
 // Offsets (bytes) in every rank's RDMA buffer; cuep/modes/internode.py lays it out.
 struct RdmaLayout {
     int64_t count_signals;    // uint64 [R]: the call whose count message source s put here
-    int64_t chunk_signals;    // uint64 [N][kMaxChunks]: the call whose chunk c of partition n landed here
+    int64_t chunk_signals;    // uint64 [N][kMaxChunks]: the round whose chunk c of partition n landed here
+    int64_t round_signals;    // uint64 [N]: the round whose header of partition n landed here
+    int64_t rows_released;    // uint64 [R]: the dispatch round whose rows rank q is done with (at a source)
+    int64_t partials_released;  // uint64 [N]: the combine round whose partials source (m, local) is done with
+    int64_t headers;          // RoundHeader [N]: the round's header of partition n (its first, its rows)
+    int64_t header_staging;   // RoundHeader [N]: this rank's outgoing headers, by destination node
     int64_t counts;           // int32 [R][kCountWords]: count messages, by source
     int64_t count_staging;    // int32 [R][kCountWords]: this rank's outgoing count messages
     int64_t send;             // [N] partitions of partition_bytes: outgoing rows, by destination node
@@ -95,10 +126,16 @@ struct RdmaLayout {
     int64_t partition_bytes;
 };
 
+// A partition's rows in a round: the node position of its first row at the source, and how many.
+struct RoundHeader {
+    int32_t first, rows;
+};
+
 // Offsets (bytes) in every rank's NVL buffer, used by the combine.
 struct NvlLayout {
-    int64_t push_done;        // uint64 [L]: the combine whose pushes local rank j finished here
-    int64_t landing;          // landing rows: pushed copies, grouped by pushing rank, then source node
+    int64_t push_done;        // uint64 [L]: the round whose pushes local rank j finished here
+    int64_t released;         // uint64 [L]: the round whose landing rows local forwarder i released
+    int64_t landing;          // landing rows: sections of round_tokens rows, by (pushing rank, source node)
     int64_t landing_bytes;
 };
 
@@ -106,15 +143,24 @@ struct NvlLayout {
 struct PlanLayout {
     int32_t recv_prefix;      // [R + 1] first output row of each source rank
     int32_t per_expert;       // [E / R] rows per local expert, aligned
-    int32_t forward_prefix;   // [N + 1] as a forwarder: first row of each source node's partition
-    int32_t part_rows;        // [L * N] rows in partition m of local forwarder i
-    int32_t push_offsets;     // [L * N] as a pusher: first landing row at forwarder i of source node m's rows
-    int32_t forward_offsets;  // [L * N] as a forwarder: first landing row here of local j's rows from node m
-    int32_t landing_rows;     // [L] landing rows a combine fills at forwarder i
+    int32_t forward_prefix;   // [N + 1] as a forwarder: first forwarded row of each source node
     int32_t words;
 };
 constexpr int kPlanNumRecv = 0;      // plan[0]: rows this rank receives
 constexpr int kPlanNumForward = 1;   // plan[1]: rows this rank forwards
+constexpr int kPlanMaxTokens = 2;    // plan[2]: the largest token count of any rank (sets the rounds)
+
+// The round a kernel moves: its index, the rounds of the call, the source tokens of each.
+struct Round {
+    int index, count, tokens;
+};
+
+// What the scan counted, for every multiple of kRoundUnitTokens: `[units + 1, R + N]` int32, the tokens
+// before it that go to each rank, then to each node (the last row: every token).
+struct UnitPrefix {
+    const int32_t* counts;
+    int units;
+};
 
 struct TokenRows {
     const uint8_t* x;
@@ -128,18 +174,20 @@ struct TokenRows {
 };
 
 // A dispatched row on the wire: the hidden bytes, FP8 scales, top-k ids (int32) and weights, the
-// source token, then the token's position among the rows each rank of the destination node
-// receives from its source (-1: none). cuep/modes/internode.py sizes it (dispatch_row_bytes).
+// source token, then the token's position among the rows each rank of the destination node receives
+// from its source (-1: none), then the same position less that of the round's first such row.
+// cuep/modes/internode.py sizes it (dispatch_row_bytes).
 struct RowShape {
-    int64_t hidden_bytes, scales, topk_idx, topk_weights, src, pos;
+    int64_t hidden_bytes, scales, topk_idx, topk_weights, src, pos, round_pos;
 
-    __device__ RowShape(int64_t hidden, int num_scales, int num_topk)
+    __device__ RowShape(int64_t hidden, int num_scales, int num_topk, int ranks_per_node)
         : hidden_bytes(hidden),
           scales(hidden),
           topk_idx(scales + 4 * num_scales),
           topk_weights(topk_idx + 4 * num_topk),
           src(topk_weights + 4 * num_topk),
-          pos(src + 4) {}
+          pos(src + 4),
+          round_pos(pos + 4 * ranks_per_node) {}
 };
 
 struct ScanArgs {
@@ -150,23 +198,34 @@ struct ScanArgs {
     int32_t* node_pos;             // [T, N]
     int32_t* node_list;            // [N, T]: node_list[n][p] = the token at position p to node n
     int32_t* counts;               // [R + N]: tokens to each rank, then to each node
+    int32_t* unit_prefix;          // [ceil(T / kRoundUnitTokens) + 1, R + N] (UnitPrefix)
+};
+
+struct CountsArgs {
+    const int32_t* counts;
+    const int32_t* num_tokens_per_expert;  // [E]
+    int num_experts, num_tokens;
+    Topology topo;
+    uint8_t* rdma;
+    RdmaLayout layout;
+    const uint64_t* state;
 };
 
 struct SendArgs {
     TokenRows tokens;
     const int32_t* send_pos;
     const int32_t* node_list;
-    const int32_t* counts;
-    const int32_t* num_tokens_per_expert;  // [E], or null: no count messages (a cached dispatch)
-    int num_experts;
+    UnitPrefix prefix;
     Topology topo;
     uint8_t* rdma;                         // this rank's RDMA buffer (symmetric address)
     RdmaLayout layout;
     int64_t row_bytes;
     int chunk_rows;
+    Round round;
     const uint64_t* state;
     uint64_t* traffic;
     Status status;
+    uint64_t timeout_ns;
 };
 
 struct NotifyArgs {
@@ -191,6 +250,7 @@ struct RecvArrays {
 };
 
 struct PullArgs {
+    uint8_t* rdma;              // this rank's RDMA buffer (symmetric address): the sources' release signals
     const uint64_t* node_rdma;  // [L] each local rank's RDMA buffer as this GPU addresses it
     RdmaLayout layout;
     Topology topo;
@@ -202,7 +262,9 @@ struct PullArgs {
     PlanLayout plan_layout;
     RecvArrays recv;
     int32_t* forward_pos;       // [forward_capacity, L], or null (a cached dispatch keeps its handle's)
+    int32_t* forward_src;       // [forward_capacity], or null with forward_pos
     int forward_capacity;
+    Round round;
     uint64_t* state;
     Status status;
     uint64_t timeout_ns;
@@ -214,17 +276,21 @@ struct PushArgs {
     Topology topo;
     const int32_t* plan;
     PlanLayout plan_layout;
+    const int32_t* recv_src_idx;
     const uint8_t* x;
     int64_t hidden_bytes;
     const float* topk_weights;
     int num_topk;
     int64_t landing_row_bytes;
+    Round round;
     uint64_t* state;
     Status status;
+    uint64_t timeout_ns;
 };
 
 struct ForwardArgs {
     uint8_t* nvl;
+    const uint64_t* node_nvl;
     NvlLayout nvl_layout;
     uint8_t* rdma;
     RdmaLayout layout;
@@ -232,11 +298,13 @@ struct ForwardArgs {
     const int32_t* plan;
     PlanLayout plan_layout;
     const int32_t* forward_pos;
+    const int32_t* forward_src;
     int64_t hidden_bytes;
     int num_topk;
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
-    const uint64_t* state;
+    Round round;
+    uint64_t* state;
     uint64_t* traffic;
     Status status;
     uint64_t timeout_ns;
@@ -247,6 +315,7 @@ struct ReduceArgs {
     RdmaLayout layout;
     Topology topo;
     const int32_t* node_pos;
+    UnitPrefix prefix;
     int num_tokens;
     int64_t hidden_bytes;
     int num_topk;
@@ -256,6 +325,7 @@ struct ReduceArgs {
     const __nv_bfloat16* bias1;
     __nv_bfloat16* combined_x;
     float* combined_topk_weights;
+    Round round;
     uint64_t* state;
     Status status;
     uint64_t timeout_ns;
@@ -266,11 +336,22 @@ static __device__ __forceinline__ uint64_t this_call(const uint64_t* state) {
     return ld_volatile_global(state + kStateCall) + 1;
 }
 
-// The last block of a call's last kernel records the call as finished.
-static __device__ __forceinline__ void finish_call(uint64_t* state, uint64_t call) {
+// The number a round's signals are set to (and its predecessor's, less one): greater than every
+// earlier round's, of this call and of every earlier one.
+static __device__ __forceinline__ uint64_t round_number(uint64_t call, int round) {
+    return (call << kRoundBits) | static_cast<uint64_t>(round + 1);
+}
+
+// The last block of a round's kernel (thread 0) runs `release` (what the round's readers tell the
+// writers), then, in the call's last round, records the call as finished.
+template <typename Release>
+static __device__ __forceinline__ void finish_round(uint64_t* state, uint64_t call, const Round& round,
+                                                    bool last_kernel_of_round, Release release) {
     if (last_block_done<Scope::kSystem>(state, kStateBlocksDone)) {
         state[kStateBlocksDone] = 0;
-        state[kStateCall] = call;
+        release();
+        if (last_kernel_of_round && round.index + 1 == round.count)
+            state[kStateCall] = call;
     }
 }
 
@@ -288,6 +369,13 @@ static __device__ __forceinline__ uint64_t* chunk_signal(uint8_t* rdma, const Rd
     return at<uint64_t>(rdma, layout.chunk_signals) + static_cast<int64_t>(node) * kMaxChunks + chunk;
 }
 
+// Tokens before `token` (a multiple of kRoundUnitTokens, or past the last) that go to `column` (a rank,
+// or R + a node).
+static __device__ __forceinline__ int count_before(const UnitPrefix& prefix, int columns, int64_t token, int column) {
+    const int64_t unit = min(token / kRoundUnitTokens, static_cast<int64_t>(prefix.units));
+    return prefix.counts[unit * columns + column];
+}
+
 // Index of the range [prefix[k], prefix[k + 1]) holding `value`, prefix[0] <= value < prefix[count].
 static __device__ __forceinline__ int find_range(const int32_t* prefix, int count, int value) {
     int low = 0, high = count - 1;
@@ -297,6 +385,18 @@ static __device__ __forceinline__ int find_range(const int32_t* prefix, int coun
             low = mid;
         else
             high = mid - 1;
+    }
+    return low;
+}
+
+// The first index in [low, high) whose value is at least `key`, or high; the values ascend.
+static __device__ __forceinline__ int lower_bound(const int32_t* values, int low, int high, int64_t key) {
+    while (low < high) {
+        const int mid = low + (high - low) / 2;
+        if (values[mid] < key)
+            low = mid + 1;
+        else
+            high = mid;
     }
     return low;
 }
@@ -339,6 +439,17 @@ static __device__ __forceinline__ int chunks_of(int rows, int chunk_rows) {
     return (rows + chunk_rows - 1) / chunk_rows;
 }
 
+// Block-wide: thread p < `count` waits until `flags[p]` reaches `target`, recording `peer_of(p)` and `phase`
+// on a timeout. True unless some wait timed out.
+template <typename PeerOf>
+static __device__ __forceinline__ bool wait_for_each(const uint64_t* flags, int count, uint64_t target,
+                                                     uint64_t deadline_ns, const Status& status, PeerOf peer_of,
+                                                     int phase) {
+    const int p = static_cast<int>(threadIdx.x);
+    const bool timed_out = p < count && !wait_at_least(flags + p, target, deadline_ns, status, peer_of(p), phase);
+    return !__syncthreads_or(timed_out);
+}
+
 }  // namespace cuep
 
 namespace cuep::internode {
@@ -350,6 +461,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) scan(const ScanArgs args) {
     __shared__ int warp_counts[kWarpsPerBlock + 1];
     const Topology& topo = args.topo;
     const int column = blockIdx.x, num_tokens = args.num_tokens;
+    const int columns = topo.num_ranks + topo.num_nodes;
     const bool node_column = column >= topo.num_ranks;
     const int node = column - topo.num_ranks;
     int running = 0;
@@ -368,6 +480,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) scan(const ScanArgs args) {
         int total;
         const int position = running + block_exclusive_count(in, warp_counts, total);
         if (t < num_tokens) {
+            if (t % kRoundUnitTokens == 0)
+                args.unit_prefix[static_cast<int64_t>(t / kRoundUnitTokens) * columns + column] = position;
             if (node_column) {
                 args.node_pos[static_cast<int64_t>(t) * topo.num_nodes + node] = in ? position : -1;
                 if (in)
@@ -378,45 +492,61 @@ __global__ void __launch_bounds__(kNumThreads, 1) scan(const ScanArgs args) {
         }
         running += total;
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         args.counts[column] = running;
+        const int units = (num_tokens + kRoundUnitTokens - 1) / kRoundUnitTokens;
+        args.unit_prefix[static_cast<int64_t>(units) * columns + column] = running;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counts (one block): each warp stages this rank's count message to rank q and puts it with q's count
+// signal.
+
+__global__ void __launch_bounds__(kNumThreads, 1) counts(const CountsArgs args) {
+    const Topology& topo = args.topo;
+    const uint64_t call = this_call(args.state);
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int num_local_experts = args.num_experts / topo.num_ranks;
+    for (int q = warp; q < topo.num_ranks; q += kWarpsPerBlock) {
+        const int q_node = q / topo.ranks_per_node;
+        int32_t* message = at<int32_t>(args.rdma, args.layout.count_staging) + static_cast<int64_t>(q) * kCountWords;
+        for (int w = lane; w < kCountHeaderWords + num_local_experts; w += kWarpSize) {
+            int32_t value = 0;
+            if (w == kCountToRank)
+                value = args.counts[q];
+            else if (w == kCountToNode)
+                value = args.counts[topo.num_ranks + q_node];
+            else if (w < kCountToNodeRanks + topo.ranks_per_node)
+                value = args.counts[q_node * topo.ranks_per_node + (w - kCountToNodeRanks)];
+            else if (w == kCountTokens)
+                value = args.num_tokens;
+            else if (w >= kCountHeaderWords)
+                value = args.num_tokens_per_expert[q * num_local_experts + (w - kCountHeaderWords)];
+            message[w] = value;
+        }
+        int32_t* slot = at<int32_t>(args.rdma, args.layout.counts) + static_cast<int64_t>(topo.rank) * kCountWords;
+        uint64_t* signal = at<uint64_t>(args.rdma, args.layout.count_signals) + topo.rank;
+        put_with_signal(slot, message, sizeof(int32_t) * (kCountHeaderWords + num_local_experts), signal, call, q);
+    }
+    // The staging is reused by the next call: every put of this one must have read it.
+    if (lane == 0)
+        nvshmem_quiet();
 }
 
 }  // namespace cuep::internode
 
 // ---------------------------------------------------------------------------------------------
-// Send: block 0's warps first put the count messages (non-cached dispatch); then every warp takes
-// chunks (destination node n, chunk c) in turn, writes their rows into the send partition n and puts
-// them to the forwarder (n, local) with the chunk's signal.
+// Send (one round): block 0's first warps put the round's headers; then every warp takes chunks
+// (destination node n, chunk c) in turn, writes their rows into the send partition n and puts them to
+// the forwarder (n, local) with the chunk's signal.
 
 namespace cuep {
 
-// One warp: this rank's count message to rank q, staged, then put with q's count signal.
-static __device__ void send_counts(const SendArgs& args, int q, uint64_t call, int lane) {
-    const Topology& topo = args.topo;
-    const int q_node = q / topo.ranks_per_node;
-    const int num_local_experts = args.num_experts / topo.num_ranks;
-    int32_t* message = at<int32_t>(args.rdma, args.layout.count_staging) + static_cast<int64_t>(q) * kCountWords;
-    for (int w = lane; w < kCountHeaderWords + num_local_experts; w += kWarpSize) {
-        int32_t value = 0;
-        if (w == kCountToRank)
-            value = args.counts[q];
-        else if (w == kCountToNode)
-            value = args.counts[topo.num_ranks + q_node];
-        else if (w < kCountToNodeRanks + topo.ranks_per_node)
-            value = args.counts[q_node * topo.ranks_per_node + (w - kCountToNodeRanks)];
-        else if (w >= kCountHeaderWords)
-            value = args.num_tokens_per_expert[q * num_local_experts + (w - kCountHeaderWords)];
-        message[w] = value;
-    }
-    int32_t* slot = at<int32_t>(args.rdma, args.layout.counts) + static_cast<int64_t>(topo.rank) * kCountWords;
-    uint64_t* signal = at<uint64_t>(args.rdma, args.layout.count_signals) + topo.rank;
-    put_with_signal(slot, message, sizeof(int32_t) * (kCountHeaderWords + num_local_experts), signal, call, q);
-}
-
-// One warp writes token t's row (routing and positions included) at `row`.
-static __device__ void stage_row(const SendArgs& args, const RowShape& shape, int t, int dst_node, uint8_t* row,
-                                 int lane) {
+// One warp writes token t's row (routing and positions included) at `row`; `round_first[q]`: the tokens
+// this rank sent to rank q before the round.
+static __device__ void stage_row(const SendArgs& args, const RowShape& shape, int t, int dst_node,
+                                 const int32_t* round_first, uint8_t* row, int lane) {
     const TokenRows& tokens = args.tokens;
     const Topology& topo = args.topo;
     warp_copy(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
@@ -429,9 +559,12 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
     }
     if (lane == 0)
         *at<int32_t>(row, shape.src) = t;
-    if (lane < topo.ranks_per_node)
-        at<int32_t>(row, shape.pos)[lane] =
-            args.send_pos[static_cast<int64_t>(t) * topo.num_ranks + dst_node * topo.ranks_per_node + lane];
+    if (lane < topo.ranks_per_node) {
+        const int q = dst_node * topo.ranks_per_node + lane;
+        const int position = args.send_pos[static_cast<int64_t>(t) * topo.num_ranks + q];
+        at<int32_t>(row, shape.pos)[lane] = position;
+        at<int32_t>(row, shape.round_pos)[lane] = position < 0 ? -1 : position - round_first[q];
+    }
 }
 
 }  // namespace cuep
@@ -440,46 +573,69 @@ namespace cuep::internode {
 
 __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
+    __shared__ int32_t node_first[kMaxRanks];
+    __shared__ int32_t round_first[kMaxRanks];
     const Topology& topo = args.topo;
+    const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
+    const uint64_t number = round_number(call, args.round.index);
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    if (args.num_tokens_per_expert != nullptr && blockIdx.x == 0)
-        for (int q = warp; q < topo.num_ranks; q += kWarpsPerBlock)
-            send_counts(args, q, call, lane);
+    // The previous round's rows at every forwarder are overwritten below: every rank must have read them.
+    if (args.round.index > 0 &&
+        !wait_for_each(at<const uint64_t>(args.rdma, args.layout.rows_released), R, number - 1, deadline_ns,
+                       args.status, [](int q) { return q; }, kPhaseInternodeReleased))
+        return;
+    const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
+    const int64_t end_token = first_token + args.round.tokens;
+    for (int q = threadIdx.x; q < R; q += kNumThreads)
+        round_first[q] = count_before(args.prefix, R + N, first_token, q);
     if (threadIdx.x == 0) {
         chunk_prefix[0] = 0;
-        for (int n = 0; n < topo.num_nodes; ++n)
-            chunk_prefix[n + 1] = chunk_prefix[n] + chunks_of(args.counts[topo.num_ranks + n], args.chunk_rows);
+        for (int n = 0; n < N; ++n) {
+            node_first[n] = count_before(args.prefix, R + N, first_token, R + n);
+            const int rows = count_before(args.prefix, R + N, end_token, R + n) - node_first[n];
+            chunk_prefix[n + 1] = chunk_prefix[n] + chunks_of(rows, args.chunk_rows);
+        }
     }
     __syncthreads();
-    const RowShape shape(args.tokens.hidden_bytes, args.tokens.num_scales, args.tokens.num_topk);
-    const int num_chunks = chunk_prefix[topo.num_nodes];
+    // Every forwarder learns the round's rows from its header, even when there are none.
+    if (blockIdx.x == 0) {
+        for (int n = warp; n < N; n += kWarpsPerBlock) {
+            auto* staged = at<RoundHeader>(args.rdma, args.layout.header_staging) + n;
+            if (lane == 0)
+                *staged = RoundHeader{node_first[n], count_before(args.prefix, R + N, end_token, R + n) - node_first[n]};
+            put_with_signal(at<RoundHeader>(args.rdma, args.layout.headers) + topo.node, staged, sizeof(RoundHeader),
+                            at<uint64_t>(args.rdma, args.layout.round_signals) + topo.node, number,
+                            n * L + topo.local);
+        }
+    }
+    const RowShape shape(args.tokens.hidden_bytes, args.tokens.num_scales, args.tokens.num_topk, L);
+    const int num_chunks = chunk_prefix[N];
     const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
-    bool sent = false;
     for (int item = first_warp; item < num_chunks; item += num_warps) {
-        const int n = find_range(chunk_prefix, topo.num_nodes + 1, item);
+        const int n = find_range(chunk_prefix, N + 1, item);
         const int chunk = item - chunk_prefix[n];
-        const int rows_to_node = args.counts[topo.num_ranks + n];
+        const int rows_to_node = count_before(args.prefix, R + N, end_token, R + n) - node_first[n];
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, rows_to_node - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
         uint8_t* staged = args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
-            const int t = args.node_list[static_cast<int64_t>(n) * args.tokens.num_tokens + first_slot + r];
-            stage_row(args, shape, t, n, staged + r * args.row_bytes, lane);
+            const int t = args.node_list[static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot + r];
+            stage_row(args, shape, t, n, round_first, staged + r * args.row_bytes, lane);
         }
         uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
         const int64_t bytes = rows * args.row_bytes;
-        put_with_signal(landing, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), call,
-                        n * topo.ranks_per_node + topo.local);
-        sent = true;
+        put_with_signal(landing, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
+                        n * L + topo.local);
         if (n != topo.node && lane == 0) {
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchRows), rows);
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchBytes), bytes);
         }
     }
-    // The staging is reused by the next call: every put of this one must have read it.
-    if ((sent || (blockIdx.x == 0 && args.num_tokens_per_expert != nullptr)) && lane == 0)
+    // The staging is reused by the next round: every put of this one must have read it.
+    if (lane == 0)
         nvshmem_quiet();
 }
 
@@ -492,11 +648,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) notify(const NotifyArgs args) 
     const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
-    const uint64_t* signals = at<uint64_t>(args.rdma, args.layout.count_signals);
-    const int s = threadIdx.x;
-    const bool timed_out = s < R && !wait_at_least(signals + s, call, deadline_ns, args.status, s,
-                                                     kPhaseInternodeCounts);
-    if (__syncthreads_or(timed_out))
+    if (!wait_for_each(at<const uint64_t>(args.rdma, args.layout.count_signals), R, call, deadline_ns, args.status,
+                       [](int s) { return s; }, kPhaseInternodeCounts))
         return;
     const auto* counts = at<const int32_t>(args.rdma, args.layout.counts);
     const auto count = [&](int source, int word) {
@@ -505,13 +658,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) notify(const NotifyArgs args) 
     int32_t* plan = args.plan;
     const int num_local_experts = args.num_experts / R;
     if (threadIdx.x == 0) {
-        int sum = 0;
+        int sum = 0, max_tokens = 0;
         for (int source = 0; source < R; ++source) {
             plan[pl.recv_prefix + source] = sum;
             sum += count(source, kCountToRank);
+            max_tokens = max(max_tokens, count(source, kCountTokens));
         }
         plan[pl.recv_prefix + R] = sum;
         plan[kPlanNumRecv] = sum;
+        plan[kPlanMaxTokens] = max_tokens;
         sum = 0;
         for (int m = 0; m < N; ++m) {
             plan[pl.forward_prefix + m] = sum;
@@ -526,32 +681,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) notify(const NotifyArgs args) 
             sum += count(source, kCountHeaderWords + e);
         plan[pl.per_expert + e] = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     }
-    for (int item = threadIdx.x; item < L * N; item += kNumThreads)
-        plan[pl.part_rows + item] = count((item % N) * L + item / N, kCountToNode);
-    // The combine's landing rows at forwarder i hold, for each local rank j in turn, the rows j
-    // received from the sources on i's rail, by source node: both sides derive the offsets from the
-    // count messages (each source told every rank of a node what it sends to each rank of it).
-    if (threadIdx.x < L) {
-        const int i = threadIdx.x;
-        int row = 0;
-        for (int j = 0; j < L; ++j) {
-            for (int m = 0; m < N; ++m) {
-                if (j == topo.local)
-                    plan[pl.push_offsets + i * N + m] = row;
-                if (i == topo.local)
-                    plan[pl.forward_offsets + j * N + m] = row;
-                row += count(m * L + i, kCountToNodeRanks + j);
-            }
-        }
-        plan[pl.landing_rows + i] = row;
-    }
 }
 
 }  // namespace cuep::internode
 
 // ---------------------------------------------------------------------------------------------
-// Pull: every warp takes chunks (local forwarder i, source node m, chunk c) in turn, waits for the
-// chunk's signal at the forwarder, and copies the rows that name this rank.
+// Pull (one round): every block reads the round's headers at this node's forwarders; then every warp
+// takes chunks (local forwarder i, source node m, chunk c) in turn, waits for the chunk's signal at the
+// forwarder, and copies the rows that name this rank; the last block releases the round to every source.
 
 namespace cuep {
 
@@ -586,50 +723,73 @@ namespace cuep::internode {
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
     __shared__ int32_t recv_prefix[kMaxRanks + 1];
+    __shared__ RoundHeader headers[kMaxRanks];
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
     const int L = topo.ranks_per_node, N = topo.num_nodes;
     const uint64_t call = this_call(args.state);
+    const uint64_t number = round_number(call, args.round.index);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     for (int r = threadIdx.x; r <= topo.num_ranks; r += kNumThreads)
         recv_prefix[r] = args.plan[pl.recv_prefix + r];
+    // Partition p = i * N + m: source node m's rows at local forwarder i.
+    const int p = threadIdx.x;
+    bool timed_out = false;
+    if (p < L * N) {
+        const int i = p / N, m = p % N;
+        auto* forwarder = reinterpret_cast<uint8_t*>(args.node_rdma[i]);
+        timed_out = !wait_at_least(at<const uint64_t>(forwarder, args.layout.round_signals) + m, number, deadline_ns,
+                                   args.status, m * L + i, kPhaseInternodeRows);
+        if (!timed_out) {
+            const auto* header = at<const int32_t>(forwarder, args.layout.headers) + 2 * m;
+            headers[p] = RoundHeader{ld_volatile_global(header), ld_volatile_global(header + 1)};
+        }
+    }
+    // A header that never came (recorded): no rows are read, but the blocks still finish the round together.
+    const bool headers_in = !__syncthreads_or(timed_out);
     if (threadIdx.x == 0) {
         chunk_prefix[0] = 0;
         for (int item = 0; item < L * N; ++item)
-            chunk_prefix[item + 1] = chunk_prefix[item] + chunks_of(args.plan[pl.part_rows + item], args.chunk_rows);
+            chunk_prefix[item + 1] = chunk_prefix[item] + (headers_in ? chunks_of(headers[item].rows, args.chunk_rows) : 0);
     }
     __syncthreads();
     const int num_recv = recv_prefix[topo.num_ranks];
     const int num_rows = args.recv.num_rows;
-    if (blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_rows)
+    if (args.round.index == 0 && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_rows)
         args.status.record(kStatusOverflow, num_recv);
-    const RowShape shape(args.hidden_bytes, args.num_scales, args.num_topk);
+    const RowShape shape(args.hidden_bytes, args.num_scales, args.num_topk, L);
     const int num_chunks = chunk_prefix[L * N];
     const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
-    for (int item = first_warp; item < num_chunks; item += num_warps) {
+    bool arrived = true;
+    for (int item = first_warp; item < num_chunks && arrived; item += num_warps) {
         const int part = find_range(chunk_prefix, L * N + 1, item);
         const int i = part / N, m = part % N, chunk = item - chunk_prefix[part];
         const int source = m * L + i;
         auto* forwarder = reinterpret_cast<uint8_t*>(args.node_rdma[i]);
-        bool arrived = true;
         if (lane == 0)
-            arrived = wait_at_least(chunk_signal(forwarder, args.layout, m, chunk), call, deadline_ns, args.status,
+            arrived = wait_at_least(chunk_signal(forwarder, args.layout, m, chunk), number, deadline_ns, args.status,
                                     source, kPhaseInternodeRows);
-        if (!__shfl_sync(kFullWarpMask, arrived, 0))
+        arrived = __shfl_sync(kFullWarpMask, arrived, 0);
+        if (!arrived)
             break;
         const int first_slot = chunk * args.chunk_rows;
-        const int rows = min(args.chunk_rows, args.plan[pl.part_rows + part] - first_slot);
+        const int rows = min(args.chunk_rows, headers[part].rows - first_slot);
         const uint8_t* partition = forwarder + args.layout.recv + m * args.layout.partition_bytes;
         const bool own_rail = i == topo.local && args.forward_pos != nullptr;
         for (int r = 0; r < rows; ++r) {
             const int slot = first_slot + r;
             const uint8_t* row = partition + static_cast<int64_t>(slot) * args.row_bytes;
             const auto* positions = reinterpret_cast<const int32_t*>(row + shape.pos);
-            if (own_rail && lane < L) {
-                const int f = args.plan[pl.forward_prefix + m] + slot;
-                if (f < args.forward_capacity)
-                    args.forward_pos[static_cast<int64_t>(f) * L + lane] = ld_volatile_global(positions + lane);
+            if (own_rail) {
+                const int f = args.plan[pl.forward_prefix + m] + headers[part].first + slot;
+                if (f < args.forward_capacity) {
+                    if (lane < L)
+                        args.forward_pos[static_cast<int64_t>(f) * L + lane] =
+                            ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.round_pos) + lane);
+                    if (lane == 0)
+                        args.forward_src[f] = ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.src));
+                }
             }
             const int position = ld_volatile_global(positions + topo.local);
             if (position < 0)
@@ -640,108 +800,141 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
         }
     }
     // Rows past the received ones (num_worst_tokens) name no expert.
-    for (int64_t e = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x + static_cast<int64_t>(num_recv) * args.num_topk;
-         e < static_cast<int64_t>(num_rows) * args.num_topk; e += static_cast<int64_t>(gridDim.x) * kNumThreads) {
-        if (args.recv.topk_idx != nullptr)
-            args.recv.topk_idx[e] = -1;
-        if (args.recv.topk_weights != nullptr)
-            args.recv.topk_weights[e] = 0.0f;
+    if (args.round.index == 0) {
+        for (int64_t e = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x + static_cast<int64_t>(num_recv) * args.num_topk;
+             e < static_cast<int64_t>(num_rows) * args.num_topk; e += static_cast<int64_t>(gridDim.x) * kNumThreads) {
+            if (args.recv.topk_idx != nullptr)
+                args.recv.topk_idx[e] = -1;
+            if (args.recv.topk_weights != nullptr)
+                args.recv.topk_weights[e] = 0.0f;
+        }
     }
-    finish_call(args.state, call);
+    // This rank is done with the round's rows at every forwarder of its node: each source may send the next
+    // round (the signal goes to the source, which waits for every rank's).
+    finish_round(args.state, call, args.round, true, [&] {
+        for (int s = 0; s < topo.num_ranks; ++s)
+            nvshmemx_signal_op(at<uint64_t>(args.rdma, args.layout.rows_released) + topo.rank, number,
+                               NVSHMEM_SIGNAL_SET, s);
+        nvshmem_quiet();  // delivered before the next call's barrier: no late, smaller number lands after it
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine push: every warp takes received rows k in turn and writes each, with its top-k weights,
-// into the landing rows of the forwarder it came through; the last block then raises this rank's
-// flag at each forwarder of the node.
+// Combine push (one round): every warp takes this rank's received rows of the round in turn and writes
+// each, with its top-k weights, into the landing rows of the forwarder it came through; the last block
+// then raises this rank's flag at each forwarder of the node.
 
 __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
     __shared__ int32_t recv_prefix[kMaxRanks + 1];
+    __shared__ int32_t round_first[kMaxRanks];       // first received row of each source in the round
+    __shared__ int32_t round_prefix[kMaxRanks + 1];  // the round's rows, prefix over sources
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
-    const int L = topo.ranks_per_node, N = topo.num_nodes;
+    const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
+    const uint64_t number = round_number(call, args.round.index);
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    for (int r = threadIdx.x; r <= topo.num_ranks; r += kNumThreads)
+    // The landing rows are overwritten below: every forwarder of the node must be done with the last round's.
+    const bool landing_free =
+        args.round.index == 0 ||
+        wait_for_each(at<const uint64_t>(reinterpret_cast<const uint8_t*>(args.node_nvl[topo.local]),
+                                         args.nvl.released),
+                      L, number - 1, deadline_ns, args.status, [&](int i) { return topo.node * L + i; },
+                      kPhaseInternodeReleased);
+    for (int r = threadIdx.x; r <= R; r += kNumThreads)
         recv_prefix[r] = args.plan[pl.recv_prefix + r];
     __syncthreads();
-    const int64_t capacity = args.nvl.landing_bytes / args.landing_row_bytes;
-    bool fits = true;
-    for (int i = 0; i < L; ++i)
-        fits &= args.plan[pl.landing_rows + i] <= capacity;
-    if (!fits) {
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            args.status.record(kStatusLandingRows, args.plan[pl.landing_rows + topo.local]);
-    } else {
-        const int num_recv = recv_prefix[topo.num_ranks];
-        for (int k = blockIdx.x * kWarpsPerBlock + warp; k < num_recv; k += gridDim.x * kWarpsPerBlock) {
-            const int source = find_range(recv_prefix, topo.num_ranks + 1, k);
-            const int m = source / L, i = source % L;
-            const int64_t slot = args.plan[pl.push_offsets + i * N + m] + (k - recv_prefix[source]);
-            uint8_t* landing = reinterpret_cast<uint8_t*>(args.node_nvl[i]) + args.nvl.landing + slot * args.landing_row_bytes;
-            warp_copy(landing, args.x + k * args.hidden_bytes, args.hidden_bytes, lane);
-            for (int j = lane; j < args.num_topk; j += kWarpSize)
-                reinterpret_cast<float*>(landing + args.hidden_bytes)[j] =
-                    args.topk_weights[static_cast<int64_t>(k) * args.num_topk + j];
-        }
+    const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
+    for (int s = threadIdx.x; s < R; s += kNumThreads) {
+        // A source's received rows come in its token order.
+        const int first = lower_bound(args.recv_src_idx, recv_prefix[s], recv_prefix[s + 1], first_token);
+        round_first[s] = first;
+        round_prefix[s + 1] = lower_bound(args.recv_src_idx, first, recv_prefix[s + 1],
+                                          first_token + args.round.tokens) - first;
     }
-    if (last_block_done<Scope::kSystem>(args.state, kStateBlocksDone)) {
-        args.state[kStateBlocksDone] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        round_prefix[0] = 0;
+        for (int s = 0; s < R; ++s)
+            round_prefix[s + 1] += round_prefix[s];
+    }
+    __syncthreads();
+    const int round_rows = landing_free ? round_prefix[R] : 0;  // a timeout (recorded): push nothing
+    for (int item = blockIdx.x * kWarpsPerBlock + warp; item < round_rows; item += gridDim.x * kWarpsPerBlock) {
+        const int source = find_range(round_prefix, R + 1, item);
+        const int m = source / L, i = source % L;
+        const int j = item - round_prefix[source];
+        const int64_t k = round_first[source] + j;
+        const int64_t slot = static_cast<int64_t>(topo.local * N + m) * args.round.tokens + j;
+        uint8_t* landing = reinterpret_cast<uint8_t*>(args.node_nvl[i]) + args.nvl.landing + slot * args.landing_row_bytes;
+        warp_copy(landing, args.x + k * args.hidden_bytes, args.hidden_bytes, lane);
+        for (int w = lane; w < args.num_topk; w += kWarpSize)
+            reinterpret_cast<float*>(landing + args.hidden_bytes)[w] = args.topk_weights[k * args.num_topk + w];
+    }
+    finish_round(args.state, call, args.round, false, [&] {
         for (int i = 0; i < L; ++i)
             st_release_sys_global(at<uint64_t>(reinterpret_cast<uint8_t*>(args.node_nvl[i]), args.nvl.push_done) +
-                                      topo.local, call);
-    }
+                                      topo.local, number);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine forward: wait for every local rank's pushes, then every warp takes chunks (source node m,
-// chunk c) of the rows this rank forwarded, sums each row's landed copies into the send partition m,
-// and puts the chunk back to the source (m, local) with the chunk's signal.
+// Combine forward (one round): wait for every local rank's pushes, then every warp takes chunks (source
+// node m, chunk c) of the round's rows this rank forwarded, sums each row's landed copies into the send
+// partition m, and puts the chunk back to the source (m, local) with the chunk's signal; the last block
+// releases the landing rows to the node's ranks.
 
 __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
+    __shared__ int32_t round_first[kMaxRanks];  // the round's first forwarded row of each source node
+    __shared__ int32_t round_rows[kMaxRanks];
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
     const int L = topo.ranks_per_node, N = topo.num_nodes;
     const uint64_t call = this_call(args.state);
+    const uint64_t number = round_number(call, args.round.index);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const uint64_t* push_done = at<const uint64_t>(args.nvl, args.nvl_layout.push_done);
-    const int j = threadIdx.x;
-    const bool timed_out = j < L && !wait_at_least(push_done + j, call, deadline_ns, args.status,
-                                                     topo.node * L + j, kPhaseInternodePushed);
+    bool ok = wait_for_each(at<const uint64_t>(args.nvl, args.nvl_layout.push_done), L, number, deadline_ns,
+                            args.status, [&](int j) { return topo.node * L + j; }, kPhaseInternodePushed);
+    // The partials of the last round at each source are overwritten below: it must be done with them.
+    if (ok && args.round.index > 0 &&
+        !wait_for_each(at<const uint64_t>(args.rdma, args.layout.partials_released), N, number - 1, deadline_ns,
+                       args.status, [&](int m) { return m * L + topo.local; }, kPhaseInternodeReleased))
+        ok = false;
+    const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
+    for (int m = threadIdx.x; m < N; m += kNumThreads) {
+        // Each source's forwarded rows come in its token order.
+        const int begin = args.plan[pl.forward_prefix + m], end = args.plan[pl.forward_prefix + m + 1];
+        const int first = lower_bound(args.forward_src, begin, end, first_token);
+        round_first[m] = first;
+        round_rows[m] = lower_bound(args.forward_src, first, end, first_token + args.round.tokens) - first;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         chunk_prefix[0] = 0;
-        for (int m = 0; m < N; ++m)
-            chunk_prefix[m + 1] = chunk_prefix[m] + chunks_of(args.plan[pl.forward_prefix + m + 1] -
-                                                                  args.plan[pl.forward_prefix + m], args.chunk_rows);
+        for (int m = 0; m < N; ++m)  // after a timeout (recorded) nothing is forwarded
+            chunk_prefix[m + 1] = chunk_prefix[m] + (ok ? chunks_of(round_rows[m], args.chunk_rows) : 0);
     }
-    if (__syncthreads_or(timed_out))
-        return;
-    // Local ranks that found the landing rows too few pushed nothing (and recorded it): forward
-    // nothing either, so the sources time out rather than sum what was never pushed.
-    if (args.plan[pl.landing_rows + topo.local] > args.nvl_layout.landing_bytes / args.landing_row_bytes) {
-        if (blockIdx.x == 0 && threadIdx.x == 0)
-            args.status.record(kStatusLandingRows, args.plan[pl.landing_rows + topo.local]);
-        return;
-    }
+    __syncthreads();
     const uint8_t* landing = args.nvl + args.nvl_layout.landing;
     const int num_vectors = static_cast<int>(args.hidden_bytes / sizeof(int4));
     const int num_chunks = chunk_prefix[N];
     const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
-    bool sent = false;
     for (int item = first_warp; item < num_chunks; item += num_warps) {
         const int m = find_range(chunk_prefix, N + 1, item);
         const int chunk = item - chunk_prefix[m];
         const int first_slot = chunk * args.chunk_rows;
-        const int forward_begin = args.plan[pl.forward_prefix + m];
-        const int rows = min(args.chunk_rows, args.plan[pl.forward_prefix + m + 1] - forward_begin - first_slot);
+        const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
         uint8_t* staged = args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
-            const int f = forward_begin + first_slot + r;
+            const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
-            const int64_t copy_row = position >= 0 ? args.plan[pl.forward_offsets + lane * N + m] + position : 0;
+            const int64_t copy_row = position >= 0
+                                         ? static_cast<int64_t>(lane * N + m) * args.round.tokens + position
+                                         : 0;
             const uint8_t* copies[kMaxRanksPerNode];
             int num_copies = 0;
             for (uint32_t holders = __ballot_sync(kFullWarpMask, position >= 0); holders != 0; holders &= holders - 1) {
@@ -765,36 +958,50 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         }
         uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
         const int64_t bytes = rows * args.row_bytes;
-        put_with_signal(target, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), call,
+        put_with_signal(target, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
                         m * L + topo.local);
-        sent = true;
         if (m != topo.node && lane == 0) {
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineRows), rows);
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineBytes), bytes);
         }
     }
-    if (sent && lane == 0)
+    // The staging is reused by the next round: every put of this one must have read it.
+    if (lane == 0)
         nvshmem_quiet();
+    finish_round(args.state, call, args.round, false, [&] {
+        for (int j = 0; j < L; ++j)
+            st_release_sys_global(at<uint64_t>(reinterpret_cast<uint8_t*>(args.node_nvl[j]), args.nvl_layout.released) +
+                                      topo.local, number);
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine reduce: every warp takes this rank's tokens in turn, waits for the partial of each node the
-// token went to, and writes their FP32 sum plus the biases.
+// Combine reduce (one round): every warp takes this rank's tokens of the round in turn, waits for the
+// partial of each node the token went to, and writes their FP32 sum plus the biases; the last block
+// releases the round to the forwarders on this rank's rail.
 
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
+    __shared__ int32_t node_first[kMaxRanks];
     const Topology& topo = args.topo;
-    const int N = topo.num_nodes;
+    const int N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
+    const uint64_t number = round_number(call, args.round.index);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
+    for (int n = threadIdx.x; n < N; n += kNumThreads)
+        node_first[n] = count_before(args.prefix, R + N, first_token, R + n);
+    __syncthreads();
     const int num_vectors = static_cast<int>(args.hidden_bytes / sizeof(int4));
-    for (int t = blockIdx.x * kWarpsPerBlock + warp; t < args.num_tokens; t += gridDim.x * kWarpsPerBlock) {
+    const int end_token = static_cast<int>(min(first_token + args.round.tokens, static_cast<int64_t>(args.num_tokens)));
+    for (int t = static_cast<int>(first_token) + blockIdx.x * kWarpsPerBlock + warp; t < end_token;
+         t += gridDim.x * kWarpsPerBlock) {
         bool arrived = true;
         for (int n = lane; n < N; n += kWarpSize) {
-            const int slot = args.node_pos[static_cast<int64_t>(t) * N + n];
-            if (slot >= 0 && arrived)
-                arrived = wait_at_least(chunk_signal(args.rdma, args.layout, n, slot / args.chunk_rows), call,
-                                        deadline_ns, args.status, n * topo.ranks_per_node + topo.local,
+            const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+            if (position >= 0 && arrived)
+                arrived = wait_at_least(chunk_signal(args.rdma, args.layout, n, (position - node_first[n]) / args.chunk_rows),
+                                        number, deadline_ns, args.status, n * topo.ranks_per_node + topo.local,
                                         kPhaseInternodePartials);
         }
         if (!__all_sync(kFullWarpMask, arrived))
@@ -803,11 +1010,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
         for (int v = lane; v < num_vectors; v += kWarpSize) {
             float acc[kBf16PerVector] = {};
             for (int n = 0; n < N; ++n) {
-                const int slot = args.node_pos[static_cast<int64_t>(t) * N + n];
-                if (slot < 0)
+                const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+                if (position < 0)
                     continue;
                 const uint8_t* partial = args.rdma + args.layout.recv + n * args.layout.partition_bytes +
-                                         static_cast<int64_t>(slot) * args.row_bytes;
+                                         static_cast<int64_t>(position - node_first[n]) * args.row_bytes;
                 accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partial) + v));
             }
             if (args.bias0 != nullptr)
@@ -820,17 +1027,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
             for (int k = lane; k < args.num_topk; k += kWarpSize) {
                 float sum = 0.0f;
                 for (int n = 0; n < N; ++n) {
-                    const int slot = args.node_pos[static_cast<int64_t>(t) * N + n];
-                    if (slot >= 0)
+                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+                    if (position >= 0)
                         sum += __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
                             args.rdma + args.layout.recv + n * args.layout.partition_bytes +
-                            static_cast<int64_t>(slot) * args.row_bytes + args.hidden_bytes) + k));
+                            static_cast<int64_t>(position - node_first[n]) * args.row_bytes + args.hidden_bytes) + k));
                 }
                 args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + k] = sum;
             }
         }
     }
-    finish_call(args.state, call);
+    // This rank is done with the round's partials: the forwarders on its rail may send the next round's.
+    finish_round(args.state, call, args.round, true, [&] {
+        for (int n = 0; n < N; ++n)
+            nvshmemx_signal_op(at<uint64_t>(args.rdma, args.layout.partials_released) + topo.node, number,
+                               NVSHMEM_SIGNAL_SET, n * topo.ranks_per_node + topo.local);
+        nvshmem_quiet();  // delivered before the next call's barrier: no late, smaller number lands after it
+    });
 }
 
 }  // namespace cuep::internode

@@ -9,10 +9,8 @@ from ._math import ceil_div
 from .kernels.common import SCALE_BLOCK
 from .modes import internode, intranode
 
-# Sizes that the hints assume: a prefill/training batch of this many tokens per rank (across nodes, where
-# the buffers still hold one call), top-8, and (unless CUEP_RANKS_PER_NODE says otherwise) nodes of up to
-# this many ranks, as DeepEP's.
-HINT_TOKENS_PER_RANK = 4096
+# Sizes that the hints assume: top-8, and (unless CUEP_RANKS_PER_NODE says otherwise) nodes of up to this many
+# ranks, as DeepEP's.
 MAX_TOPK_HINT = 8
 HINT_RANKS_PER_NODE = 8
 
@@ -41,12 +39,11 @@ class Config:
         num_max_rdma_chunked_recv_tokens: unused.
 
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
-    buffers (no per-channel ring). On one node they go through any batch in rounds of tokens that fit
-    the buffer; the NVL chunk sizes only size the hint's round (as many tokens as DeepEP's rings hold
-    at once). Across nodes the buffers hold one call's tokens (see the size hints), and
-    ``num_max_rdma_chunked_send_tokens`` is the rows each signalled put (a put, then its signal) carries
-    (raised where a partition would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals);
-    ``num_max_rdma_chunked_recv_tokens`` is unused.
+    buffers (no per-channel ring). They go through any batch in rounds of tokens that fit the buffers;
+    the chunked receive sizes only size the hints' rounds (as many tokens as DeepEP's rings hold at once).
+    Across nodes ``num_max_rdma_chunked_send_tokens`` is the rows each signalled put (a put, then its
+    signal) carries (raised where a round would need more than ``cuep.kernels.internode.MAX_CHUNKS``
+    signals).
     """
 
     num_sms: int = 20
@@ -78,15 +75,15 @@ class Config:
         of a whole non-cached dispatch: at hidden 7168, over 100000 tokens per rank in the default hint.
 
         Across nodes (``num_ranks`` more than ``num_ranks_per_node``, which defaults to
-        ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows of a whole
-        call on a forwarder: at most ``num_nodes * num_tokens * min(num_ranks_per_node, num_topk)`` BF16
-        rows with their weights, ``num_tokens`` defaulting to ``HINT_TOKENS_PER_RANK``.
+        ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows of a round on
+        a forwarder: a section of a round's tokens for each (local rank, source node), BF16 rows with their
+        weights, the round as :meth:`get_rdma_buffer_size_hint`'s.
         """
         hidden = hidden_bytes // 2
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes > 1:
-            landing_rows = num_nodes * (num_tokens or HINT_TOKENS_PER_RANK) * min(ranks_per_node, num_topk)
+            landing_rows = num_ranks * self._internode_round_tokens(num_tokens)
             return internode.nvl_bytes_for(landing_rows, internode.combine_row_bytes(hidden, num_topk))
         if num_tokens is None:
             ring_tokens = self.num_sms // 2 * self.num_max_nvl_chunked_recv_tokens // 2
@@ -97,16 +94,18 @@ class Config:
                         intranode.landing_row_bytes(hidden, num_topk))  # combine
         return intranode.round_nvl_bytes(row_bytes, num_ranks, num_tokens)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: int = HINT_TOKENS_PER_RANK,
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: int | None = None,
                                   num_topk: int = MAX_TOPK_HINT, num_ranks_per_node: int | None = None) -> int:
-        """Bytes of RDMA buffer for internode dispatch and combine of ``num_tokens`` tokens per rank; 0 when
-        every rank is on one node.
+        """Bytes of RDMA buffer for internode dispatch and combine; 0 when every rank is on one node.
 
-        ``num_ranks_per_node`` defaults to ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes). The
-        buffer holds a send and a receive partition per node, each holding one rank's tokens as rows
-        (a BF16 dispatch row with its routing, or a combine row), after the signals and count messages.
-        Differs from DeepEP: the size grows with the tokens per call (``num_tokens``), because the
-        kernels have no ring buffer to cycle through.
+        The buffer's size does not limit the batch: the kernels move any number of tokens in rounds, and the
+        buffer sets how many tokens a round takes. It holds a send and a receive partition per node, each
+        holding one round of one rank's tokens as rows (a BF16 dispatch row with its routing, or a combine
+        row), after the signals and count messages. A round takes ``num_tokens`` tokens (an addition to
+        DeepEP's arguments, rounded up to whole units of 128: fewer rounds, more bytes), or by default as many
+        as DeepEP's RDMA rings hold at once (``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``),
+        halved for the send and receive partitions. ``num_ranks_per_node`` defaults to
+        ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes).
         """
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
@@ -114,7 +113,14 @@ class Config:
             return 0
         row = max(internode.dispatch_row_bytes(hidden_bytes, 0, num_topk, ranks_per_node),
                   internode.combine_row_bytes(hidden_bytes // 2, num_topk))
-        return internode.rdma_bytes_for(num_tokens * row, num_ranks, num_nodes)
+        return internode.rdma_bytes_for(self._internode_round_tokens(num_tokens) * row, num_ranks, num_nodes)
+
+    def _internode_round_tokens(self, num_tokens: int | None) -> int:
+        """The tokens of an internode round the hints size the buffers for (see :meth:`get_rdma_buffer_size_hint`)."""
+        unit = internode.ROUND_UNIT_TOKENS
+        if num_tokens is None:
+            num_tokens = self.num_sms // 2 * self.num_max_rdma_chunked_recv_tokens // 2
+        return max(unit, ceil_div(num_tokens, unit) * unit)
 
 
 # SMs of the normal-mode kernels when no Config is given: DeepEP's default, which frameworks read

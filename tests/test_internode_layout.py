@@ -10,10 +10,10 @@ from cuep.runtime.topology import plan_topology
 
 
 def test_rows_hold_their_parts_in_whole_vectors():
-    # BF16 7168, top-8, 8 ranks per node: 14336 + 8 * 8 + 4 + 8 * 4 = 14436 -> 14448
-    assert internode.dispatch_row_bytes(14336, 0, 8, 8) == 14448
-    # FP8 7168 with 56 scales, top-8, 2 ranks per node: 7168 + 224 + 64 + 4 + 8 = 7468 -> 7472
-    assert internode.dispatch_row_bytes(7168, 56, 8, 2) == 7472
+    # BF16 7168, top-8, 8 ranks per node: 14336 + 8 * 8 + 4 + 2 * 8 * 4 = 14468 -> 14480
+    assert internode.dispatch_row_bytes(14336, 0, 8, 8) == 14480
+    # FP8 7168 with 56 scales, top-8, 2 ranks per node: 7168 + 224 + 64 + 4 + 2 * 8 = 7476 -> 7488
+    assert internode.dispatch_row_bytes(7168, 56, 8, 2) == 7488
     assert internode.combine_row_bytes(7168, 8) == 14368
     assert internode.combine_row_bytes(7168, 0) == 14336
     for size in (internode.dispatch_row_bytes(2 * 384, 0, 3, 3), internode.combine_row_bytes(384, 3)):
@@ -25,7 +25,9 @@ def test_rdma_layout_parts_do_not_overlap_and_fit(num_ranks, num_nodes):
     total = 300 << 20
     layout = internode.RdmaLayout.carve(total, num_ranks, num_nodes)
     parts = [(layout.count_signals, 8 * num_ranks), (layout.chunk_signals, 8 * num_nodes * kernels.MAX_CHUNKS),
-             (layout.counts, 4 * num_ranks * kernels.COUNT_WORDS),
+             (layout.round_signals, 8 * num_nodes), (layout.rows_released, 8 * num_ranks),
+             (layout.partials_released, 8 * num_nodes), (layout.headers, 8 * num_nodes),
+             (layout.header_staging, 8 * num_nodes), (layout.counts, 4 * num_ranks * kernels.COUNT_WORDS),
              (layout.count_staging, 4 * num_ranks * kernels.COUNT_WORDS),
              (layout.send, num_nodes * layout.partition_bytes), (layout.recv, num_nodes * layout.partition_bytes)]
     for (start, size), (next_start, _) in zip(parts, parts[1:]):
@@ -38,9 +40,10 @@ def test_rdma_layout_parts_do_not_overlap_and_fit(num_ranks, num_nodes):
 
 
 def test_plan_layout_parts_follow_each_other():
-    plan = internode.PlanLayout.create(num_ranks=6, num_nodes=3, ranks_per_node=2, num_local_experts=16)
-    assert (plan.recv_prefix, plan.per_expert, plan.forward_prefix, plan.part_rows, plan.push_offsets,
-            plan.forward_offsets, plan.landing_rows, plan.words) == (2, 9, 25, 29, 35, 41, 47, 49)
+    plan = internode.PlanLayout.create(num_ranks=6, num_nodes=3, num_local_experts=16)
+    # words 0, 1, 2: received rows, forwarded rows, the largest token count
+    assert (plan.recv_prefix, plan.per_expert, plan.forward_prefix, plan.words) == (3, 10, 26, 30)
+    assert internode.PlanLayout.MAX_TOKENS == 2
 
 
 def test_chunk_rows_respect_the_signal_table():
@@ -49,19 +52,22 @@ def test_chunk_rows_respect_the_signal_table():
     assert internode.chunk_rows(1, 0) == 1
 
 
-def test_rdma_hint_holds_a_batch_per_partition():
+def test_rdma_hint_holds_a_round_per_partition_with_no_token_count():
+    # DeepEP's RDMA rings at its defaults: 20 SMs / 2 channels of 256 tokens, halved for send and receive
     hint = Config().get_rdma_buffer_size_hint(14336, 16)  # 2 nodes of 8 (DeepEP's default node)
     layout = internode.RdmaLayout.carve(hint, 16, 2)
-    assert layout.partition_bytes >= 4096 * internode.dispatch_row_bytes(14336, 0, 8, 8)
+    assert layout.partition_bytes >= 1280 * internode.dispatch_row_bytes(14336, 0, 8, 8)
+    assert hint == Config().get_rdma_buffer_size_hint(14336, 16, num_tokens=1200)  # whole units of 128
+    assert Config(num_sms=40).get_rdma_buffer_size_hint(14336, 16) > hint
     assert Config().get_rdma_buffer_size_hint(14336, 8) == 0  # one node
     assert Config().get_rdma_buffer_size_hint(14336, 4, num_ranks_per_node=2) > 0
     with pytest.raises(ValueError, match="num_ranks_per_node"):
         Config().get_rdma_buffer_size_hint(14336, 6, num_ranks_per_node=4)
 
 
-def test_nvl_hint_across_nodes_holds_the_combine_landing_rows():
+def test_nvl_hint_across_nodes_holds_a_rounds_landing_rows():
     hint = Config().get_nvl_buffer_size_hint(14336, 16)
-    rows = 2 * 4096 * 8  # nodes * tokens * min(ranks per node, top-k)
+    rows = 16 * 1280  # a section of a round per (local rank, source node)
     assert hint == internode.NVL_CONTROL_BYTES + rows * internode.combine_row_bytes(7168, 8)
 
 
@@ -95,18 +101,45 @@ def test_every_shape_of_cluster_fits_the_kernels_bounds():
 def test_handle_round_trips_through_its_flat_tuple():
     import numpy as np
     handle = internode.Handle(
-        num_tokens=5, num_rows=7, num_recv_tokens=6, num_local_experts=4, plan=np.zeros(40, np.int32),
-        plan_host=np.zeros(40, np.int32), send_pos=np.zeros((5, 4), np.int32), node_pos=np.zeros((5, 2), np.int32),
-        node_list=np.zeros((2, 5), np.int32), counts=np.zeros(6, np.int32), forward_pos=np.zeros((3, 2), np.int32),
-        recv_gbl_rank_prefix_sum=np.arange(1, 5, dtype=np.int32), recv_src_idx=np.zeros(7, np.int32),
-        is_token_in_rank=np.zeros((5, 4), np.bool_))
+        num_tokens=5, num_rows=7, num_recv_tokens=6, num_local_experts=4, round_tokens=128, num_rounds=1,
+        plan=np.zeros(40, np.int32), plan_host=np.zeros(40, np.int32), send_pos=np.zeros((5, 4), np.int32),
+        node_pos=np.zeros((5, 2), np.int32), node_list=np.zeros((2, 5), np.int32), counts=np.zeros(6, np.int32),
+        unit_prefix=np.zeros((2, 6), np.int32), forward_pos=np.zeros((3, 2), np.int32),
+        forward_src=np.zeros(3, np.int32), recv_gbl_rank_prefix_sum=np.arange(1, 5, dtype=np.int32),
+        recv_src_idx=np.zeros(7, np.int32), is_token_in_rank=np.zeros((5, 4), np.bool_))
     items = list(handle)
     assert len(items) == len(handle) == len(internode.HANDLE_ARRAYS)
     assert items[-4] is handle.recv_gbl_rank_prefix_sum  # where DeepEP's users read it
     restored = internode.Handle.from_arrays(dict(zip(internode.HANDLE_ARRAYS, items)))
     assert (restored.num_tokens, restored.num_rows, restored.num_recv_tokens, restored.num_local_experts,
-            restored.num_ranks) == (5, 7, 6, 4, 4)
-    assert restored.plan_host is None  # a restored handle's combine checks its landing rows on the device
+            restored.num_ranks, restored.round_tokens, restored.num_rounds) == (5, 7, 6, 4, 4, 128, 1)
+    assert restored.plan_host is None
+    unfit = dict(zip(internode.HANDLE_ARRAYS, items), unit_prefix=np.zeros((3, 6), np.int32))
+    with pytest.raises(ValueError, match="do not fit together"):
+        internode.Handle.from_arrays(unfit)
     items[1] = np.zeros((5, 4), np.int64)
     with pytest.raises(ValueError, match="send_pos must be int32"):
         internode.Handle.from_arrays(dict(zip(internode.HANDLE_ARRAYS, items)))
+
+
+def _context_of(num_ranks: int, ranks_per_node: int, nvl_bytes: int, rdma_bytes: int):
+    """What round_tokens_for reads of a Buffer's internode context."""
+    import types
+    rdma = internode.RdmaLayout.carve(rdma_bytes, num_ranks, num_ranks // ranks_per_node)
+    return types.SimpleNamespace(topology=topology(num_ranks, ranks_per_node), rdma_layout=rdma,
+                                 nvl_layout=internode.NvlLayout.carve(nvl_bytes),
+                                 partition_rows=lambda row_bytes: rdma.partition_bytes // row_bytes)
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", [(16, 8), (4, 2), (8, 2)])
+def test_buffers_sized_by_the_hints_take_rounds_of_their_tokens(num_ranks, ranks_per_node):
+    config = Config()
+    nvl = config.get_nvl_buffer_size_hint(14336, num_ranks, num_ranks_per_node=ranks_per_node)
+    rdma = config.get_rdma_buffer_size_hint(14336, num_ranks, num_ranks_per_node=ranks_per_node)
+    ctx = _context_of(num_ranks, ranks_per_node, nvl, rdma)
+    assert internode.round_tokens_for(ctx, 7168, 8) == 1280
+    assert internode.round_tokens_for(ctx, 7168, 4) == 1280  # fewer choices: smaller rows, same whole units
+    small = _context_of(num_ranks, ranks_per_node, nvl, config.get_rdma_buffer_size_hint(
+        14336, num_ranks, num_tokens=128, num_ranks_per_node=ranks_per_node))
+    assert internode.round_tokens_for(small, 7168, 8) == 128
+    assert internode.round_tokens_for(small, 2 * 7168, 8) == 0  # not one unit of rows twice as long

@@ -27,7 +27,8 @@ PROFILER_NAME_WIDTH = 100  # bench_kineto's max_name_column_width
 WORDS = ("dispatch", "combine")
 
 # What each call launches, in order, as cuep/modes/{low_latency,intranode,internode}.py launch it. A hooked
-# low-latency call launches its one kernel twice (send, then receive phase): one name either way.
+# low-latency call launches its one kernel twice (send, then receive phase), an internode call its round's
+# kernels once per round: one name each either way.
 CALLS = {
     "low-latency dispatch + combine": [low_latency.DISPATCH_ENTRY, low_latency.COMBINE_ENTRY],
     "low-latency dispatch": [low_latency.DISPATCH_ENTRY],
@@ -36,8 +37,8 @@ CALLS = {
                            intranode.RoutingArgs.entry, intranode.PushArgs.entry],
     "intranode cached dispatch": [intranode.PushArgs.entry],
     "intranode combine": [intranode.CombineArgs.entry],
-    "internode dispatch": [barrier.ENTRY, internode.ScanArgs.entry, internode.SendArgs.entry,
-                           internode.NotifyArgs.entry, internode.PullArgs.entry],
+    "internode dispatch": [barrier.ENTRY, internode.ScanArgs.entry, internode.CountsArgs.entry,
+                           internode.NotifyArgs.entry, internode.SendArgs.entry, internode.PullArgs.entry],
     "internode cached dispatch": [barrier.ENTRY, internode.SendArgs.entry, internode.PullArgs.entry],
     "internode combine": [barrier.ENTRY, internode.PushArgs.entry, internode.ForwardArgs.entry,
                           internode.ReduceArgs.entry],

@@ -95,5 +95,6 @@ constexpr int kPhaseInternodeCounts = CUEP_PHASE_INTERNODE_COUNTS;       // a so
 constexpr int kPhaseInternodeRows = CUEP_PHASE_INTERNODE_ROWS;           // a chunk of rows at a forwarder
 constexpr int kPhaseInternodePushed = CUEP_PHASE_INTERNODE_PUSHED;       // a local rank's combine pushes
 constexpr int kPhaseInternodePartials = CUEP_PHASE_INTERNODE_PARTIALS;   // a node's partial sums
+constexpr int kPhaseInternodeReleased = CUEP_PHASE_INTERNODE_RELEASED;   // a peer done with the last round
 
 }  // namespace cuep

@@ -11,10 +11,14 @@ from . import status
 WARP_SIZE = 32
 SCALE_BLOCK = 128            # FP8 channels per float32 scale
 UE8M0_SCALES_PER_WORD = 4    # power-of-two scales whose exponent bytes pack into one int32
+# The normal modes move a batch in rounds of whole units of source tokens, and count what each rank and
+# node gets at every unit (the intranode send_prefix, the internode unit_prefix).
+ROUND_UNIT_TOKENS = 128
 
-CONSTANTS = {"warp_size": WARP_SIZE, "scale_block": SCALE_BLOCK, **status.CONSTANTS}
-"""What every family's source sees: the warp size, the FP8 scale block, the status words and the
-phase codes of :mod:`cuep.kernels.status`."""
+CONSTANTS = {"warp_size": WARP_SIZE, "scale_block": SCALE_BLOCK, "round_unit_tokens": ROUND_UNIT_TOKENS,
+             **status.CONSTANTS}
+"""What every family's source sees: the warp size, the FP8 scale block, the round unit, the status words
+and the phase codes of :mod:`cuep.kernels.status`."""
 
 
 NETWORK_DEFINE = "network"

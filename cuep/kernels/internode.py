@@ -4,17 +4,19 @@ spec, the values it shares with the kernels, and its argument structs.
 C++ entries, each taking one argument struct by value (mirrored below, field for field)::
 
     cuep::internode::scan(const ScanArgs)          grid num_ranks + num_nodes (a block per column)
-    cuep::internode::send(const SendArgs)          grid num_sms
+    cuep::internode::counts(const CountsArgs)      grid 1
     cuep::internode::notify(const NotifyArgs)      grid 1
-    cuep::internode::dispatch(const PullArgs)      grid num_sms
-    cuep::internode::push(const PushArgs)          grid num_sms
-    cuep::internode::forward(const ForwardArgs)    grid num_sms
-    cuep::internode::combine(const ReduceArgs)     grid num_sms
+    cuep::internode::send(const SendArgs)          grid num_sms, once per round
+    cuep::internode::dispatch(const PullArgs)      grid num_sms, once per round
+    cuep::internode::push(const PushArgs)          grid num_sms, once per round
+    cuep::internode::forward(const ForwardArgs)    grid num_sms, once per round
+    cuep::internode::combine(const ReduceArgs)     grid num_sms, once per round
 
 all with :data:`NUM_THREADS` threads a block. The call sequences, the buffers' layouts and the Handle
 are :mod:`cuep.modes.internode`'s. A profile finds a call's main kernel by name, as with DeepEP's: of
-what a dispatch launches (barrier, scan, send, notify, dispatch) one name holds ``dispatch``, and of
-what a combine launches (barrier, push, forward, combine) one holds ``combine``.
+what a dispatch launches (barrier, scan, counts, notify, then send and dispatch per round) one name holds
+``dispatch``, and of what a combine launches (barrier, then push, forward and combine per round) one holds
+``combine``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import ctypes
 
 from ..jit import KernelSpec
-from .common import family_constants, network_defines
+from .common import ROUND_UNIT_TOKENS, family_constants, network_defines
 from .launcher import KernelArgs, entries_of
 from .status import Status
 
@@ -31,10 +33,12 @@ MAX_RANKS = 256                  # ranks of all nodes; the notify block gives ea
 MAX_RANKS_PER_NODE = 8           # one NVLink domain; a dispatched row carries a position per local rank
 MAX_LOCAL_EXPERTS = 512          # experts per rank that a count message holds
 MAX_CHUNKS = 1024                # signalled chunks per partition: the signal table's rows
-COUNT_HEADER_WORDS = 2 + MAX_RANKS_PER_NODE  # a count message: to the rank, to its node, to each rank of its node
-COUNT_WORDS = COUNT_HEADER_WORDS + MAX_LOCAL_EXPERTS + 2  # then per-expert counts; 16-byte multiple
+# A count message: to the rank, to its node, to each rank of its node, the source's token count.
+COUNT_HEADER_WORDS = 3 + MAX_RANKS_PER_NODE
+COUNT_WORDS = COUNT_HEADER_WORDS + MAX_LOCAL_EXPERTS + 1  # then per-expert counts; 16-byte multiple
 STATE_WORDS = 2                  # uint64 device state: finished internode calls, blocks done of the running kernel
 TRAFFIC_WORDS = 4                # uint64 counters: rows and bytes put across nodes by dispatches, then combines
+MAX_ROUNDS = (1 << 20) - 1       # rounds of one call: the low bits of a round's signal number
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_node": MAX_RANKS_PER_NODE,
              "max_local_experts": MAX_LOCAL_EXPERTS, "max_chunks": MAX_CHUNKS,
@@ -69,15 +73,16 @@ class RdmaLayout(KernelArgs):
     """Byte offsets in every rank's RDMA buffer (:class:`cuep.modes.internode.RdmaLayout`)."""
 
     cxx_name = "RdmaLayout"
-    _fields_ = [("count_signals", _i64), ("chunk_signals", _i64), ("counts", _i64), ("count_staging", _i64),
-                ("send", _i64), ("recv", _i64), ("partition_bytes", _i64)]
+    _fields_ = [("count_signals", _i64), ("chunk_signals", _i64), ("round_signals", _i64), ("rows_released", _i64),
+                ("partials_released", _i64), ("headers", _i64), ("header_staging", _i64), ("counts", _i64),
+                ("count_staging", _i64), ("send", _i64), ("recv", _i64), ("partition_bytes", _i64)]
 
 
 class NvlLayout(KernelArgs):
-    """Byte offsets in every rank's NVL buffer: the combine's push flags and landing rows."""
+    """Byte offsets in every rank's NVL buffer: the combine's push and release flags, and landing rows."""
 
     cxx_name = "NvlLayout"
-    _fields_ = [("push_done", _i64), ("landing", _i64), ("landing_bytes", _i64)]
+    _fields_ = [("push_done", _i64), ("released", _i64), ("landing", _i64), ("landing_bytes", _i64)]
 
 
 class PlanLayout(KernelArgs):
@@ -85,8 +90,21 @@ class PlanLayout(KernelArgs):
     (:class:`cuep.modes.internode.PlanLayout`)."""
 
     cxx_name = "PlanLayout"
-    _fields_ = [("recv_prefix", _i32), ("per_expert", _i32), ("forward_prefix", _i32), ("part_rows", _i32),
-                ("push_offsets", _i32), ("forward_offsets", _i32), ("landing_rows", _i32), ("words", _i32)]
+    _fields_ = [("recv_prefix", _i32), ("per_expert", _i32), ("forward_prefix", _i32), ("words", _i32)]
+
+
+class Round(KernelArgs):
+    """The round a kernel moves: its ``index``, the ``count`` of the call's rounds, the source ``tokens`` of each."""
+
+    cxx_name = "Round"
+    _fields_ = [("index", _i32), ("count", _i32), ("tokens", _i32)]
+
+
+class UnitPrefix(KernelArgs):
+    """The scan's counts at every multiple of :data:`ROUND_UNIT_TOKENS`: ``[units + 1, R + N]`` int32."""
+
+    cxx_name = "UnitPrefix"
+    _fields_ = [("counts", _ptr), ("units", _i32)]
 
 
 class TokenRows(KernelArgs):
@@ -104,18 +122,27 @@ class ScanArgs(KernelArgs):
     cxx_name = "ScanArgs"
     entry = "cuep::internode::scan"
     _fields_ = [("is_token_in_rank", _ptr), ("num_tokens", _i32), ("topo", Topology), ("send_pos", _ptr),
-                ("node_pos", _ptr), ("node_list", _ptr), ("counts", _ptr)]
+                ("node_pos", _ptr), ("node_list", _ptr), ("counts", _ptr), ("unit_prefix", _ptr)]
+
+
+class CountsArgs(KernelArgs):
+    """``cuep::internode::counts``: this rank's count message to every rank."""
+
+    cxx_name = "CountsArgs"
+    entry = "cuep::internode::counts"
+    _fields_ = [("counts", _ptr), ("num_tokens_per_expert", _ptr), ("num_experts", _i32), ("num_tokens", _i32),
+                ("topo", Topology), ("rdma", _ptr), ("layout", RdmaLayout), ("state", _ptr)]
 
 
 class SendArgs(KernelArgs):
-    """``cuep::internode::send``: the count messages (non-cached) and every token once per destination node."""
+    """``cuep::internode::send``: a round's tokens, once per destination node, with the round's headers."""
 
     cxx_name = "SendArgs"
     entry = "cuep::internode::send"
-    _fields_ = [("tokens", TokenRows), ("send_pos", _ptr), ("node_list", _ptr), ("counts", _ptr),
-                ("num_tokens_per_expert", _ptr), ("num_experts", _i32), ("topo", Topology), ("rdma", _ptr),
-                ("layout", RdmaLayout), ("row_bytes", _i64), ("chunk_rows", _i32), ("state", _ptr),
-                ("traffic", _ptr), ("status", Status)]
+    _fields_ = [("tokens", TokenRows), ("send_pos", _ptr), ("node_list", _ptr), ("prefix", UnitPrefix),
+                ("topo", Topology), ("rdma", _ptr), ("layout", RdmaLayout), ("row_bytes", _i64),
+                ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr), ("status", Status),
+                ("timeout_ns", _u64)]
 
 
 class NotifyArgs(KernelArgs):
@@ -141,11 +168,11 @@ class PullArgs(KernelArgs):
 
     cxx_name = "PullArgs"
     entry = "cuep::internode::dispatch"
-    _fields_ = [("node_rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("row_bytes", _i64),
+    _fields_ = [("rdma", _ptr), ("node_rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("row_bytes", _i64),
                 ("chunk_rows", _i32), ("hidden_bytes", _i64), ("num_scales", _i32), ("num_topk", _i32),
                 ("num_experts", _i32), ("plan", _ptr), ("plan_layout", PlanLayout), ("recv", RecvArrays),
-                ("forward_pos", _ptr), ("forward_capacity", _i32), ("state", _ptr), ("status", Status),
-                ("timeout_ns", _u64)]
+                ("forward_pos", _ptr), ("forward_src", _ptr), ("forward_capacity", _i32), ("round", Round),
+                ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
 class PushArgs(KernelArgs):
@@ -155,8 +182,9 @@ class PushArgs(KernelArgs):
     cxx_name = "PushArgs"
     entry = "cuep::internode::push"
     _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
-                ("plan_layout", PlanLayout), ("x", _ptr), ("hidden_bytes", _i64), ("topk_weights", _ptr),
-                ("num_topk", _i32), ("landing_row_bytes", _i64), ("state", _ptr), ("status", Status)]
+                ("plan_layout", PlanLayout), ("recv_src_idx", _ptr), ("x", _ptr), ("hidden_bytes", _i64),
+                ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64), ("round", Round),
+                ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
 class ForwardArgs(KernelArgs):
@@ -165,11 +193,11 @@ class ForwardArgs(KernelArgs):
 
     cxx_name = "ForwardArgs"
     entry = "cuep::internode::forward"
-    _fields_ = [("nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
+    _fields_ = [("nvl", _ptr), ("node_nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
-                ("hidden_bytes", _i64), ("num_topk", _i32), ("landing_row_bytes", _i64), ("row_bytes", _i64),
-                ("chunk_rows", _i32), ("state", _ptr), ("traffic", _ptr), ("status", Status),
-                ("timeout_ns", _u64)]
+                ("forward_src", _ptr), ("hidden_bytes", _i64), ("num_topk", _i32), ("landing_row_bytes", _i64),
+                ("row_bytes", _i64), ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
+                ("status", Status), ("timeout_ns", _u64)]
 
 
 class ReduceArgs(KernelArgs):
@@ -178,12 +206,13 @@ class ReduceArgs(KernelArgs):
     cxx_name = "ReduceArgs"
     entry = "cuep::internode::combine"
     _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("node_pos", _ptr),
-                ("num_tokens", _i32), ("hidden_bytes", _i64), ("num_topk", _i32), ("row_bytes", _i64),
-                ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
-                ("combined_topk_weights", _ptr), ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
+                ("prefix", UnitPrefix), ("num_tokens", _i32), ("hidden_bytes", _i64), ("num_topk", _i32),
+                ("row_bytes", _i64), ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
+                ("combined_topk_weights", _ptr), ("round", Round), ("state", _ptr), ("status", Status),
+                ("timeout_ns", _u64)]
 
 
 #: Every struct this module mirrors, nested ones included (``tests/test_kernel_args.py`` checks them).
-ARGUMENT_STRUCTS = (Topology, RdmaLayout, NvlLayout, PlanLayout, TokenRows, ScanArgs, SendArgs, NotifyArgs,
-                    RecvArrays, PullArgs, PushArgs, ForwardArgs, ReduceArgs)
+ARGUMENT_STRUCTS = (Topology, RdmaLayout, NvlLayout, PlanLayout, Round, UnitPrefix, TokenRows, ScanArgs, CountsArgs,
+                    SendArgs, NotifyArgs, RecvArrays, PullArgs, PushArgs, ForwardArgs, ReduceArgs)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)

@@ -39,12 +39,11 @@ CONTROL_BYTES = 20 * 1024        # the protocol's flags (SenderControl), at the 
 META_HEADER_BYTES = 4 * 8 + MAX_RANKS * 4  # SenderMeta before its per-expert counts
 MAX_EXPERTS = (META_BYTES - CONTROL_BYTES - META_HEADER_BYTES) // 4  # int32 per-expert counts that fit the header
 STATE_WORDS = 5                  # uint64 device state: dispatch epoch, blocks done, calls, rounds ended, pushers done
-ROUND_UNIT_TOKENS = 128          # rounds take whole units of source tokens; send_prefix has a row per unit
+ROUND_UNIT_TOKENS = common.ROUND_UNIT_TOKENS  # rounds take whole units of source tokens; send_prefix has a row per unit
 MAX_ROUND_ROWS = 1024 * ROUND_UNIT_TOKENS  # landing rows of a round: kMaxChunks counters of at most a unit each
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
-             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS,
-             "round_unit_tokens": ROUND_UNIT_TOKENS}
+             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS}
 """What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones (its ``static_assert``\\ s
 check that they fit together)."""
 

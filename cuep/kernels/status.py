@@ -92,6 +92,7 @@ class Phase(enum.IntEnum):
     INTERNODE_ROWS = 12        # a chunk of dispatched rows at a forwarder of this node
     INTERNODE_PUSHED = 13      # a local rank's pushed rows (internode combine, at the forwarder)
     INTERNODE_PARTIALS = 14    # a node's partial sums (internode combine, at the source)
+    INTERNODE_RELEASED = 15    # a peer done with the previous round's rows (internode, before a round reuses them)
 
 
 PHASE_NAMES = {Phase.BARRIER: "device barrier",
@@ -107,7 +108,8 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
                Phase.INTERNODE_COUNTS: "internode dispatch (count messages)",
                Phase.INTERNODE_ROWS: "internode dispatch (rows at this node's forwarder)",
                Phase.INTERNODE_PUSHED: "internode combine (a local rank's pushed rows)",
-               Phase.INTERNODE_PARTIALS: "internode combine (a node's partial sums)"}
+               Phase.INTERNODE_PARTIALS: "internode combine (a node's partial sums)",
+               Phase.INTERNODE_RELEASED: "internode dispatch or combine (a peer done with the previous round)"}
 """What a timed-out wait of each phase was waiting for, as PeerTimeoutError words it."""
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,

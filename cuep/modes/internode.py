@@ -4,18 +4,20 @@ A token crosses between nodes at most once per destination node, along its sourc
 with the same local index there, its forwarder), and reaches the ranks of that node that need it over
 NVLink; the combine sums each token's copies inside each node first and sends one partial per
 (token, node) back. ``cuda_src/internode.cu`` describes the protocol; this module lays out the
-buffers, keeps what a dispatch leaves for combine and cached dispatch (:class:`Handle`), sizes the
-buffers, and launches each call's kernels through :mod:`cuep.kernels.internode`:
+buffers, keeps what a dispatch leaves for combine and cached dispatch (:class:`Handle`), works out the
+rounds, and launches each call's kernels through :mod:`cuep.kernels.internode`:
 
-* non-cached :func:`dispatch`: barrier, scan, send, notify, the CPU wait for the received count
-  (unless ``num_worst_tokens``), pull;
-* cached dispatch (a handle given): barrier, send, pull;
-* :func:`combine`: barrier, push, forward, reduce.
+* non-cached :func:`dispatch`: barrier, scan, counts, notify, the CPU wait for the received count and
+  the largest token count (unless ``num_worst_tokens``), then send and pull per round;
+* cached dispatch (a handle given): barrier, then send and pull per round;
+* :func:`combine`: barrier, then push, forward and reduce per round.
 
-The RDMA buffer holds the signals and count messages, then a send and a receive region of one
-partition per node (:class:`RdmaLayout`): a call's rows for or from node ``n`` use partition ``n``,
-so a partition must hold one rank's tokens. The NVL buffer holds the combine's landing rows
-(:class:`NvlLayout`).
+Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` source tokens of every rank
+(:func:`round_tokens_for`): the RDMA buffer holds the signals and count messages, then a send and a
+receive region of one partition per node (:class:`RdmaLayout`), each holding one round of one rank's rows;
+the NVL buffer holds the combine's landing rows of one round (:class:`NvlLayout`). A dispatch with
+``num_worst_tokens`` waits for no count on the CPU, so it cannot learn how many rounds the largest batch
+needs: it moves its batch in one round.
 """
 
 from __future__ import annotations
@@ -32,20 +34,21 @@ from .._status import StatusWords
 from ..jit import Library
 from ..kernels import internode as kernels
 from ..kernels.internode import (COUNT_WORDS, MAX_CHUNKS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_RANKS_PER_NODE,
-                                 NUM_THREADS, STATE_WORDS, TRAFFIC_WORDS)
+                                 MAX_ROUNDS, NUM_THREADS, ROUND_UNIT_TOKENS, STATE_WORDS, TRAFFIC_WORDS)
 from ..kernels.launcher import launch
 from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
 from ..runtime.topology import Topology
 from .handles import FlatHandle
 
-__all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROW_ALIGN", "Context", "Handle",
-           "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes", "dispatch",
-           "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for"]
+__all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
+           "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
+           "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_tokens_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
-NVL_CONTROL_BYTES = 4096  # the combine's push flags (one per local rank), then the landing rows
+HEADER_BYTES = 8      # a round's header: its first node position and its rows (int32 each)
+NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,8 +57,8 @@ NVL_CONTROL_BYTES = 4096  # the combine's push flags (one per local rank), then 
 def dispatch_row_bytes(hidden_bytes: int, num_scales: int, num_topk: int, ranks_per_node: int) -> int:
     """One dispatched row on the wire: the hidden bytes, the FP8 scales (float32), the top-k ids (int32)
     and weights (float32), the source token (int32), and its position at each rank of the destination
-    node (int32); see ``RowShape`` in ``internode.cu``."""
-    return align_up(hidden_bytes + 4 * num_scales + 8 * num_topk + 4 + 4 * ranks_per_node, ROW_ALIGN)
+    node, absolute and from the round's first (int32 each); see ``RowShape`` in ``internode.cu``."""
+    return align_up(hidden_bytes + 4 * num_scales + 8 * num_topk + 4 + 8 * ranks_per_node, ROW_ALIGN)
 
 
 def combine_row_bytes(hidden: int, num_topk: int) -> int:
@@ -65,18 +68,25 @@ def combine_row_bytes(hidden: int, num_topk: int) -> int:
 
 
 def _control_bytes(num_ranks: int, num_nodes: int) -> int:
-    signals = SIGNAL_BYTES * (num_ranks + num_nodes * MAX_CHUNKS)
-    return align_up(signals + 2 * num_ranks * COUNT_WORDS * 4, REGION_ALIGN)
+    signals = SIGNAL_BYTES * (2 * num_ranks + num_nodes * (MAX_CHUNKS + 2))
+    return align_up(signals + 2 * HEADER_BYTES * num_nodes + 2 * num_ranks * COUNT_WORDS * 4, REGION_ALIGN)
 
 
 @dataclass(frozen=True)
 class RdmaLayout:
     """Byte offsets in every rank's RDMA buffer (the same on every rank), as ``RdmaLayout`` in
-    ``internode.cu``: count signals ``[R]``, chunk signals ``[N][MAX_CHUNKS]``, count messages in and out
-    ``[R][COUNT_WORDS]`` each, then ``N`` send partitions and ``N`` receive partitions."""
+    ``internode.cu``: count signals ``[R]``, chunk signals ``[N][MAX_CHUNKS]``, round signals ``[N]``, the
+    dispatch's and the combine's release signals ``[R]`` and ``[N]``, round headers in and out ``[N]`` each,
+    count messages in and out ``[R][COUNT_WORDS]`` each, then ``N`` send partitions and ``N`` receive
+    partitions."""
 
     count_signals: int
     chunk_signals: int
+    round_signals: int
+    rows_released: int
+    partials_released: int
+    headers: int
+    header_staging: int
     counts: int
     count_staging: int
     send: int
@@ -85,12 +95,18 @@ class RdmaLayout:
 
     @classmethod
     def carve(cls, rdma_bytes: int, num_ranks: int, num_nodes: int) -> "RdmaLayout":
-        chunk_signals = SIGNAL_BYTES * num_ranks
-        counts = chunk_signals + SIGNAL_BYTES * num_nodes * MAX_CHUNKS
-        count_staging = counts + num_ranks * COUNT_WORDS * 4
+        offset, parts = 0, {}
+        for name, size in (("count_signals", SIGNAL_BYTES * num_ranks),
+                           ("chunk_signals", SIGNAL_BYTES * num_nodes * MAX_CHUNKS),
+                           ("round_signals", SIGNAL_BYTES * num_nodes), ("rows_released", SIGNAL_BYTES * num_ranks),
+                           ("partials_released", SIGNAL_BYTES * num_nodes), ("headers", HEADER_BYTES * num_nodes),
+                           ("header_staging", HEADER_BYTES * num_nodes), ("counts", 4 * num_ranks * COUNT_WORDS),
+                           ("count_staging", 4 * num_ranks * COUNT_WORDS)):
+            parts[name] = offset
+            offset += size
         send = _control_bytes(num_ranks, num_nodes)
         partition = max(0, (rdma_bytes - send) // (2 * num_nodes)) // REGION_ALIGN * REGION_ALIGN
-        return cls(0, chunk_signals, counts, count_staging, send, send + num_nodes * partition, partition)
+        return cls(**parts, send=send, recv=send + num_nodes * partition, partition_bytes=partition)
 
     def mirror(self) -> kernels.RdmaLayout:
         return kernels.RdmaLayout(**self.__dict__)
@@ -103,15 +119,17 @@ def rdma_bytes_for(partition_bytes: int, num_ranks: int, num_nodes: int) -> int:
 
 @dataclass(frozen=True)
 class NvlLayout:
-    """Byte offsets in every rank's NVL buffer: push flags ``[L]``, then the combine's landing rows."""
+    """Byte offsets in every rank's NVL buffer: push flags ``[L]``, release flags ``[L]``, then the combine's
+    landing rows."""
 
     push_done: int
+    released: int
     landing: int
     landing_bytes: int
 
     @classmethod
     def carve(cls, nvl_bytes: int) -> "NvlLayout":
-        return cls(0, NVL_CONTROL_BYTES, max(0, nvl_bytes - NVL_CONTROL_BYTES))
+        return cls(0, SIGNAL_BYTES * MAX_RANKS_PER_NODE, NVL_CONTROL_BYTES, max(0, nvl_bytes - NVL_CONTROL_BYTES))
 
     def mirror(self) -> kernels.NvlLayout:
         return kernels.NvlLayout(**self.__dict__)
@@ -125,25 +143,22 @@ def nvl_bytes_for(landing_rows: int, row_bytes: int) -> int:
 @dataclass(frozen=True)
 class PlanLayout:
     """Where each part of a dispatch's plan (one int32 array the notify kernel writes) starts: the
-    received and forwarded row counts (words 0 and 1), then ``recv_prefix[R + 1]``,
-    ``per_expert[E / R]``, ``forward_prefix[N + 1]``, ``part_rows[L * N]``, ``push_offsets[L * N]``,
-    ``forward_offsets[L * N]``, ``landing_rows[L]`` (their meaning: ``PlanLayout`` in ``internode.cu``)."""
+    received and forwarded row counts and the largest token count of any rank (words 0, 1 and 2), then
+    ``recv_prefix[R + 1]``, ``per_expert[E / R]`` and ``forward_prefix[N + 1]`` (their meaning:
+    ``PlanLayout`` in ``internode.cu``)."""
 
     recv_prefix: int
     per_expert: int
     forward_prefix: int
-    part_rows: int
-    push_offsets: int
-    forward_offsets: int
-    landing_rows: int
     words: int
 
+    #: plan[MAX_TOKENS]: the largest token count of any rank, which sets the call's rounds.
+    MAX_TOKENS: ClassVar[int] = 2
+
     @classmethod
-    def create(cls, num_ranks: int, num_nodes: int, ranks_per_node: int, num_local_experts: int) -> "PlanLayout":
-        sizes = {"recv_prefix": num_ranks + 1, "per_expert": num_local_experts, "forward_prefix": num_nodes + 1,
-                 "part_rows": ranks_per_node * num_nodes, "push_offsets": ranks_per_node * num_nodes,
-                 "forward_offsets": ranks_per_node * num_nodes, "landing_rows": ranks_per_node}
-        offsets, word = {}, 2
+    def create(cls, num_ranks: int, num_nodes: int, num_local_experts: int) -> "PlanLayout":
+        sizes = {"recv_prefix": num_ranks + 1, "per_expert": num_local_experts, "forward_prefix": num_nodes + 1}
+        offsets, word = {}, cls.MAX_TOKENS + 1
         for name, size in sizes.items():
             offsets[name] = word
             word += size
@@ -153,10 +168,10 @@ class PlanLayout:
         return kernels.PlanLayout(**self.__dict__)
 
 
-def chunk_rows(chunk_tokens: int, partition_rows: int) -> int:
+def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     """Rows per signalled put (a put, then its signal): ``chunk_tokens`` (the Config's RDMA send chunk),
-    raised so that a partition of ``partition_rows`` rows needs at most ``MAX_CHUNKS`` signals."""
-    return max(chunk_tokens, ceil_div(partition_rows, MAX_CHUNKS), 1)
+    raised so that a partition's ``round_rows`` rows need at most ``MAX_CHUNKS`` signals."""
+    return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,28 +184,36 @@ class Handle(FlatHandle):
     ``plan``: the notify kernel's plan (:class:`PlanLayout`) on the GPU; ``plan_host`` its host copy
     when the dispatch waited on the CPU (``None`` with ``num_worst_tokens``). ``send_pos[t, r]``: row of
     token ``t`` among those sent to rank ``r`` (-1 if not sent); ``node_pos[t, n]`` the same per node, with
-    ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node.
-    ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows local rank
-    ``j`` received from its source (-1: none). ``recv_gbl_rank_prefix_sum[r]``: the rows received from
-    ranks ``0..r`` (a view of ``plan``; item -4 of the flat tuple, where DeepEP's users read it).
-    ``recv_src_idx[i]``: source token of received row ``i``.
+    ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node; ``unit_prefix[u]``:
+    the same counts of the tokens before token ``u * ROUND_UNIT_TOKENS`` (a last row: every token).
+    ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows of its round that
+    local rank ``j`` received from its source (-1: none); ``forward_src[f]``: its source token.
+    ``recv_gbl_rank_prefix_sum[r]``: the rows received from ranks ``0..r`` (a view of ``plan``; item -4 of
+    the flat tuple, where DeepEP's users read it). ``recv_src_idx[i]``: source token of received row ``i``.
+    ``round_tokens``, ``num_rounds``: the source tokens of each of the dispatch's rounds, and how many it
+    ran; its cached dispatches and combines run the same.
 
     Like DeepEP's handle it iterates as a flat tuple of arrays (:data:`HANDLE_ARRAYS` in order: the GPU
-    arrays, then ``scalars``, a host ``int64`` array ``[num_recv_tokens or -1, num_local_experts]``), so
-    frameworks can save it with their tensors; :meth:`from_arrays` takes that tuple back.
+    arrays, then ``scalars``, a host ``int64`` array ``[num_recv_tokens or -1, num_local_experts,
+    round_tokens, num_rounds]``), so frameworks can save it with their tensors; :meth:`from_arrays` takes
+    that tuple back.
     """
 
     num_tokens: int
     num_rows: int
     num_recv_tokens: int | None
     num_local_experts: int
+    round_tokens: int
+    num_rounds: int
     plan: Any
     plan_host: np.ndarray | None
     send_pos: Any
     node_pos: Any
     node_list: Any
     counts: Any
+    unit_prefix: Any
     forward_pos: Any
+    forward_src: Any
     recv_gbl_rank_prefix_sum: Any
     recv_src_idx: Any
     is_token_in_rank: Any
@@ -201,11 +224,12 @@ class Handle(FlatHandle):
 
     ARRAY_DTYPES: ClassVar[dict[str, Any]] = {
         "plan": np.int32, "send_pos": np.int32, "node_pos": np.int32, "node_list": np.int32, "counts": np.int32,
-        "forward_pos": np.int32, "recv_gbl_rank_prefix_sum": np.int32, "recv_src_idx": np.int32,
-        "is_token_in_rank": np.bool_}
+        "unit_prefix": np.int32, "forward_pos": np.int32, "forward_src": np.int32,
+        "recv_gbl_rank_prefix_sum": np.int32, "recv_src_idx": np.int32, "is_token_in_rank": np.bool_}
 
     def scalars(self) -> list[int]:
-        return [-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts]
+        return [-1 if self.num_recv_tokens is None else self.num_recv_tokens, self.num_local_experts,
+                self.round_tokens, self.num_rounds]
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> "Handle":
@@ -214,14 +238,17 @@ class Handle(FlatHandle):
         Raises ``ValueError`` when their shapes do not fit together."""
         cls.check_dtypes(arrays)
         send_pos, node_pos, scalars = arrays["send_pos"], arrays["node_pos"], arrays["scalars"]
+        units = ceil_div(send_pos.shape[0], ROUND_UNIT_TOKENS) + 1
         if (send_pos.ndim != 2 or node_pos.ndim != 2 or node_pos.shape[0] != send_pos.shape[0]
                 or arrays["is_token_in_rank"].shape != send_pos.shape or arrays["recv_src_idx"].ndim != 1
-                or scalars.shape != (2,)):
+                or arrays["unit_prefix"].shape != (units, send_pos.shape[1] + node_pos.shape[1])
+                or arrays["forward_src"].shape != arrays["forward_pos"].shape[:1] or scalars.shape != (4,)
+                or scalars[2] <= 0 or scalars[3] <= 0):
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
         num_recv = int(scalars[0]) if scalars[0] >= 0 else None
         return cls(num_tokens=send_pos.shape[0], num_rows=arrays["recv_src_idx"].shape[0], num_recv_tokens=num_recv,
-                   num_local_experts=int(scalars[1]), plan_host=None,
-                   **{name: arrays[name] for name in cls.ARRAY_DTYPES})
+                   num_local_experts=int(scalars[1]), round_tokens=int(scalars[2]), num_rounds=int(scalars[3]),
+                   plan_host=None, **{name: arrays[name] for name in cls.ARRAY_DTYPES})
 
 
 #: The handle's flat tuple, in order: its GPU arrays, then the host ``scalars``.
@@ -311,18 +338,33 @@ class Context:
         return self.rdma_layout.partition_bytes // row_bytes
 
 
-def check_partition(call: str, ctx: Context, num_tokens: int, row_bytes: int, what: str) -> None:
-    """Raises ``ValueError`` naming ``call`` unless a partition of the RDMA buffer holds ``num_tokens``
-    rows of ``row_bytes`` (this rank's tokens, to or from one node)."""
-    if num_tokens > ctx.partition_rows(row_bytes):
-        t = ctx.topology
-        needed = rdma_bytes_for(num_tokens * row_bytes, t.num_ranks, t.num_nodes)
-        raise ValueError(f"{call}: {what} of {num_tokens} tokens ({row_bytes}-byte rows) needs an RDMA buffer of "
-                         f"{needed} bytes ({t.num_nodes} send and {t.num_nodes} receive partitions of "
-                         f"{num_tokens * row_bytes} bytes), but this Buffer has "
-                         f"num_rdma_bytes={ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes}; "
-                         f"create it with num_rdma_bytes >= {needed} (Config.get_rdma_buffer_size_hint gives a size "
-                         f"for a batch)")
+def round_tokens_for(ctx: Context, hidden: int, num_topk: int) -> int:
+    """The source tokens of each round of a dispatch of ``hidden``-element rows with ``num_topk`` choices and
+    of its combines: the most whole units of :data:`ROUND_UNIT_TOKENS` whose rows fit a partition of the RDMA
+    buffer (a BF16 dispatch row, the largest; a combine row with ``num_topk`` weights) and whose combine
+    copies fit the NVL landing region (a section per local rank and source node); 0 when not one unit fits."""
+    t = ctx.topology
+    rows = min(ctx.partition_rows(dispatch_row_bytes(2 * hidden, 0, num_topk, t.ranks_per_node)),
+               ctx.partition_rows(combine_row_bytes(hidden, num_topk)),
+               ctx.nvl_layout.landing_bytes // combine_row_bytes(hidden, num_topk) // (t.ranks_per_node * t.num_nodes))
+    return rows // ROUND_UNIT_TOKENS * ROUND_UNIT_TOKENS
+
+
+def _round_refusal(call: str, ctx: Context, hidden: int, num_topk: int) -> ValueError:
+    t = ctx.topology
+    unit = ROUND_UNIT_TOKENS
+    row = max(dispatch_row_bytes(2 * hidden, 0, num_topk, t.ranks_per_node), combine_row_bytes(hidden, num_topk))
+    rdma = rdma_bytes_for(unit * row, t.num_ranks, t.num_nodes)
+    nvl = nvl_bytes_for(unit * t.ranks_per_node * t.num_nodes, combine_row_bytes(hidden, num_topk))
+    return ValueError(f"{call}: across nodes the tokens move in rounds of whole units of {unit}, and one unit of "
+                      f"hidden {hidden} with top-{num_topk} needs num_rdma_bytes >= {rdma} and num_nvl_bytes >= {nvl}; "
+                      f"this Buffer has num_rdma_bytes={ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes}"
+                      f" and num_nvl_bytes={ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes} (the Config hints "
+                      f"give sizes for rounds of many units)")
+
+
+def _rounds(max_tokens: int, round_tokens: int) -> int:
+    return max(1, ceil_div(max_tokens, round_tokens))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,11 +406,24 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     cached = handle is not None
     num_tokens = x.shape[0]
     hidden_bytes = x.shape[1] * x.itemsize
+    hidden = x.shape[1]
     num_scales = scales.shape[1] if scales is not None else 0
     num_topk = topk_idx.shape[1] if topk_idx is not None else 0
     row_bytes = dispatch_row_bytes(hidden_bytes, num_scales, num_topk, L)
-    check_partition("dispatch()", ctx, num_tokens, row_bytes, "dispatching")
-    chunk = chunk_rows(chunk_tokens, ctx.partition_rows(row_bytes))
+    if cached:
+        round_tokens = handle.round_tokens
+        if ctx.partition_rows(row_bytes) < round_tokens:
+            raise _round_refusal("dispatch()", ctx, hidden, num_topk)
+    else:
+        round_tokens = round_tokens_for(ctx, hidden, num_topk)
+        if round_tokens == 0:
+            raise _round_refusal("dispatch()", ctx, hidden, num_topk)
+        if num_worst_tokens > 0 and num_tokens > round_tokens:
+            raise ValueError(f"dispatch(): across nodes, a dispatch with num_worst_tokens waits for no count on the "
+                             f"CPU, so it moves its batch in one round of at most {round_tokens} tokens per rank "
+                             f"(what this Buffer's partitions hold), but this rank has {num_tokens}; pass "
+                             f"num_worst_tokens=0, or a Buffer with larger num_rdma_bytes and num_nvl_bytes")
+    chunk = chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
@@ -376,7 +431,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     ctx.barrier(stream)
     if cached:
         num_local_experts = handle.num_local_experts
-        send_pos, node_pos, node_list, counts = handle.send_pos, handle.node_pos, handle.node_list, handle.counts
+        send_pos, node_list, unit_prefix = handle.send_pos, handle.node_list, handle.unit_prefix
         plan = handle.plan
     else:
         num_local_experts = num_experts // R
@@ -384,24 +439,23 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         node_pos = front.empty((num_tokens, N), np.int32)
         node_list = front.empty((N, max(num_tokens, 1)), np.int32)
         counts = front.empty((R + N,), np.int32)
+        unit_prefix = front.empty((ceil_div(num_tokens, ROUND_UNIT_TOKENS) + 1, R + N), np.int32)
         scan = kernels.ScanArgs(is_token_in_rank=is_token_in_rank.data.ptr, num_tokens=num_tokens, topo=topo,
                                 send_pos=send_pos.data.ptr, node_pos=node_pos.data.ptr, node_list=node_list.data.ptr,
-                                counts=counts.data.ptr)
+                                counts=counts.data.ptr, unit_prefix=unit_prefix.data.ptr)
         launch(ctx.library, scan.entry, stream, R + N, NUM_THREADS, scan)
-    plan_layout = PlanLayout.create(R, N, L, num_local_experts)
-    send = kernels.SendArgs(
-        tokens=_token_rows(x, scales, topk_idx, topk_weights), send_pos=send_pos.data.ptr,
-        node_list=node_list.data.ptr, counts=counts.data.ptr,
-        num_tokens_per_expert=0 if cached else num_tokens_per_expert.data.ptr, num_experts=num_experts or 0,
-        topo=topo, rdma=ctx.rdma, layout=layout, row_bytes=row_bytes, chunk_rows=chunk, state=state,
-        traffic=ctx.traffic.data.ptr, status=status)
-    launch(ctx.library, send.entry, stream, grid, NUM_THREADS, send)
+        message = kernels.CountsArgs(counts=counts.data.ptr, num_tokens_per_expert=num_tokens_per_expert.data.ptr,
+                                     num_experts=num_experts, num_tokens=num_tokens, topo=topo, rdma=ctx.rdma,
+                                     layout=layout, state=state)
+        launch(ctx.library, message.entry, stream, 1, NUM_THREADS, message)
+    plan_layout = PlanLayout.create(R, N, num_local_experts)
 
     per_expert: list[int] = []
     num_recv = None
     plan_host = None
     if cached:
-        num_rows, forward_pos, forward_capacity = handle.num_rows, None, 0
+        num_rows, num_rounds, forward_pos, forward_src, forward_capacity = (handle.num_rows, handle.num_rounds, None,
+                                                                           None, 0)
         plan_host = handle.plan_host
     else:
         plan = front.empty((plan_layout.words,), np.int32)
@@ -411,46 +465,61 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
                                     timeout_ns=ctx.timeout_ns)
         launch(ctx.library, notify.entry, stream, 1, NUM_THREADS, notify)
         if num_worst_tokens > 0:
-            num_rows = num_worst_tokens
-            # Each source on this rank's rail sends it at most what one partition holds.
-            forward_capacity = N * ctx.partition_rows(row_bytes)
+            num_rows, num_rounds = num_worst_tokens, 1
+            # Each source on this rank's rail sends it at most one round's tokens.
+            forward_capacity = N * round_tokens
         else:
             plan_host = _interop.read_on_host(plan, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
             num_recv = num_rows = int(plan_host[0])
             forward_capacity = int(plan_host[1])
+            num_rounds = _rounds(int(plan_host[PlanLayout.MAX_TOKENS]), round_tokens)
             per_expert = plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts].tolist()
+        if num_rounds > MAX_ROUNDS:
+            raise ValueError(f"dispatch(): the largest batch needs {num_rounds} rounds of {round_tokens} tokens, more "
+                             f"than the {MAX_ROUNDS} a call can run; create the Buffer with larger num_rdma_bytes")
         forward_pos = front.empty((forward_capacity, L), np.int32)
+        forward_src = front.empty((forward_capacity,), np.int32)
 
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
     recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
     recv_topk_weights = front.empty((num_rows, num_topk), np.float32) if topk_weights is not None else None
     recv_src_idx = front.empty((num_rows,), np.int32)
+    prefix = kernels.UnitPrefix(counts=unit_prefix.data.ptr, units=unit_prefix.shape[0] - 1)
+    send = kernels.SendArgs(
+        tokens=_token_rows(x, scales, topk_idx, topk_weights), send_pos=send_pos.data.ptr,
+        node_list=node_list.data.ptr, prefix=prefix, topo=topo, rdma=ctx.rdma, layout=layout, row_bytes=row_bytes,
+        chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
     pull = kernels.PullArgs(
-        node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes, chunk_rows=chunk,
-        hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
+        rdma=ctx.rdma, node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes,
+        chunk_rows=chunk, hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
         num_experts=num_local_experts * R, plan=plan.data.ptr, plan_layout=plan_layout.mirror(),
         recv=kernels.RecvArrays(x=recv_x.data.ptr, scales=_ptr(recv_scales), topk_idx=_ptr(recv_topk_idx),
                                 topk_weights=_ptr(recv_topk_weights), src_idx=recv_src_idx.data.ptr,
                                 num_rows=num_rows),
-        forward_pos=_ptr(forward_pos), forward_capacity=forward_capacity, state=state, status=status,
-        timeout_ns=ctx.timeout_ns)
-    launch(ctx.library, pull.entry, stream, grid, NUM_THREADS, pull)
+        forward_pos=_ptr(forward_pos), forward_src=_ptr(forward_src), forward_capacity=forward_capacity, state=state,
+        status=status, timeout_ns=ctx.timeout_ns)
+    for index in range(num_rounds):
+        send.round = pull.round = kernels.Round(index=index, count=num_rounds, tokens=round_tokens)
+        launch(ctx.library, send.entry, stream, grid, NUM_THREADS, send)
+        launch(ctx.library, pull.entry, stream, grid, NUM_THREADS, pull)
     if cached:
         return recv_x, recv_scales, None, None, [], handle
     # DeepEP's recv_gbl_rank_prefix_sum: the plan's row prefix over source ranks, without its leading 0.
     recv_gbl_rank_prefix_sum = front.view(plan.data, (R,), np.int32, (plan_layout.recv_prefix + 1) * 4)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
-                    num_local_experts=num_local_experts, plan=plan, plan_host=plan_host, send_pos=send_pos,
-                    node_pos=node_pos, node_list=node_list, counts=counts, forward_pos=forward_pos,
+                    num_local_experts=num_local_experts, round_tokens=round_tokens, num_rounds=num_rounds, plan=plan,
+                    plan_host=plan_host, send_pos=send_pos, node_pos=node_pos, node_list=node_list, counts=counts,
+                    unit_prefix=unit_prefix, forward_pos=forward_pos, forward_src=forward_src,
                     recv_gbl_rank_prefix_sum=recv_gbl_rank_prefix_sum, recv_src_idx=recv_src_idx,
                     is_token_in_rank=is_token_in_rank)
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
 def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int, chunk_tokens: int):
-    """Enqueue an internode combine on ``stream`` (outputs are allocated on the current stream).
+    """Enqueue an internode combine on ``stream`` (outputs are allocated on the current stream), in its
+    dispatch's rounds.
 
     Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (see :func:`dispatch`).
 
@@ -462,19 +531,12 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     hidden = x.shape[1]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     row_bytes = combine_row_bytes(hidden, num_topk)
-    check_partition("combine()", ctx, handle.num_tokens, row_bytes, "combining")
-    plan_layout = PlanLayout.create(R, N, L, handle.num_local_experts)
-    if handle.plan_host is not None:
-        landing = handle.plan_host[plan_layout.landing_rows:plan_layout.landing_rows + L]
-        needed_rows = int(landing.max())
-        if needed_rows * row_bytes > ctx.nvl_layout.landing_bytes:
-            needed = nvl_bytes_for(needed_rows, row_bytes)
-            raise ValueError(f"combine(): the rows this node's ranks received need {needed_rows} landing rows of "
-                             f"{row_bytes} bytes on one forwarder, an NVL buffer of {needed} bytes, but this Buffer "
-                             f"has num_nvl_bytes={ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes}; create it "
-                             f"with num_nvl_bytes >= {needed} (Config.get_nvl_buffer_size_hint gives a size for a "
-                             f"batch)")
-    chunk = chunk_rows(chunk_tokens, ctx.partition_rows(row_bytes))
+    round_tokens = handle.round_tokens
+    if (ctx.partition_rows(row_bytes) < round_tokens
+            or ctx.nvl_layout.landing_bytes // row_bytes < L * N * round_tokens):
+        raise _round_refusal("combine()", ctx, hidden, num_topk)
+    plan_layout = PlanLayout.create(R, N, handle.num_local_experts)
+    chunk = chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
@@ -483,21 +545,26 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
 
     ctx.barrier(stream)
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
-                            plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), x=x.data.ptr,
-                            hidden_bytes=hidden * x.itemsize, topk_weights=_ptr(topk_weights), num_topk=num_topk,
-                            landing_row_bytes=row_bytes, state=state, status=status)
-    launch(ctx.library, push.entry, stream, grid, NUM_THREADS, push)
+                            plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(),
+                            recv_src_idx=handle.recv_src_idx.data.ptr, x=x.data.ptr, hidden_bytes=hidden * x.itemsize,
+                            topk_weights=_ptr(topk_weights), num_topk=num_topk, landing_row_bytes=row_bytes,
+                            state=state, status=status, timeout_ns=ctx.timeout_ns)
     forward = kernels.ForwardArgs(
-        nvl=ctx.nvl, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout, topo=topo,
-        plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
-        hidden_bytes=hidden * x.itemsize, num_topk=num_topk, landing_row_bytes=row_bytes, row_bytes=row_bytes,
-        chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
-    launch(ctx.library, forward.entry, stream, grid, NUM_THREADS, forward)
+        nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
+        topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
+        forward_src=handle.forward_src.data.ptr, hidden_bytes=hidden * x.itemsize, num_topk=num_topk,
+        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr,
+        status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
-        rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr, num_tokens=handle.num_tokens,
-        hidden_bytes=hidden * x.itemsize, num_topk=num_topk, row_bytes=row_bytes, chunk_rows=chunk,
-        bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
+        rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,
+        prefix=kernels.UnitPrefix(counts=handle.unit_prefix.data.ptr, units=handle.unit_prefix.shape[0] - 1),
+        num_tokens=handle.num_tokens, hidden_bytes=hidden * x.itemsize, num_topk=num_topk, row_bytes=row_bytes,
+        chunk_rows=chunk, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
         combined_topk_weights=_ptr(combined_weights), state=state, status=status, timeout_ns=ctx.timeout_ns)
-    launch(ctx.library, reduce.entry, stream, grid, NUM_THREADS, reduce)
+    for index in range(handle.num_rounds):
+        push.round = forward.round = reduce.round = kernels.Round(index=index, count=handle.num_rounds,
+                                                                  tokens=round_tokens)
+        launch(ctx.library, push.entry, stream, grid, NUM_THREADS, push)
+        launch(ctx.library, forward.entry, stream, grid, NUM_THREADS, forward)
+        launch(ctx.library, reduce.entry, stream, grid, NUM_THREADS, reduce)
     return combined_x, combined_weights
-

@@ -41,8 +41,9 @@ EXPERTS = 16 * num_ranks
 all_inputs = SeededInputs(SEED, num_ranks)
 RANKS_PER_NODE = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks)
 ACROSS_NODES = RANKS_PER_NODE < num_ranks
-# Across nodes the RDMA buffer's partitions must hold the largest case's tokens (2048 of hidden 4096).
-RDMA_BYTES = cuep.Config().get_rdma_buffer_size_hint(2 * 4096, num_ranks, num_tokens=2048)
+# Across nodes, the hint with no token count (as frameworks size it): rounds of 1280 tokens of hidden 4096, so
+# the larger cases take two rounds (hidden 7168: rounds of 640).
+RDMA_BYTES = cuep.Config().get_rdma_buffer_size_hint(2 * 4096, num_ranks)
 
 
 def make_buffer(num_nvl_bytes: int, **sizes) -> cuep.Buffer:
@@ -424,8 +425,13 @@ def any_batch_through_a_buffer_of_a_few_rounds():
     rows, num_worst_tokens, and combines: each round reuses the same two regions, and every row and sum
     must come out as the reference's."""
     hidden, unit = 1024, intranode.ROUND_UNIT_TOKENS
-    row = max(intranode.push_row_bytes(2 * hidden, 0), intranode.landing_row_bytes(hidden, 8))
-    small = cuep.Buffer(comm, num_nvl_bytes=intranode.round_nvl_bytes(row, num_ranks, unit))
+    if ACROSS_NODES:  # the hints' buffers for rounds of one unit
+        config = cuep.Config()
+        small = make_buffer(config.get_nvl_buffer_size_hint(2 * hidden, num_ranks, num_tokens=unit),
+                            num_rdma_bytes=config.get_rdma_buffer_size_hint(2 * hidden, num_ranks, num_tokens=unit))
+    else:
+        row = max(intranode.push_row_bytes(2 * hidden, 0), intranode.landing_row_bytes(hidden, 8))
+        small = cuep.Buffer(comm, num_nvl_bytes=intranode.round_nvl_bytes(row, num_ranks, unit))
     tokens = lambda s: 0 if s == 1 else 700 + 131 * s  # noqa: E731 - up to 8 rounds of 128
     inputs = all_inputs(tokens, hidden, EXPERTS, 8)
     recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS)
@@ -450,7 +456,11 @@ def any_batch_through_a_buffer_of_a_few_rounds():
     combine_and_check(small, to_rank_0, EXPERTS, recv_x, recv_w, handle)
     fp8 = all_inputs(lambda s: 600 + 97 * s, hidden, EXPERTS, 8, fp8=True)
     dispatch_and_check(small, fp8, EXPERTS)
-    worst = sum(tokens(s) for s in range(num_ranks))
+    if ACROSS_NODES:  # num_worst_tokens waits for no count on the CPU: its batch goes in one round
+        inputs = all_inputs(lambda s: 30 * s, hidden, EXPERTS, 8)
+        worst = sum(30 * s for s in range(num_ranks))
+    else:
+        worst = sum(tokens(s) for s in range(num_ranks))
     recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS, num_worst_tokens=worst)
     combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
     small.barrier()
@@ -496,14 +506,15 @@ def buffer_below_one_round_raises():
     tiny.destroy()
 
 
-def dispatch_too_big_for_the_rdma_buffer_raises():
+def rdma_buffer_below_one_round_raises():
+    # Every rank works out the same round from the same sizes, so all of them raise, before any kernel runs.
     hidden, tokens = 1024, 300
     row = internode.dispatch_row_bytes(2 * hidden, 0, 4, RANKS_PER_NODE)
     num_nodes = num_ranks // RANKS_PER_NODE
     small = make_buffer(64 << 20, num_rdma_bytes=internode.rdma_bytes_for(100 * row, num_ranks, num_nodes))
     inputs = all_inputs(tokens, hidden, EXPERTS, 4)
     expect_error(ValueError, lambda: dispatch_and_check(small, inputs, EXPERTS),
-                 "a dispatch of more tokens than the RDMA partitions hold ran", match="num_rdma_bytes")
+                 "a dispatch through partitions below one round of 128 tokens ran", match="num_rdma_bytes")
     small.barrier()
     small.destroy()
 
@@ -609,7 +620,8 @@ def main() -> None:
         on_the_buffer.append(("rows and bytes across nodes: one per (token, other node)",
                               bytes_across_nodes_are_one_row_per_token_and_node))
         with_own_buffers += [
-            ("a dispatch too big for the RDMA buffer raises on every rank", dispatch_too_big_for_the_rdma_buffer_raises),
+            ("an RDMA buffer below one round raises on every rank", rdma_buffer_below_one_round_raises),
+            ("any batch through buffers of a few rounds", any_batch_through_a_buffer_of_a_few_rounds),
             ("a Buffer across nodes without num_rdma_bytes raises at construction",
              buffer_without_rdma_bytes_across_nodes_raises)]
     else:
