@@ -141,11 +141,12 @@ def bench_normal(args) -> None:
     hidden_bytes = args.hidden * 2
     round_tokens = None if args.fixed_buffer else args.tokens
     nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)
-    rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, args.tokens, args.topk)  # 0 on one node
+    rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)  # 0 on one node
     buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
     if rank == 0:
-        sizing = "fixed, as frameworks size it" if args.fixed_buffer else "one round of the tokens"
-        print(f"NVL buffer: {nvl_bytes / 2**20:.1f} MiB ({sizing})", flush=True)
+        sizing = "fixed, as frameworks size them" if args.fixed_buffer else "one round of the tokens"
+        print(f"NVL buffer: {nvl_bytes / 2**20:.1f} MiB, RDMA buffer: {rdma_bytes / 2**20:.1f} MiB ({sizing})",
+              flush=True)
     x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
     x_fp8 = cupy.random.default_rng(7).integers(0, 256, x.shape, dtype=cupy.uint8)
     scales = cupy.ones((args.tokens, args.hidden // 128), dtype=cupy.float32)
@@ -692,9 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", action="store_true",
                         help=f"search SM counts {TUNE_SMS} and print the best Config per operation")
     parser.add_argument("--fixed-buffer", action="store_true",
-                        help="normal mode: size the NVL buffer as frameworks do, from the hint with no token count "
-                             "(no larger than DeepEP's), so that a call takes several rounds; by default the buffer "
-                             "takes --tokens in one round")
+                        help="normal mode: size the buffers as frameworks do, from the hints with no token count "
+                             "(no larger than DeepEP's), so that a call takes several rounds; by default the buffers "
+                             "take --tokens in one round")
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
     parser.add_argument("--trace", action="store_true",
                         help="low latency: build the kernels with CUEP_TRACE and print when blocks reach each phase")

@@ -5,9 +5,8 @@
 This is DeepEP's "use in model training or inference prefilling" on ``cuep.torch``, DeepEP V1's module on
 torch tensors: ``get_buffer()``, ``get_hidden_bytes()``, ``dispatch_forward`` / ``dispatch_backward`` /
 ``combine_forward`` / ``combine_backward`` and ``Buffer.set_num_sms(24)``, as a DeepEP user writes them. The
-one line that names cuep is the import (``from deep_ep import Buffer, EventOverlap`` for DeepEP). One
-deliberate difference: cuep's buffers hold one call's tokens (no ring buffers), so ``get_buffer()`` passes the
-tokens per call and the top-k to the size hints, which DeepEP's do not take.
+one line that names cuep is the import (``from deep_ep import Buffer, EventOverlap`` for DeepEP); the Buffer
+is sized from DeepEP's hints with no token count, and any batch goes through it.
 
 The functions run inside ``torch.autograd.Function``s, so autograd calls the backward passes: the backward of
 a dispatch is a combine of the gradients (of the received rows and of their top-k weights), the backward of a
@@ -43,26 +42,23 @@ TOLERANCE = 2e-2
 # ---------------------------------------------------------------------------------------------------------
 # DeepEP's training / prefill functions
 
-# The communication buffer, made at the first get_buffer() and made again when a call needs more room.
+# The communication buffer, made at the first get_buffer() and made again if a later call asks for more room.
 _buffer: Buffer | None = None
 
 # SMs of the dispatch and combine kernels, for every Buffer: the rest of the GPU stays with the GEMMs.
 Buffer.set_num_sms(24)
 
 
-def get_buffer(group: dist.ProcessGroup, hidden_bytes: int, num_tokens: int, num_topk: int) -> Buffer:
+def get_buffer(group: dist.ProcessGroup, hidden_bytes: int) -> Buffer:
     """The Buffer for ``group``, sized from both configs' hints; collective (call it at start-up too).
 
-    ``num_tokens`` (the most tokens a rank sends in one call) and ``num_topk`` go to cuep's size hints,
-    which DeepEP's lack: cuep's buffers hold one call's rows instead of cycling through rings.
+    The hints take no token count: the kernels move any batch through the Buffer in rounds.
     """
     global _buffer
     num_nvl_bytes, num_rdma_bytes = 0, 0
     for config in (Buffer.get_dispatch_config(group.size()), Buffer.get_combine_config(group.size())):
-        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, group.size(), num_tokens, num_topk),
-                            num_nvl_bytes)
-        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size(), num_tokens, num_topk),
-                             num_rdma_bytes)  # 0 on one node
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), num_nvl_bytes)
+        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes)  # 0 on one node
 
     if (_buffer is None or _buffer.group != group or _buffer.num_nvl_bytes < num_nvl_bytes
             or _buffer.num_rdma_bytes < num_rdma_bytes):
@@ -213,10 +209,9 @@ def mix_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 class MoELayer(torch.nn.Module):
     """Router -> dispatch -> local experts -> combine; rank ``r`` holds experts ``[r * E / R, (r + 1) * E / R)``."""
 
-    def __init__(self, group: dist.ProcessGroup, hidden: int, num_experts: int, num_topk: int, max_tokens: int,
-                 device):
+    def __init__(self, group: dist.ProcessGroup, hidden: int, num_experts: int, num_topk: int, device):
         super().__init__()
-        self.group, self.num_experts, self.num_topk, self.max_tokens = group, num_experts, num_topk, max_tokens
+        self.group, self.num_experts, self.num_topk = group, num_experts, num_topk
         per_rank = num_experts // group.size()
         first = group.rank() * per_rank
         self.router = make_router(hidden, num_experts, device)
@@ -224,9 +219,7 @@ class MoELayer(torch.nn.Module):
         self.last_dispatch = None  # (recv_x, handle) of the last forward, for the FP8 dispatch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(0) > self.max_tokens:
-            raise ValueError(f"MoELayer: at most {self.max_tokens} tokens per call, got {x.size(0)}")
-        get_buffer(self.group, get_hidden_bytes(x), self.max_tokens, self.num_topk)
+        get_buffer(self.group, get_hidden_bytes(x))
         topk_idx, topk_weights = route(self.router, x, self.num_topk)
         recv_x, recv_topk_idx, recv_topk_weights, handle = MoEDispatch.apply(x, topk_idx, topk_weights,
                                                                              self.num_experts)
@@ -343,11 +336,11 @@ def main() -> None:
                      f"--experts")
 
     # Made at start-up, as DeepEP advises (bf16 rows); the layer's calls find it ready.
-    get_buffer(group, args.hidden * 2, args.tokens, args.topk)
+    get_buffer(group, args.hidden * 2)
     device = torch.device("cuda", torch.cuda.current_device())
     x0 = seeded((args.tokens, args.hidden), 100 + rank, device, torch.bfloat16)
     grad_out = seeded((args.tokens, args.hidden), 200 + rank, device, torch.bfloat16)
-    layer = MoELayer(group, args.hidden, args.experts, args.topk, args.tokens, device)
+    layer = MoELayer(group, args.hidden, args.experts, args.topk, device)
     errors = check_layer(layer, x0, grad_out)
     fp8_ok = check_fp8_dispatch(x0, *layer.last_dispatch)
     torch.cuda.synchronize()
