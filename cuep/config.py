@@ -83,7 +83,7 @@ class Config:
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes > 1:
-            landing_rows = num_ranks * self._internode_round_tokens(num_tokens)
+            landing_rows = num_ranks * self._internode_round_tokens(num_tokens, num_nodes)
             return internode.nvl_bytes_for(landing_rows, internode.combine_row_bytes(hidden, num_topk))
         if num_tokens is None:
             ring_tokens = self.num_sms // 2 * self.num_max_nvl_chunked_recv_tokens // 2
@@ -102,9 +102,12 @@ class Config:
         buffer sets how many tokens a round takes. It holds a send and a receive partition per node, each
         holding one round of one rank's tokens as rows (a BF16 dispatch row with its routing, or a combine
         row), after the signals and count messages. A round takes ``num_tokens`` tokens (an addition to
-        DeepEP's arguments, rounded up to whole units of 128: fewer rounds, more bytes), or by default as many
-        as DeepEP's RDMA rings hold at once (``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``),
-        halved for the send and receive partitions. ``num_ranks_per_node`` defaults to
+        DeepEP's arguments, rounded up to whole units of 128: fewer rounds, more bytes). By default it takes as
+        many as DeepEP's RDMA rings hold at once (``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``),
+        halved for the send and receive partitions, and no more than keeps the NVL hint's landing region (a
+        round's rows from every node for each local rank) within DeepEP's NVL rings (``num_sms / 2`` channels of
+        ``num_max_nvl_chunked_recv_tokens`` per local rank): both hints are then no larger than DeepEP's. At the
+        defaults a round takes 1280 tokens on 2 nodes, 640 on 4. ``num_ranks_per_node`` defaults to
         ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes).
         """
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
@@ -113,14 +116,18 @@ class Config:
             return 0
         row = max(internode.dispatch_row_bytes(hidden_bytes, 0, num_topk, ranks_per_node),
                   internode.combine_row_bytes(hidden_bytes // 2, num_topk))
-        return internode.rdma_bytes_for(self._internode_round_tokens(num_tokens) * row, num_ranks, num_nodes)
+        return internode.rdma_bytes_for(self._internode_round_tokens(num_tokens, num_nodes) * row, num_ranks,
+                                        num_nodes)
 
-    def _internode_round_tokens(self, num_tokens: int | None) -> int:
+    def _internode_round_tokens(self, num_tokens: int | None, num_nodes: int) -> int:
         """The tokens of an internode round the hints size the buffers for (see :meth:`get_rdma_buffer_size_hint`)."""
         unit = internode.ROUND_UNIT_TOKENS
-        if num_tokens is None:
-            num_tokens = self.num_sms // 2 * self.num_max_rdma_chunked_recv_tokens // 2
-        return max(unit, ceil_div(num_tokens, unit) * unit)
+        if num_tokens is not None:
+            return max(unit, ceil_div(num_tokens, unit) * unit)
+        channels = self.num_sms // 2
+        tokens = min(channels * self.num_max_rdma_chunked_recv_tokens // 2,
+                     channels * self.num_max_nvl_chunked_recv_tokens // num_nodes)
+        return max(unit, tokens // unit * unit)
 
 
 # SMs of the normal-mode kernels when no Config is given: DeepEP's default, which frameworks read

@@ -131,15 +131,46 @@ def _context_of(num_ranks: int, ranks_per_node: int, nvl_bytes: int, rdma_bytes:
                                  partition_rows=lambda row_bytes: rdma.partition_bytes // row_bytes)
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", [(16, 8), (4, 2), (8, 2)])
-def test_buffers_sized_by_the_hints_take_rounds_of_their_tokens(num_ranks, ranks_per_node):
+@pytest.mark.parametrize("num_ranks,ranks_per_node,round_tokens", [(16, 8, 1280), (4, 2, 1280), (8, 2, 640),
+                                                                   (64, 8, 256)])
+def test_buffers_sized_by_the_hints_take_rounds_of_their_tokens(num_ranks, ranks_per_node, round_tokens):
     config = Config()
     nvl = config.get_nvl_buffer_size_hint(14336, num_ranks, num_ranks_per_node=ranks_per_node)
     rdma = config.get_rdma_buffer_size_hint(14336, num_ranks, num_ranks_per_node=ranks_per_node)
     ctx = _context_of(num_ranks, ranks_per_node, nvl, rdma)
-    assert internode.round_tokens_for(ctx, 7168, 8) == 1280
-    assert internode.round_tokens_for(ctx, 7168, 4) == 1280  # fewer choices: smaller rows, same whole units
+    assert internode.round_tokens_for(ctx, 7168, 8) == round_tokens
+    assert internode.round_tokens_for(ctx, 7168, 4) == round_tokens  # fewer choices: smaller rows, same units
     small = _context_of(num_ranks, ranks_per_node, nvl, config.get_rdma_buffer_size_hint(
         14336, num_ranks, num_tokens=128, num_ranks_per_node=ranks_per_node))
     assert internode.round_tokens_for(small, 7168, 8) == 128
     assert internode.round_tokens_for(small, 2 * 7168, 8) == 0  # not one unit of rows twice as long
+
+
+def deepep_internode_hints(config: Config, hidden_bytes: int, num_ranks: int) -> tuple[int, int]:
+    """DeepEP V1's NVL and RDMA hints across nodes of 8 (csrc/config.hpp, as arithmetic): num_sms / 2 channels;
+    on NVLink a ring of num_max_nvl_chunked_recv_tokens slots per local rank, on the network a send and a
+    receive ring of num_max_rdma_chunked_recv_tokens slots per node; a slot holds a row, an 8-byte source
+    record, 8 top-k ids (int64) and weights (float32) and 128 scales (float32), plus a few int32 counters."""
+    channels, nodes, local = config.num_sms // 2, num_ranks // 8, 8
+    slot = hidden_bytes + 8 + 8 * (8 + 4) + 128 * 4
+    nvl = channels * local * (2 * nodes + 3) * 4 + channels * local * config.num_max_nvl_chunked_recv_tokens * slot
+    rdma = channels * nodes * (8 * 2 + 2) * 2 * 4 + channels * nodes * config.num_max_rdma_chunked_recv_tokens * slot * 2
+    return -(-nvl // 128) * 128, -(-rdma // 128) * 128
+
+
+@pytest.mark.parametrize("num_sms", [8, 20, 24, 64])
+@pytest.mark.parametrize("num_ranks", [16, 32, 64, 128])
+def test_internode_hints_with_no_token_count_are_no_larger_than_deepeps(num_sms, num_ranks):
+    """Frameworks size the Buffer from the hints with no token count, then send any batch (in rounds). Where
+    DeepEP's NVL rings hold less than one unit of 128 tokens from each node (16 nodes at 8 SMs), the NVL hint
+    is the one-unit round's instead, the least that works."""
+    config = Config(num_sms=num_sms)
+    nodes = num_ranks // 8
+    for hidden in (2048, 4096, 7168):
+        nvl, rdma = deepep_internode_hints(config, 2 * hidden, num_ranks)
+        assert config.get_rdma_buffer_size_hint(2 * hidden, num_ranks) <= rdma
+        if num_sms // 2 * config.num_max_nvl_chunked_recv_tokens >= internode.ROUND_UNIT_TOKENS * nodes:
+            assert config.get_nvl_buffer_size_hint(2 * hidden, num_ranks) <= nvl
+        else:
+            assert config.get_nvl_buffer_size_hint(2 * hidden, num_ranks) == config.get_nvl_buffer_size_hint(
+                2 * hidden, num_ranks, num_tokens=internode.ROUND_UNIT_TOKENS)
