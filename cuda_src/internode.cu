@@ -13,7 +13,8 @@
 // carries its source's count). The host launches each round's kernels; a round's rows may overwrite the
 // previous round's only once their readers are done with them, and the readers say so (below). The
 // scan keeps, for every multiple of kRoundUnitTokens, how many tokens before it go to each rank and each
-// node (unit_prefix, in the handle), so every kernel finds a round's rows without a search.
+// node (unit_prefix, in the handle), so a round's rows on the sources' side are found without a search (a
+// receiver or forwarder searches its rows' source tokens, which ascend).
 //
 // Dispatch (rank s = (m, i) sends its T tokens):
 //   scan:   each token's position among the tokens sent to each rank (send_pos) and to each node
@@ -104,7 +105,7 @@ constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombi
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
 // A round's number: the call's in the high bits, one more than the round's index in the low ones.
-constexpr int kRoundBits = 20;
+constexpr int kRoundBits = CUEP_ROUND_BITS;
 
 struct Topology {
     int rank, num_ranks, node, num_nodes, local, ranks_per_node;
@@ -130,6 +131,7 @@ struct RdmaLayout {
 struct RoundHeader {
     int32_t first, rows;
 };
+static_assert(sizeof(RoundHeader) == CUEP_HEADER_BYTES, "the host lays out headers of another size");
 
 // Offsets (bytes) in every rank's NVL buffer, used by the combine.
 struct NvlLayout {
@@ -148,7 +150,8 @@ struct PlanLayout {
 };
 constexpr int kPlanNumRecv = 0;      // plan[0]: rows this rank receives
 constexpr int kPlanNumForward = 1;   // plan[1]: rows this rank forwards
-constexpr int kPlanMaxTokens = 2;    // plan[2]: the largest token count of any rank (sets the rounds)
+constexpr int kPlanMaxTokens = CUEP_PLAN_MAX_TOKENS;  // the largest token count of any rank (sets the rounds)
+static_assert(kPlanMaxTokens > kPlanNumForward, "the plan's words follow each other");
 
 // The round a kernel moves: its index, the rounds of the call, the source tokens of each.
 struct Round {
@@ -277,6 +280,7 @@ struct PushArgs {
     const int32_t* plan;
     PlanLayout plan_layout;
     const int32_t* recv_src_idx;
+    int num_rows;               // the rows of x and recv_src_idx (fewer than received after an overflow)
     const uint8_t* x;
     int64_t hidden_bytes;
     const float* topk_weights;
@@ -756,8 +760,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
     __syncthreads();
     const int num_recv = recv_prefix[topo.num_ranks];
     const int num_rows = args.recv.num_rows;
-    if (args.round.index == 0 && blockIdx.x == 0 && threadIdx.x == 0 && num_recv > num_rows)
-        args.status.record(kStatusOverflow, num_recv);
+    if (args.round.index == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+        if (num_recv > num_rows)
+            args.status.record(kStatusOverflow, num_recv);
+        // Every rank sees the same largest batch: a one-round dispatch (num_worst_tokens) that it does not fit
+        // is reported on every rank, and every rank's call still ends, so their calls stay numbered alike.
+        const int max_tokens = args.plan[kPlanMaxTokens];
+        if (args.round.count == 1 && max_tokens > args.round.tokens)
+            args.status.record(kStatusRoundTokens, max_tokens);
+    }
     const RowShape shape(args.hidden_bytes, args.num_scales, args.num_topk, L);
     const int num_chunks = chunk_prefix[L * N];
     const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
@@ -842,8 +853,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
                                          args.nvl.released),
                       L, number - 1, deadline_ns, args.status, [&](int i) { return topo.node * L + i; },
                       kPhaseInternodeReleased);
+    // A dispatch that overflowed num_worst_tokens (recorded) left only num_rows rows: push no row past them.
     for (int r = threadIdx.x; r <= R; r += kNumThreads)
-        recv_prefix[r] = args.plan[pl.recv_prefix + r];
+        recv_prefix[r] = min(args.plan[pl.recv_prefix + r], args.num_rows);
     __syncthreads();
     const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
     for (int s = threadIdx.x; s < R; s += kNumThreads) {

@@ -34,9 +34,10 @@ class Config:
             the GPU's SM count (the kernels' blocks must all be resident at once).
         num_max_nvl_chunked_send_tokens: DeepEP's ring-buffer chunk sizes, this one and the next three,
             kept for API compatibility (see below for what cuep makes of them).
-        num_max_nvl_chunked_recv_tokens: the tokens of one DeepEP ring; sizes the NVL hint's round.
+        num_max_nvl_chunked_recv_tokens: the tokens of one DeepEP ring; sizes the hints' rounds.
         num_max_rdma_chunked_send_tokens: across nodes, the rows of each signalled put.
-        num_max_rdma_chunked_recv_tokens: unused.
+        num_max_rdma_chunked_recv_tokens: with ``num_max_nvl_chunked_recv_tokens``, sizes the hints' round
+            across nodes.
 
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
     buffers (no per-channel ring). They go through any batch in rounds of tokens that fit the buffers;
@@ -106,8 +107,9 @@ class Config:
         many as DeepEP's RDMA rings hold at once (``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``),
         halved for the send and receive partitions, and no more than keeps the NVL hint's landing region (a
         round's rows from every node for each local rank) within DeepEP's NVL rings (``num_sms / 2`` channels of
-        ``num_max_nvl_chunked_recv_tokens`` per local rank): both hints are then no larger than DeepEP's. At the
-        defaults a round takes 1280 tokens on 2 nodes, 640 on 4. ``num_ranks_per_node`` defaults to
+        ``num_max_nvl_chunked_recv_tokens`` per local rank): both hints are then no larger than DeepEP's, except
+        where those rings hold less than one unit from each node (16 nodes at 8 SMs), where a round takes one
+        unit. At the defaults a round takes 1280 tokens on 2 nodes, 640 on 4. ``num_ranks_per_node`` defaults to
         ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes).
         """
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)

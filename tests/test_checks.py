@@ -86,6 +86,16 @@ def test_expert_id_out_of_range(call, bad_id, message):
         status.raise_if_failed(words, 3, 1.0)
 
 
+def test_a_batch_past_a_one_round_dispatch_raises_naming_num_worst_tokens():
+    """Across nodes a num_worst_tokens dispatch moves one round; its pull records the largest batch on every rank
+    when that does not fit (cuda_src/internode.cu), and the next call raises it."""
+    words = np.zeros(status.STATUS_WORDS, np.int32)
+    words[status.ROUND_TOKENS] = 300
+    assert status.holds_a_record(words)
+    with pytest.raises(ValueError, match=r"num_worst_tokens .* one round, but a rank had 300 tokens"):
+        status.raise_if_failed(words, 1, 1.0)
+
+
 @pytest.mark.parametrize("rule, peer, message", [
     (status.CallOrderRule.IN_FLIGHT, -1, r"low-latency call 9 on rank 2: a send while two earlier low-latency calls"),
     (status.CallOrderRule.UNSENT, -1, r"call 9 on rank 2: a receive hook .* whose send never ran"),

@@ -125,7 +125,7 @@ def test_phase_codes_have_no_holes_and_a_name_each():
     codes = sorted(int(phase) for phase in status.Phase)
     assert codes == list(range(1, len(codes) + 1))
     assert set(status.PHASE_NAMES) == set(status.Phase)
-    words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.LANDING_ROWS,
+    words = [status.TIMED_OUT, status.PEER, status.PHASE, status.OVERFLOW, status.BAD_EXPERT_IDS, status.ROUND_TOKENS,
              status.SELF_MASKED, status.BAD_EXPERT_ID_LOW, status.BAD_EXPERT_ID_HIGH, status.BAD_EXPERT_LIMIT,
              status.CALL_ORDER, status.CALL_ORDER_CALL, status.CALL_ORDER_PEER]
     assert sorted(words) == list(range(status.STATUS_WORDS))

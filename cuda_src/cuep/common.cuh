@@ -60,7 +60,7 @@ constexpr int kStatusPeer = CUEP_STATUS_PEER;                   // the rank that
 constexpr int kStatusPhase = CUEP_STATUS_PHASE;                 // which wait (kPhase* below)
 constexpr int kStatusOverflow = CUEP_STATUS_OVERFLOW;           // rows beyond num_worst_tokens
 constexpr int kStatusBadExpertIds = CUEP_STATUS_BAD_EXPERT_IDS; // the call (kBadIds*) that met an id outside [-1, E)
-constexpr int kStatusLandingRows = CUEP_STATUS_LANDING_ROWS;    // rows beyond one rank's landing region
+constexpr int kStatusRoundTokens = CUEP_STATUS_ROUND_TOKENS;    // across nodes: a batch beyond a one-round dispatch
 constexpr int kStatusSelfMasked = CUEP_STATUS_SELF_MASKED;      // shrink mode: the peers masked this rank
 constexpr int kStatusBadExpertIdLow = CUEP_STATUS_BAD_EXPERT_ID_LOW;    // that id's low 32 bits
 constexpr int kStatusBadExpertIdHigh = CUEP_STATUS_BAD_EXPERT_ID_HIGH;  // and its high 32 bits
@@ -71,7 +71,7 @@ constexpr int kStatusCallOrderPeer = CUEP_STATUS_CALL_ORDER_PEER;       // the p
 constexpr int kStatusWords = CUEP_STATUS_WORDS;
 static_assert(kStatusTimedOut < kStatusWords && kStatusPeer < kStatusWords && kStatusPhase < kStatusWords &&
               kStatusOverflow < kStatusWords && kStatusBadExpertIds < kStatusWords &&
-              kStatusLandingRows < kStatusWords && kStatusSelfMasked < kStatusWords &&
+              kStatusRoundTokens < kStatusWords && kStatusSelfMasked < kStatusWords &&
               kStatusBadExpertIdLow < kStatusWords && kStatusBadExpertIdHigh < kStatusWords &&
               kStatusBadExpertLimit < kStatusWords && kStatusCallOrder < kStatusWords &&
               kStatusCallOrderCall < kStatusWords && kStatusCallOrderPeer < kStatusWords,

@@ -72,7 +72,7 @@ struct Status {
         }
     }
 
-    // One word that is not a timeout (kStatusOverflow, kStatusLandingRows, kStatusSelfMasked).
+    // One word that is not a timeout (kStatusOverflow, kStatusRoundTokens, kStatusSelfMasked).
     __device__ void record(int word, int32_t value) const {
         device[word] = value;
         *reinterpret_cast<volatile int32_t*>(host + word) = value;

@@ -38,12 +38,18 @@ COUNT_HEADER_WORDS = 3 + MAX_RANKS_PER_NODE
 COUNT_WORDS = COUNT_HEADER_WORDS + MAX_LOCAL_EXPERTS + 1  # then per-expert counts; 16-byte multiple
 STATE_WORDS = 2                  # uint64 device state: finished internode calls, blocks done of the running kernel
 TRAFFIC_WORDS = 4                # uint64 counters: rows and bytes put across nodes by dispatches, then combines
-MAX_ROUNDS = (1 << 20) - 1       # rounds of one call: the low bits of a round's signal number
+# A round's signal number: the call's number above ROUND_BITS bits of the round's index + 1. Enough for every
+# round an int32 token count can need (2^31 tokens in rounds of at least one unit), so no call is refused for it.
+ROUND_BITS = 25
+assert (1 << ROUND_BITS) > (1 << 31) // ROUND_UNIT_TOKENS
+HEADER_BYTES = 8                 # a round's header: its first node position and its rows (int32 each)
+PLAN_MAX_TOKENS = 2              # plan word: the largest token count of any rank (after the received and forwarded rows)
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "max_ranks_per_node": MAX_RANKS_PER_NODE,
              "max_local_experts": MAX_LOCAL_EXPERTS, "max_chunks": MAX_CHUNKS,
              "count_header_words": COUNT_HEADER_WORDS, "count_words": COUNT_WORDS, "state_words": STATE_WORDS,
-             "traffic_words": TRAFFIC_WORDS}
+             "traffic_words": TRAFFIC_WORDS, "round_bits": ROUND_BITS, "header_bytes": HEADER_BYTES,
+             "plan_max_tokens": PLAN_MAX_TOKENS}
 """What ``internode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones."""
 
 
@@ -182,7 +188,7 @@ class PushArgs(KernelArgs):
     cxx_name = "PushArgs"
     entry = "cuep::internode::push"
     _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
-                ("plan_layout", PlanLayout), ("recv_src_idx", _ptr), ("x", _ptr), ("hidden_bytes", _i64),
+                ("plan_layout", PlanLayout), ("recv_src_idx", _ptr), ("num_rows", _i32), ("x", _ptr), ("hidden_bytes", _i64),
                 ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64), ("round", Round),
                 ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 

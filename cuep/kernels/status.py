@@ -20,7 +20,7 @@ PEER = 1            # the rank that never arrived
 PHASE = 2           # which wait (a Phase)
 OVERFLOW = 3        # rows a dispatch needed beyond the num_worst_tokens it was given
 BAD_EXPERT_IDS = 4  # the call (a BadIdsCall) that met a top-k id outside [-1, num_experts) and treated it as -1
-LANDING_ROWS = 5    # rows a push dispatch or a combine had to land on one rank, beyond its buffer
+ROUND_TOKENS = 5    # across nodes: the largest batch of a num_worst_tokens dispatch, beyond the one round it moves
 SELF_MASKED = 6     # shrink mode: this rank's peers masked it, so its low-latency kernels did nothing
 BAD_EXPERT_ID_LOW = 7   # the first such id, its low 32 bits
 BAD_EXPERT_ID_HIGH = 8  # and its high 32 bits (ids may be int64)
@@ -31,7 +31,7 @@ CALL_ORDER_PEER = 12    # the peer whose newer call arrived (OVERTAKEN), else -1
 STATUS_WORDS = 13
 # The words that say a record is complete: a kernel writes a record's details (PEER and PHASE, the bad id
 # and its limit) first and its flag last, behind a fence, so a host that sees only details waits.
-FLAG_WORDS = (TIMED_OUT, OVERFLOW, BAD_EXPERT_IDS, LANDING_ROWS, SELF_MASKED, CALL_ORDER)
+FLAG_WORDS = (TIMED_OUT, OVERFLOW, BAD_EXPERT_IDS, ROUND_TOKENS, SELF_MASKED, CALL_ORDER)
 
 
 class BadIdsCall(enum.IntEnum):
@@ -113,7 +113,7 @@ PHASE_NAMES = {Phase.BARRIER: "device barrier",
 """What a timed-out wait of each phase was waiting for, as PeerTimeoutError words it."""
 
 CONSTANTS = {"status_timed_out": TIMED_OUT, "status_peer": PEER, "status_phase": PHASE, "status_overflow": OVERFLOW,
-             "status_bad_expert_ids": BAD_EXPERT_IDS, "status_landing_rows": LANDING_ROWS,
+             "status_bad_expert_ids": BAD_EXPERT_IDS, "status_round_tokens": ROUND_TOKENS,
              "status_self_masked": SELF_MASKED, "status_bad_expert_id_low": BAD_EXPERT_ID_LOW,
              "status_bad_expert_id_high": BAD_EXPERT_ID_HIGH, "status_bad_expert_limit": BAD_EXPERT_LIMIT,
              "status_call_order": CALL_ORDER, "status_call_order_call": CALL_ORDER_CALL,
@@ -167,11 +167,12 @@ def raise_if_failed(status_host, rank: int, timeout_s: float) -> None:
         raise ValueError(f"dispatch(): rank {rank} had {int(status_host[OVERFLOW])} tokens to receive, more than "
                          f"num_worst_tokens; its received arrays were cut short. Pass num_worst_tokens >= "
                          f"num_ranks * num_tokens")
-    if int(status_host[LANDING_ROWS]):
-        raise ValueError(f"dispatch()/combine(): a cached dispatch or a combine seen by rank {rank} had to land "
-                         f"{int(status_host[LANDING_ROWS])} rows on one rank, more than its NVL buffer holds, so it "
-                         f"moved nothing; create the Buffer with a larger num_nvl_bytes "
-                         f"(Config.get_nvl_buffer_size_hint gives a size for a batch)")
+    if int(status_host[ROUND_TOKENS]):
+        raise ValueError(f"dispatch(): across nodes a dispatch with num_worst_tokens waits for no count on the CPU, so "
+                         f"it moves its batch in one round, but a rank had {int(status_host[ROUND_TOKENS])} tokens, more "
+                         f"than a round of this Buffer takes: the tokens past the round were not sent (seen by rank "
+                         f"{rank}). Pass num_worst_tokens=0 for such batches, or a Buffer with larger num_rdma_bytes "
+                         f"and num_nvl_bytes (Config hints with num_tokens)")
     if int(status_host[BAD_EXPERT_IDS]):
         code, limit = int(status_host[BAD_EXPERT_IDS]), int(status_host[BAD_EXPERT_LIMIT])
         call = BAD_IDS_CALL_NAMES.get(code, f"a kernel of call code {code}")  # BadIdsCall members hash as codes

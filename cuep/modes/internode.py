@@ -17,7 +17,8 @@ Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` sour
 receive region of one partition per node (:class:`RdmaLayout`), each holding one round of one rank's rows;
 the NVL buffer holds the combine's landing rows of one round (:class:`NvlLayout`). A dispatch with
 ``num_worst_tokens`` waits for no count on the CPU, so it cannot learn how many rounds the largest batch
-needs: it moves its batch in one round.
+needs: it moves one round, and every rank reports a batch larger than that (a status word, raised by the
+next call) while every rank's call still ends alike.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from .._math import align_up, ceil_div
 from .._status import StatusWords
 from ..jit import Library
 from ..kernels import internode as kernels
-from ..kernels.internode import (COUNT_WORDS, MAX_CHUNKS, MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_RANKS_PER_NODE,
-                                 MAX_ROUNDS, NUM_THREADS, ROUND_UNIT_TOKENS, STATE_WORDS, TRAFFIC_WORDS)
+from ..kernels.internode import (COUNT_WORDS, HEADER_BYTES, MAX_CHUNKS, MAX_LOCAL_EXPERTS, MAX_RANKS,
+                                 MAX_RANKS_PER_NODE, NUM_THREADS, PLAN_MAX_TOKENS, ROUND_UNIT_TOKENS, STATE_WORDS,
+                                 TRAFFIC_WORDS)
 from ..kernels.launcher import launch
 from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
@@ -47,7 +49,6 @@ __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NOD
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
-HEADER_BYTES = 8      # a round's header: its first node position and its rows (int32 each)
 NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
 
 
@@ -153,7 +154,7 @@ class PlanLayout:
     words: int
 
     #: plan[MAX_TOKENS]: the largest token count of any rank, which sets the call's rounds.
-    MAX_TOKENS: ClassVar[int] = 2
+    MAX_TOKENS: ClassVar[int] = PLAN_MAX_TOKENS
 
     @classmethod
     def create(cls, num_ranks: int, num_nodes: int, num_local_experts: int) -> "PlanLayout":
@@ -238,16 +239,21 @@ class Handle(FlatHandle):
         Raises ``ValueError`` when their shapes do not fit together."""
         cls.check_dtypes(arrays)
         send_pos, node_pos, scalars = arrays["send_pos"], arrays["node_pos"], arrays["scalars"]
-        units = ceil_div(send_pos.shape[0], ROUND_UNIT_TOKENS) + 1
-        if (send_pos.ndim != 2 or node_pos.ndim != 2 or node_pos.shape[0] != send_pos.shape[0]
-                or arrays["is_token_in_rank"].shape != send_pos.shape or arrays["recv_src_idx"].ndim != 1
-                or arrays["unit_prefix"].shape != (units, send_pos.shape[1] + node_pos.shape[1])
-                or arrays["forward_src"].shape != arrays["forward_pos"].shape[:1] or scalars.shape != (4,)
-                or scalars[2] <= 0 or scalars[3] <= 0):
+        if (send_pos.ndim != 2 or node_pos.ndim != 2 or node_pos.shape[0] != send_pos.shape[0] or scalars.shape != (4,)
+                or node_pos.shape[1] == 0 or send_pos.shape[1] % node_pos.shape[1]):
+            raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
+        num_tokens, num_ranks, num_nodes = send_pos.shape[0], send_pos.shape[1], node_pos.shape[1]
+        round_tokens, num_rounds = int(scalars[2]), int(scalars[3])
+        forward_pos = arrays["forward_pos"]
+        if (arrays["is_token_in_rank"].shape != send_pos.shape or arrays["recv_src_idx"].ndim != 1
+                or arrays["unit_prefix"].shape != (ceil_div(num_tokens, ROUND_UNIT_TOKENS) + 1, num_ranks + num_nodes)
+                or forward_pos.ndim != 2 or forward_pos.shape[1] != num_ranks // num_nodes
+                or arrays["forward_src"].shape != forward_pos.shape[:1]
+                or round_tokens <= 0 or round_tokens % ROUND_UNIT_TOKENS or num_rounds <= 0):
             raise ValueError("handle: its arrays do not fit together; pass back the tuple a dispatch's handle gave")
         num_recv = int(scalars[0]) if scalars[0] >= 0 else None
-        return cls(num_tokens=send_pos.shape[0], num_rows=arrays["recv_src_idx"].shape[0], num_recv_tokens=num_recv,
-                   num_local_experts=int(scalars[1]), round_tokens=int(scalars[2]), num_rounds=int(scalars[3]),
+        return cls(num_tokens=num_tokens, num_rows=arrays["recv_src_idx"].shape[0], num_recv_tokens=num_recv,
+                   num_local_experts=int(scalars[1]), round_tokens=round_tokens, num_rounds=num_rounds,
                    plan_host=None, **{name: arrays[name] for name in cls.ARRAY_DTYPES})
 
 
@@ -418,11 +424,6 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         round_tokens = round_tokens_for(ctx, hidden, num_topk)
         if round_tokens == 0:
             raise _round_refusal("dispatch()", ctx, hidden, num_topk)
-        if num_worst_tokens > 0 and num_tokens > round_tokens:
-            raise ValueError(f"dispatch(): across nodes, a dispatch with num_worst_tokens waits for no count on the "
-                             f"CPU, so it moves its batch in one round of at most {round_tokens} tokens per rank "
-                             f"(what this Buffer's partitions hold), but this rank has {num_tokens}; pass "
-                             f"num_worst_tokens=0, or a Buffer with larger num_rdma_bytes and num_nvl_bytes")
     chunk = chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
@@ -465,6 +466,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
                                     timeout_ns=ctx.timeout_ns)
         launch(ctx.library, notify.entry, stream, 1, NUM_THREADS, notify)
         if num_worst_tokens > 0:
+            # One round, whatever the batches (the count of rounds needs the CPU wait this call does not make):
+            # a batch past it is reported by every rank (the pull records it), not sent.
             num_rows, num_rounds = num_worst_tokens, 1
             # Each source on this rank's rail sends it at most one round's tokens.
             forward_capacity = N * round_tokens
@@ -475,9 +478,6 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             forward_capacity = int(plan_host[1])
             num_rounds = _rounds(int(plan_host[PlanLayout.MAX_TOKENS]), round_tokens)
             per_expert = plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts].tolist()
-        if num_rounds > MAX_ROUNDS:
-            raise ValueError(f"dispatch(): the largest batch needs {num_rounds} rounds of {round_tokens} tokens, more "
-                             f"than the {MAX_ROUNDS} a call can run; create the Buffer with larger num_rdma_bytes")
         forward_pos = front.empty((forward_capacity, L), np.int32)
         forward_src = front.empty((forward_capacity,), np.int32)
 
@@ -546,7 +546,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     ctx.barrier(stream)
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
                             plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(),
-                            recv_src_idx=handle.recv_src_idx.data.ptr, x=x.data.ptr, hidden_bytes=hidden * x.itemsize,
+                            recv_src_idx=handle.recv_src_idx.data.ptr, num_rows=handle.num_rows, x=x.data.ptr,
+                            hidden_bytes=hidden * x.itemsize,
                             topk_weights=_ptr(topk_weights), num_topk=num_topk, landing_row_bytes=row_bytes,
                             state=state, status=status, timeout_ns=ctx.timeout_ns)
     forward = kernels.ForwardArgs(

@@ -41,8 +41,8 @@ EXPERTS = 16 * num_ranks
 all_inputs = SeededInputs(SEED, num_ranks)
 RANKS_PER_NODE = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks)
 ACROSS_NODES = RANKS_PER_NODE < num_ranks
-# Across nodes, the hint with no token count (as frameworks size it): rounds of 1280 tokens of hidden 4096, so
-# the larger cases take two rounds (hidden 7168: rounds of 640).
+# Across nodes, the hint with no token count (as frameworks size it): on 2 nodes, rounds of 1280 tokens of hidden
+# 4096, so the larger cases take two rounds (hidden 7168: rounds of 640; fewer tokens a round on more nodes).
 RDMA_BYTES = cuep.Config().get_rdma_buffer_size_hint(2 * 4096, num_ranks)
 
 
@@ -463,6 +463,19 @@ def any_batch_through_a_buffer_of_a_few_rounds():
         worst = sum(tokens(s) for s in range(num_ranks))
     recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS, num_worst_tokens=worst)
     combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
+    if ACROSS_NODES:  # one rank's batch past that one round: every rank's next call says so, then all serve on
+        past = all_inputs(lambda s: 300 if s == 0 else 50, hidden, EXPERTS, 8)
+        x, _, topk, weights = past[rank].on_gpu()
+        cupy.cuda.get_current_stream().synchronize()
+        per_rank, per_node, per_expert, in_rank, _ = small.get_dispatch_layout(topk, EXPERTS)
+        small.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+                       num_worst_tokens=300 * num_ranks)
+        cupy.cuda.Device().synchronize()
+        expect_error(ValueError, lambda: small.get_dispatch_layout(topk, EXPERTS),
+                     "a num_worst_tokens batch past one round was not reported", match="one round")
+        recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS)
+        combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
     small.barrier()
     small.destroy()
 
