@@ -457,8 +457,8 @@ def any_batch_through_a_buffer_of_a_few_rounds():
     fp8 = all_inputs(lambda s: 600 + 97 * s, hidden, EXPERTS, 8, fp8=True)
     dispatch_and_check(small, fp8, EXPERTS)
     if ACROSS_NODES:  # num_worst_tokens waits for no count on the CPU: its batch goes in one round
-        inputs = all_inputs(lambda s: 30 * s, hidden, EXPERTS, 8)
-        worst = sum(30 * s for s in range(num_ranks))
+        inputs = all_inputs(lambda s: 40 + 30 * (s % 3), hidden, EXPERTS, 8)  # at most 100 < 128
+        worst = sum(40 + 30 * (s % 3) for s in range(num_ranks))
     else:
         worst = sum(tokens(s) for s in range(num_ranks))
     recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS, num_worst_tokens=worst)
