@@ -468,12 +468,16 @@ def any_batch_through_a_buffer_of_a_few_rounds():
         x, _, topk, weights = past[rank].on_gpu()
         cupy.cuda.get_current_stream().synchronize()
         per_rank, per_node, per_expert, in_rank, _ = small.get_dispatch_layout(topk, EXPERTS)
-        small.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
-                       num_worst_tokens=300 * num_ranks)
+
+        def past_one_round():  # raised by the dispatch itself if its kernels are done by then, else the next call
+            small.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk,
+                           topk_weights=weights, num_worst_tokens=300 * num_ranks)
+            cupy.cuda.Device().synchronize()
+            small.get_dispatch_layout(topk, EXPERTS)
+        expect_error(ValueError, past_one_round, "a num_worst_tokens batch past one round was not reported",
+                     match="one round")
         cupy.cuda.Device().synchronize()
-        expect_error(ValueError, lambda: small.get_dispatch_layout(topk, EXPERTS),
-                     "a num_worst_tokens batch past one round was not reported", match="one round")
         recv_x, recv_w, handle = dispatch_and_check(small, inputs, EXPERTS)
         combine_and_check(small, inputs, EXPERTS, recv_x, recv_w, handle)
     small.barrier()
@@ -492,12 +496,18 @@ def too_few_worst_tokens_raise_and_the_buffer_serves_on():
     x, _, topk, weights = to_rank_0[rank].on_gpu()
     cupy.cuda.get_current_stream().synchronize()
     per_rank, _, per_expert, in_rank, _ = small.get_dispatch_layout(topk, EXPERTS)
-    small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                   topk_idx=topk, topk_weights=weights, num_worst_tokens=1000 * num_ranks - 1)
-    cupy.cuda.Device().synchronize()
+
+    def overflow():  # raised by the dispatch itself if its kernels are done by then, else by the next call
+        small.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=topk, topk_weights=weights, num_worst_tokens=1000 * num_ranks - 1)
+        cupy.cuda.Device().synchronize()
+        small.get_dispatch_layout(topk, EXPERTS)
     if rank == 0:
-        expect_error(ValueError, lambda: small.get_dispatch_layout(topk, EXPERTS),
-                     "a dispatch that overflowed num_worst_tokens was not reported", match="num_worst_tokens")
+        expect_error(ValueError, overflow, "a dispatch that overflowed num_worst_tokens was not reported",
+                     match="num_worst_tokens")
+    else:
+        overflow()
+    cupy.cuda.Device().synchronize()
     comm.Barrier()
     for step in range(3):
         inputs = all_inputs(lambda s: 500 + 77 * s + step, hidden, EXPERTS, 8)
