@@ -1246,6 +1246,7 @@ struct CombineArgs {
     uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
                                    // nullptr where num_topk > kChoiceSlots, and in shrink mode: such a pair waits
     uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits
+                                   // (a launch that also receives; a hook's send looks once)
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
@@ -1463,7 +1464,10 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
-    const uint64_t split_ns = globaltimer_ns() + a.split_after_ns;
+    // A hook's send (this launch does not receive) waits for no peer: a pair whose weights are not there at
+    // its first look splits at once. A launch that receives too waits for its peers anyway, so its pairs
+    // look for split_after_ns first, which keeps ranks in step (graph replays) at one partial per pair.
+    const uint64_t split_ns = globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : 0);
     // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
     // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;
