@@ -25,7 +25,7 @@ its terms: see ``assert_probability_gradient_close``). Then ``--iters`` forward 
 passes are timed with CUDA events; rank 0 prints the median over iterations of the slowest rank, and two
 memory figures, each the largest over the ranks: ``Buffer MiB``, the GPU memory outside torch's allocator that
 the first pass took (the framework makes its Buffer there: NVSHMEM's heap and state for cuep, DeepEP's buffers
-for DeepEP), and ``pass MiB``, the most torch's allocator held during a timed pass beyond what it held before
+for DeepEP; the modules of kernels first loaded in that pass count too, alike on both backends), and ``pass MiB``, the most torch's allocator held during a timed pass beyond what it held before
 (the outputs, gradients and any temporaries of the calls, the layer's own tensors alike on both backends).
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every

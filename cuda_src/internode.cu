@@ -608,7 +608,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         for (int n = warp; n < N; n += kWarpsPerBlock) {
             auto* staged = at<RoundHeader>(args.rdma, args.layout.header_staging) + n;
             if (lane == 0)
-                *staged = RoundHeader{node_first[n], count_before(args.prefix, R + N, end_token, R + n) - node_first[n]};
+                *staged = RoundHeader{node_first[n],
+                                      count_before(args.prefix, R + N, end_token, R + n) - node_first[n]};
             put_with_signal(at<RoundHeader>(args.rdma, args.layout.headers) + topo.node, staged, sizeof(RoundHeader),
                             at<uint64_t>(args.rdma, args.layout.round_signals) + topo.node, number,
                             n * L + topo.local);
@@ -626,7 +627,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
         uint8_t* staged = args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
-            const int t = args.node_list[static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot + r];
+            const int t =
+                args.node_list[static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot + r];
             stage_row(args, shape, t, n, round_first, staged + r * args.row_bytes, lane);
         }
         uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
@@ -755,7 +757,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
     if (threadIdx.x == 0) {
         chunk_prefix[0] = 0;
         for (int item = 0; item < L * N; ++item)
-            chunk_prefix[item + 1] = chunk_prefix[item] + (headers_in ? chunks_of(headers[item].rows, args.chunk_rows) : 0);
+            chunk_prefix[item + 1] =
+                chunk_prefix[item] + (headers_in ? chunks_of(headers[item].rows, args.chunk_rows) : 0);
     }
     __syncthreads();
     const int num_recv = recv_prefix[topo.num_ranks];
@@ -1012,9 +1015,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
         for (int n = lane; n < N; n += kWarpSize) {
             const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
             if (position >= 0 && arrived)
-                arrived = wait_at_least(chunk_signal(args.rdma, args.layout, n, (position - node_first[n]) / args.chunk_rows),
-                                        number, deadline_ns, args.status, n * topo.ranks_per_node + topo.local,
-                                        kPhaseInternodePartials);
+                arrived = wait_at_least(
+                    chunk_signal(args.rdma, args.layout, n, (position - node_first[n]) / args.chunk_rows), number,
+                    deadline_ns, args.status, n * topo.ranks_per_node + topo.local, kPhaseInternodePartials);
         }
         if (!__all_sync(kFullWarpMask, arrived))
             break;

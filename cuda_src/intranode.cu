@@ -624,12 +624,13 @@ __device__ void count_pusher_done(uint64_t* state, const uint64_t* peer_bases, i
     }
     if (__shfl_sync(kFullWarpMask, done, 0) != static_cast<unsigned long long>(num_pushers))
         return;
-    if (lane == 0)
+    if (lane == 0) {
         state[kStatePushersDone] = 0;  // every pusher of the round has counted; the next round counts anew
-    if (lane < num_ranks) {
-        __threadfence_system();
-        st_release_sys_global(&control_of_rank(peer_bases, lane)->pushed[rank], call);
+        __threadfence_system();        // what lane 0 saw of the other warps through the count comes first
     }
+    __syncwarp();                      // ... for every lane's release below
+    if (lane < num_ranks)
+        st_release_sys_global(&control_of_rank(peer_bases, lane)->pushed[rank], call);
 }
 
 // A receiver that does not await its rows of `call` waits instead until every peer has pushed them all

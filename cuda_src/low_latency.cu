@@ -1464,9 +1464,11 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
-    // A hook's send (this launch does not receive) waits for no peer: a pair whose weights are not there at
-    // its first look splits at once. A launch that receives too waits for its peers anyway, so its pairs
-    // look for split_after_ns first, which keeps ranks in step (graph replays) at one partial per pair.
+    // A hook's send (this launch does not receive) waits for no peer where a pair may split: one whose weights
+    // are not there at its first look splits at once. A launch that receives too waits for its peers anyway,
+    // so its pairs look for split_after_ns first, which keeps ranks in step (graph replays) at one partial per
+    // pair. A pair that may not split (send_partial: a put peer, more than kChoiceSlots choices, shrink mode)
+    // waits for its weights in either launch.
     const uint64_t split_ns = globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : 0);
     // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
     // They go from the last blocks, which hold the fewest pairs.

@@ -6,8 +6,10 @@ stream free and returns an event; ``allocate_on_comm_stream`` allocates the outp
 Arrays that a kernel on the comm stream still uses after an ``async_finish`` call returns are kept from
 reuse until it is done: a normal-mode call's torch tensors are recorded on that stream for torch's caching
 allocator, as DeepEP records its tensors; anything else (CuPy's pool has no ``record_stream``), and a
-low-latency call's arrays, which its output pool counts, are held here until the kernel's event completes. Streams are the front's (:mod:`cuep._front`): CuPy's current stream
-for ``cuep.Buffer``, torch's for ``cuep.torch``.
+low-latency call's arrays, which its output pool counts, are held here until the kernel's event completes.
+Nothing is held or recorded for a call being captured into a CUDA graph: the graph's owner keeps its arrays.
+Streams are the front's (:mod:`cuep._front`): CuPy's current stream for ``cuep.Buffer``, torch's for
+``cuep.torch``.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class CallStreams:
         else:
             outputs, inputs = enqueue(comm_stream)
         done = record_event(comm_stream)
-        if async_finish:  # torch's allocator is told (DeepEP's record_stream); what it cannot be told is held
+        if async_finish and not capturing:  # (a graph's owner keeps its arrays, as keep_alive says)
+            # torch's allocator is told (DeepEP's record_stream); what it cannot be told is held here.
             self.keep_alive(comm_stream, self.front.record_stream(comm_stream, (*inputs, *outputs)), done)
         else:
             compute_stream.wait_event(done)

@@ -332,7 +332,8 @@ class Buffer:
                     a.num_tokens_per_expert, a.num_experts, a.handle, a.expert_alignment, a.num_worst_tokens,
                     config.num_sms)
             recv_x = (recv_x, recv_scales) if a.scales is not None else recv_x
-            return (recv_x, *received), (a.x, a.scales, topk_idx, a.topk_weights, a.is_token_in_rank,
+            # The caller's int32 ids too: the widening copy on `stream` reads them after this call returns.
+            return (recv_x, *received), (a.x, a.scales, topk_idx, a.topk_idx, a.topk_weights, a.is_token_in_rank,
                                          a.num_tokens_per_expert, a.handle)
 
         outputs, event = self._streams.run(previous_event, async_finish, allocate_on_comm_stream, enqueue)

@@ -109,9 +109,9 @@ _TABLE: tuple[EnvVar, ...] = (
            "hand a low-latency call's outputs out again once the caller lets go of them (docs/low-latency.md); "
            "0 allocates them anew for every call; read when a Buffer is made", _parse_bool, "runtime"),
     EnvVar("CUEP_COMBINE_SPLIT_US", "microseconds", 20.0,
-           "how long a low-latency combine that also receives (not a hook's send, which never waits) looks for a "
-           "late source's top-k weights before it sends the rows of a token it holds several experts of one by "
-           "one (more bytes, no wait); read when a Buffer is made",
+           "how long a low-latency combine that also receives (a hook's send looks once) looks for a late "
+           "source's top-k weights before it sends the rows of a token it holds several experts of one by one "
+           "(more bytes, no wait; docs/low-latency.md names the tokens that wait instead); read when a Buffer is made",
            _parse_microseconds, "runtime"),
 )
 

@@ -48,14 +48,15 @@ def test_heap_is_sized_from_the_request(monkeypatch):
 def test_nvshmem_defaults_keep_the_users_values():
     environ = {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
     world.apply_nvshmem_defaults(environ, num_qps_per_rank=12)
-    assert environ == {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4",
-                       "NVSHMEM_CUMEM_GRANULARITY": "2097152"}
+    assert environ == {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
     environ = {}
     world.apply_nvshmem_defaults(environ, num_qps_per_rank=12)
-    assert environ == {"NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "12",
-                       "NVSHMEM_CUMEM_GRANULARITY": "2097152"}
+    assert environ == {"NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "12"}
+    environ = {}
+    world.apply_nvshmem_defaults(environ, one_host=True)  # one host: the heap in 2-MiB pieces
+    assert environ["NVSHMEM_CUMEM_GRANULARITY"] == "2097152"
     environ = {"NVSHMEM_CUMEM_GRANULARITY": "536870912"}
-    world.apply_nvshmem_defaults(environ)
+    world.apply_nvshmem_defaults(environ, one_host=True)
     assert environ["NVSHMEM_CUMEM_GRANULARITY"] == "536870912"
     environ = {}
     world.apply_nvshmem_defaults(environ)  # DeepEP's default

@@ -362,10 +362,11 @@ def _round_refusal(call: str, ctx: Context, hidden: int, num_topk: int) -> Value
     row = max(dispatch_row_bytes(2 * hidden, 0, num_topk, t.ranks_per_node), combine_row_bytes(hidden, num_topk))
     rdma = rdma_bytes_for(unit * row, t.num_ranks, t.num_nodes)
     nvl = nvl_bytes_for(unit * t.ranks_per_node * t.num_nodes, combine_row_bytes(hidden, num_topk))
+    has_rdma = ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes
+    has_nvl = ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes
     return ValueError(f"{call}: across nodes the tokens move in rounds of whole units of {unit}, and one unit of "
                       f"hidden {hidden} with top-{num_topk} needs num_rdma_bytes >= {rdma} and num_nvl_bytes >= {nvl}; "
-                      f"this Buffer has num_rdma_bytes={ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes}"
-                      f" and num_nvl_bytes={ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes} (the Config hints "
+                      f"this Buffer has num_rdma_bytes={has_rdma} and num_nvl_bytes={has_nvl} (the Config hints "
                       f"give sizes for rounds of many units)")
 
 

@@ -49,10 +49,12 @@ _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 #  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (256 by
 #    default in 3.8), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
 #    the number of its predefined teams to that number, so 1 means "the predefined teams only".
-#  - NVSHMEM_CUMEM_GRANULARITY: with CUDA VMM, NVSHMEM maps the heap in pieces of this size (512 MiB by
-#    default), so a heap of any smaller size took a whole piece of GPU memory; 2 MiB is the GPU's own
-#    granularity, so the heap takes what was asked, rounded to 2 MiB.
-NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_CUMEM_GRANULARITY": str(2 << 20)}
+NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1"}
+# With CUDA VMM, NVSHMEM maps the heap in pieces of NVSHMEM_CUMEM_GRANULARITY (512 MiB by default), so a heap
+# of any smaller size took a whole piece of GPU memory. On one host cuep sets 2 MiB, the GPU's own granularity:
+# the heap takes what was asked. Across hosts NVSHMEM's default stays, as DeepEP keeps it: IBGDA keeps a memory
+# key per piece and peer, and only the first 64 sit in constant memory.
+ONE_HOST_GRANULARITY = {"NVSHMEM_CUMEM_GRANULARITY": str(2 << 20)}
 # DeepEP's default queue pairs per peer; as in DeepEP, a Buffer's num_qps_per_rank becomes IBGDA's
 # reliable connections per peer (the first Buffer's, since NVSHMEM starts once per process).
 DEFAULT_QPS_PER_RANK = 24
@@ -176,7 +178,7 @@ def init_world(group: Group, topology: Topology, data_bytes: int, device_id: int
         raise CuepError("NVSHMEM was finalized in this process and cannot be initialised again")
     cupy, core, nvshmem = _deps.cupy(), _deps.cuda_core(), _deps.nvshmem()
     heap_bytes = _size_heap(data_bytes)
-    apply_nvshmem_defaults(os.environ, num_qps_per_rank)
+    apply_nvshmem_defaults(os.environ, num_qps_per_rank, one_host=topology.num_local_ranks == topology.num_ranks)
     device = core.Device(device_id)
     device.set_current()
     cupy.cuda.Device(device_id).use()
@@ -213,10 +215,12 @@ def _refuse_an_absent_transport(group: Group, rank: int) -> None:
         raise CuepError(doctor.absent_transport_message(rank, os.environ, causes_by_rank))
 
 
-def apply_nvshmem_defaults(environ, num_qps_per_rank: int = DEFAULT_QPS_PER_RANK) -> None:
-    """Set each of :data:`NVSHMEM_DEFAULTS`, and IBGDA's connections per peer (``num_qps_per_rank``), in
-    ``environ`` where the user has not set them."""
-    for name, value in {**NVSHMEM_DEFAULTS, IBGDA_QPS_VARIABLE: str(num_qps_per_rank)}.items():
+def apply_nvshmem_defaults(environ, num_qps_per_rank: int = DEFAULT_QPS_PER_RANK, one_host: bool = False) -> None:
+    """Set each of :data:`NVSHMEM_DEFAULTS`, IBGDA's connections per peer (``num_qps_per_rank``) and, when every
+    rank is on ``one_host``, :data:`ONE_HOST_GRANULARITY`, in ``environ`` where the user has not set them."""
+    defaults = {**NVSHMEM_DEFAULTS, IBGDA_QPS_VARIABLE: str(num_qps_per_rank),
+                **(ONE_HOST_GRANULARITY if one_host else {})}
+    for name, value in defaults.items():
         environ.setdefault(name, value)
 
 
