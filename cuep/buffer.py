@@ -266,13 +266,16 @@ class Buffer:
                  topk_weights=None, expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
-        """Send each token to every rank that holds one of its experts (NVLink, one node).
+        """Send each token to every rank that holds one of its experts (over NVLink on one node; across nodes,
+        once per destination node over the network, then over NVLink there).
 
         Requirements:
             every rank calls it; non-cached calls need the layout from :meth:`get_dispatch_layout`.
             A non-cached call without ``num_worst_tokens`` waits on the CPU for the received count,
-            to size the outputs. The NVL buffer must hold this call's staged tokens, and for a
-            cached call the rows each rank receives (the error says how much when it does not).
+            to size the outputs. Any batch goes through the Buffer, in rounds of the tokens its buffers
+            hold; on one node the NVL buffer must also hold a non-cached call's staged routing (the error
+            says how much when it does not). Across nodes a call with ``num_worst_tokens`` moves one round:
+            a larger batch on any rank is reported by every rank's next call (docs/internode.md).
 
         Arguments:
             x: `[num_tokens, hidden]` with `bfloat16` (``ml_dtypes.bfloat16``), or a tuple of
