@@ -295,6 +295,8 @@ struct CombineArgs {
     int64_t landing_row_bytes, region_bytes;
     const __nv_bfloat16* bias0;
     const __nv_bfloat16* bias1;
+    const int64_t* order_topk_idx;
+    int order_num_topk, experts_per_rank;
     __nv_bfloat16* combined_x;
     float* combined_topk_weights;
     uint64_t* state;
@@ -1134,6 +1136,16 @@ struct CombineShape {
 constexpr int kReduceUnroll = 4;
 constexpr int kCopiesPerLoad = 2;
 
+// The order in which a source sums its token's copies. Without top-k ids (DeepEP V1's combine): the
+// holders in rank order, the biases last. With them (ElasticBuffer, DeepEP V2's bitwise contract): the
+// biases first, then each holder's copy in increasing order of its representative top-k lane, the
+// highest lane whose expert that holder holds; the FP32 sum is rounded once, so every rank's result is
+// the one V2's reference computes.
+struct ContributionOrder {
+    const int64_t* topk_idx;  // [num_tokens, num_topk] expert ids (-1: none), or null
+    int num_topk, experts_per_rank;
+};
+
 // This rank's landing rows in this call's region and their per-chunk arrival counters.
 struct LandedCopies {
     const uint8_t* rows;
@@ -1148,7 +1160,7 @@ struct LandedCopies {
 // for its chunk (keeping the newest chunk it confirmed for rank r in `confirmed[r]`), so the checks
 // of all copies take one round trip. Returns false on a timeout.
 __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, const int32_t* send_pos,
-                             int num_ranks, const CombineShape& shape,
+                             int num_ranks, const CombineShape& shape, const ContributionOrder& order,
                              const __nv_bfloat16* bias0, const __nv_bfloat16* bias1, __nv_bfloat16* combined_x,
                              float* combined_topk_weights, int* confirmed, uint64_t deadline_ns, const Status& status,
                              int lane) {
@@ -1164,9 +1176,28 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
         return false;
     const uint8_t* rows[kMaxRanks];
     int num_copies = 0;
-    for (uint32_t holders = __ballot_sync(kFullWarpMask, pos >= 0); holders != 0; holders &= holders - 1) {
-        const int copy_slot = __shfl_sync(kFullWarpMask, slot, __ffs(holders) - 1);
-        rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
+    const bool biases_first = order.topk_idx != nullptr;
+    if (!biases_first) {
+        for (uint32_t holders = __ballot_sync(kFullWarpMask, pos >= 0); holders != 0; holders &= holders - 1) {
+            const int copy_slot = __shfl_sync(kFullWarpMask, slot, __ffs(holders) - 1);
+            rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
+        }
+    } else {
+        // Lane k < num_topk: the holder of its expert; it represents that holder when no higher lane
+        // names the same one. A holder the dispatch never sent to (ids changed since) adds nothing.
+        int holder = -1;
+        if (lane < order.num_topk) {
+            const int64_t id = ld_nc_global(order.topk_idx + static_cast<int64_t>(token) * order.num_topk + lane);
+            holder = id >= 0 ? static_cast<int>(id / order.experts_per_rank) : -1;
+        }
+        const uint32_t same_holder = __match_any_sync(kFullWarpMask, holder);  // every lane: a full-mask intrinsic
+        const bool represents = holder >= 0 && holder < num_ranks && ((same_holder >> lane) >> 1) == 0;
+        for (uint32_t lanes = __ballot_sync(kFullWarpMask, represents); lanes != 0; lanes &= lanes - 1) {
+            const int h = __shfl_sync(kFullWarpMask, holder, __ffs(lanes) - 1);
+            const int copy_slot = __shfl_sync(kFullWarpMask, slot, h);
+            if (__shfl_sync(kFullWarpMask, pos, h) >= 0)
+                rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
+        }
     }
     const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
     const int64_t token_vectors = static_cast<int64_t>(token) * num_vectors;
@@ -1176,6 +1207,20 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
     const int begin = slice * slice_vectors, end = min(num_vectors, begin + slice_vectors);
     for (int first = begin + lane; first < end; first += kReduceUnroll * kWarpSize) {
         float acc[kReduceUnroll][kBf16PerVector] = {};
+        const auto add_biases = [&]() {
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                const int v = first + u * kWarpSize;
+                if (v >= end)
+                    continue;
+                if (bias0 != nullptr)
+                    accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias0) + token_vectors + v));
+                if (bias1 != nullptr)
+                    accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias1) + token_vectors + v));
+            }
+        };
+        if (biases_first)
+            add_biases();
 #pragma unroll
         for (int group = 0; group < kMaxRanks; group += kCopiesPerLoad) {
             if (group >= num_copies)
@@ -1195,16 +1240,13 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
                     if (group + c < num_copies && first + u * kWarpSize < end)
                         accumulate_bf16x8(acc[u], raw[c][u]);
         }
+        if (!biases_first)
+            add_biases();
 #pragma unroll
         for (int u = 0; u < kReduceUnroll; ++u) {
             const int v = first + u * kWarpSize;
-            if (v >= end)
-                continue;
-            if (bias0 != nullptr)
-                accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias0) + token_vectors + v));
-            if (bias1 != nullptr)
-                accumulate_bf16x8(acc[u], ld_nc_global(reinterpret_cast<const int4*>(bias1) + token_vectors + v));
-            st_global(out + v, floats_to_bf16x8(acc[u]), read_once);
+            if (v < end)
+                st_global(out + v, floats_to_bf16x8(acc[u]), read_once);
         }
     }
     if (slice == 0 && combined_topk_weights != nullptr && lane < shape.num_topk) {
@@ -1226,7 +1268,8 @@ namespace cuep::intranode {
 // topk_weights: `[num_rows, num_topk]` or null;
 // round_tokens: the source tokens of a round (round_tokens in cuep/modes/intranode.py);
 // landing_row_bytes: one landing row (landing_row_bytes in cuep/modes/intranode.py); region_bytes:
-// the size of each of the two regions; bias0, bias1: `[num_tokens, hidden]` or null; combined_x:
+// the size of each of the two regions; bias0, bias1: `[num_tokens, hidden]` or null; order_topk_idx:
+// `[num_tokens, order_num_topk]` int64 ids of the dispatch (ContributionOrder) or null; combined_x:
 // `[num_tokens, hidden]`; combined_topk_weights: `[num_tokens, num_topk]` or null.
 __global__ void __launch_bounds__(kNumThreads, 1)
 combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const int32_t* args_send_pos,
@@ -1235,6 +1278,7 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
         int64_t args_hidden_bytes,
         const float* args_topk_weights, int args_num_topk, int64_t args_landing_row_bytes,
         int64_t args_region_bytes, const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
+        const int64_t* args_order_topk_idx, int args_order_num_topk, int args_experts_per_rank,
         __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
         int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
         uint64_t args_timeout_ns) {
@@ -1242,7 +1286,8 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
                            args_rank, args_num_ranks, args_num_tokens, args_round_tokens, args_num_rows, args_x,
                            args_hidden_bytes,
                            args_topk_weights, args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0,
-                           args_bias1, args_combined_x, args_combined_topk_weights, args_state,
+                           args_bias1, args_order_topk_idx, args_order_num_topk, args_experts_per_rank,
+                           args_combined_x, args_combined_topk_weights, args_state,
                            {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
@@ -1261,6 +1306,7 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
     __syncthreads();
 
     const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
+    const ContributionOrder order{args.order_topk_idx, args.order_num_topk, args.experts_per_rank};
     const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
     // A handle from a dispatch whose num_worst_tokens was too small holds fewer rows (x, recv_src_idx) than
     // were sent: this rank pushes none back (its sources time out waiting for them) rather than read past them.
@@ -1304,7 +1350,7 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
             if (item / kTokenSlices >= round_tokens)
                 break;
             if (!reduce_token(static_cast<int>(first_token + item / kTokenSlices), item % kTokenSlices, landed,
-                              args.send_pos, num_ranks, shape, args.bias0, args.bias1, args.combined_x,
+                              args.send_pos, num_ranks, shape, order, args.bias0, args.bias1, args.combined_x,
                               args.combined_topk_weights, plan.confirmed[warp_in_block], deadline_ns, status, lane))
                 break;
         }

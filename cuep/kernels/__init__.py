@@ -6,10 +6,10 @@ takes one struct by value, or that struct's fields as scalars; either way it lau
 from __future__ import annotations
 
 from ..jit import KernelSpec
-from . import barrier, internode, intranode, layout, low_latency, probe
+from . import barrier, elastic, internode, intranode, layout, low_latency, probe
 
-FAMILIES = {"barrier": barrier, "internode": internode, "intranode": intranode, "layout": layout,
-            "low_latency": low_latency, "probe": probe}
+FAMILIES = {"barrier": barrier, "elastic": elastic, "internode": internode, "intranode": intranode,
+            "layout": layout, "low_latency": low_latency, "probe": probe}
 """Every family by name; ``probe`` (the benchmark's NVLink ceiling probe) is compiled by tools and tests
 but never by a Buffer (see :func:`buffer_specs`)."""
 
@@ -24,18 +24,19 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
 
     The layout and barrier kernels serve every Buffer; the normal-mode family needs an NVLink buffer
     (``num_nvl_bytes > 0``): the internode family when the ranks span several nodes (``internode``),
-    the intranode family otherwise; the low-latency family needs a low-latency region
+    the intranode family otherwise, with the elastic family (DeepEP V2's layouts on the intranode rows); the low-latency family needs a low-latency region
     (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer).
     Compiling only these keeps a cold start to what the Buffer can use. ``across_hosts`` (ranks on
     several physical hosts) picks the network families' build that links NVSHMEM's transfer code
     (IBGDA included); on one host they inline NVSHMEM whole (``cuda_src/cuep/network.cuh``).
     """
     wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0 and not internode,
-              "internode": num_nvl_bytes > 0 and internode, "low_latency": num_rdma_bytes > 0}
+              "elastic": num_nvl_bytes > 0 and not internode, "internode": num_nvl_bytes > 0 and internode,
+              "low_latency": num_rdma_bytes > 0}
     options = {"across_hosts": across_hosts}
     return {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))
             for family, used in wanted.items() if used}
 
 
-__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "internode", "intranode", "layout", "low_latency",
-           "probe"]
+__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode", "intranode", "layout",
+           "low_latency", "probe"]

@@ -170,7 +170,9 @@ class CombineArgs(KernelArgs):
                 ("recv_src_idx", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32),
                 ("round_tokens", _i32), ("num_rows", _i32), ("x", _ptr),
                 ("hidden_bytes", _i64), ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64),
-                ("region_bytes", _i64), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
+                ("region_bytes", _i64), ("bias0", _ptr), ("bias1", _ptr),
+                ("order_topk_idx", _ptr), ("order_num_topk", _i32), ("experts_per_rank", _i32),
+                ("combined_x", _ptr),
                 ("combined_topk_weights", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),
                 ("timeout_ns", _u64)]
 

@@ -429,7 +429,8 @@ def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, ro
     return recv_x, recv_scales
 
 
-def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int):
+def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int,
+            order_topk_idx=None, experts_per_rank: int = 0):
     """Enqueue a combine on ``stream`` (outputs are allocated on the current stream), in rounds of
     :func:`round_tokens` source tokens.
 
@@ -439,6 +440,10 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         topk_weights: `[handle.num_rows, num_topk]` `float32` summed back too, or ``None``.
         bias0, bias1: `[num_tokens, hidden]` `bfloat16` added to each result, or ``None``.
         num_sms: blocks of the kernel (capped at the GPU's SMs).
+        order_topk_idx: `[num_tokens, num_topk]` `int64`, the dispatch's expert ids, for DeepEP V2's
+            summation order (the biases first, then each holder's copy in the order of its highest top-k
+            lane; ``experts_per_rank`` experts per rank), or ``None`` for holders in rank order and the
+            biases last.
 
     Returns:
         ``(combined_x, combined_topk_weights)``: `[num_tokens, hidden]` `bfloat16`, and
@@ -459,6 +464,9 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     args.hidden_bytes = hidden * x.itemsize
     args.topk_weights, args.num_topk, args.landing_row_bytes = _ptr(topk_weights), num_topk, row_bytes
     args.bias0, args.bias1 = _ptr(bias0), _ptr(bias1)
+    args.order_topk_idx = _ptr(order_topk_idx)
+    args.order_num_topk = order_topk_idx.shape[1] if order_topk_idx is not None else 0
+    args.experts_per_rank = experts_per_rank
     args.combined_x, args.combined_topk_weights = combined_x.data.ptr, _ptr(combined_weights)
     launch(ctx.library, args.entry, stream, num_sms, kernels.NUM_THREADS, args)
     return combined_x, combined_weights

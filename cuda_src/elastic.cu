@@ -1,0 +1,301 @@
+// DeepEP V2's received layouts (ElasticBuffer, cuep/elastic.py), made on the receiving rank from a
+// normal-mode dispatch's compact rows: one row per (source token, this rank), ordered by source rank,
+// then source token. No communication.
+//
+//   count_rows    per chunk of kChunkRows received rows: how many entries name each local expert, and
+//                 each row's metadata (`[row, num_topk + 2]`: source rank * num_max_tokens_per_rank +
+//                 source token; source rank * num_topk + the highest top-k lane this rank holds; then
+//                 per lane its expanded row, or -1).
+//   scan_counts   one block: each chunk's first row per expert (in place), the per-expert counts, their
+//                 prefix sums (V2's psum_num_recv_tokens_per_expert) and the cumulative statistics.
+//   place_rows    the expanded layout: expert e owns rows [start_e, start_e + count_e), start_e the sum of
+//                 the earlier experts' counts rounded up to expert_alignment; within an expert, entries in
+//                 received order (so the layout is deterministic). Each compact row is read once and
+//                 stored to every expanded row of its lanes, with its FP8 scales (row- or column-major)
+//                 and its top-k weight; the padding rows after each expert are zeroed on request.
+//   reduce_rows   combine's first step on an expanded layout: each compact row is the FP32 sum, in
+//                 top-k lane order, of its lanes' expanded rows, rounded once (V2's reduction on the
+//                 expert's rank), and its per-lane weights are gathered back (0 for other ranks' lanes).
+//
+// The received count lives on the GPU (num_rows): without the dispatch's CPU wait, the arrays have more
+// rows than were received, and rows past the count are left alone.
+#include <cuep/bf16.cuh>
+#include <cuep/common.cuh>
+#include <cuep/ptx.cuh>
+
+namespace cuep {
+
+// From cuep/kernels/elastic.py.
+constexpr int kNumThreads = CUEP_NUM_THREADS;
+constexpr int kChunkRows = CUEP_CHUNK_ROWS;
+constexpr int kMaxLocalExperts = CUEP_MAX_LOCAL_EXPERTS;
+constexpr int kMaxTopk = CUEP_MAX_TOPK;
+constexpr int kWarps = kNumThreads / kWarpSize;
+static_assert(kNumThreads % kWarpSize == 0 && kMaxTopk <= kWarpSize);
+
+// 16-byte vectors a lane has in flight per step of a row copy or reduction.
+constexpr int kRowUnroll = 4;
+
+struct RowsArgs {
+    const int64_t* recv_topk_idx;  // [capacity, num_topk] local expert ids, -1 for other ranks' lanes
+    const int32_t* recv_src_idx;   // [capacity] source token of each row
+    const int32_t* num_rows;       // rows received (the dispatch's count, on the GPU)
+    const int32_t* rank_prefix;    // [num_ranks + 1] rows received from the ranks before each
+    int capacity, num_topk, num_local_experts, num_ranks, num_max_tokens_per_rank, expert_alignment;
+    int num_chunks, expand;        // expand: leave the slot columns to place_rows
+    int32_t* chunk_counts;         // [num_chunks, num_local_experts]
+    int32_t* metadata;             // [capacity, num_topk + 2]
+    int32_t* num_unaligned;        // [num_local_experts] out
+    int32_t* psum;                 // [num_local_experts] out: inclusive (aligned) or expanded (see scan_counts)
+    int32_t* stats;                // [num_local_experts] cumulative, or null
+};
+
+struct PlaceArgs {
+    const int32_t* num_rows;
+    int capacity, num_topk, num_local_experts, expert_alignment, num_chunks;
+    const int32_t* chunk_starts;   // [num_chunks, num_local_experts] (scan_counts), or null: slots are in metadata
+    const int32_t* num_unaligned;
+    const int32_t* psum;           // expanded form: start_e + count_e
+    const int64_t* recv_topk_idx;
+    int32_t* metadata;
+    const uint8_t* x;              // [capacity, row_bytes] compact rows
+    int64_t row_bytes;
+    const float* scales;           // [capacity, num_scales] or null
+    int num_scales;
+    const float* weights;          // [capacity, num_topk] or null
+    uint8_t* out_x;                // [out_rows, row_bytes]
+    float* out_scales;             // element (slot, p) at slot * scale_row_stride + p * scale_col_stride
+    int64_t scale_row_stride, scale_col_stride;
+    float* out_weights;            // [out_rows] or null
+    int out_rows, zero_padding;
+};
+
+struct ReduceArgs {
+    const int32_t* num_rows;
+    int capacity, num_topk;
+    const int32_t* metadata;       // [capacity, num_topk + 2]
+    const uint8_t* x;              // [expanded rows, row_bytes] bf16
+    int64_t row_bytes;
+    const float* weights;          // [expanded rows] or null
+    uint8_t* out_x;                // [capacity, row_bytes] bf16
+    float* out_weights;            // [capacity, num_topk] or null
+};
+
+__device__ __forceinline__ int received_rows(const int32_t* num_rows, int capacity) {
+    return min(ld_volatile_global(num_rows), capacity);
+}
+
+__device__ __forceinline__ int align_to(int value, int alignment) {
+    return (value + alignment - 1) / alignment * alignment;
+}
+
+}  // namespace cuep
+
+namespace cuep::elastic {
+
+__global__ void __launch_bounds__(kNumThreads) count_rows(const RowsArgs args) {
+    __shared__ int counts[kMaxLocalExperts];
+    const int num_experts = args.num_local_experts, num_topk = args.num_topk;
+    for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+        counts[e] = 0;
+    __syncthreads();
+    const int rows = received_rows(args.num_rows, args.capacity);
+    const int first = static_cast<int>(blockIdx.x) * kChunkRows, last = min(first + kChunkRows, rows);
+    for (int i = first * num_topk + static_cast<int>(threadIdx.x); i < last * num_topk; i += kNumThreads) {
+        const int64_t id = args.recv_topk_idx[i];
+        if (id >= 0 && id < num_experts)
+            atomicAdd(&counts[id], 1);
+    }
+    for (int row = first + static_cast<int>(threadIdx.x); row < last; row += kNumThreads) {
+        int source = 0;
+        while (source + 1 < args.num_ranks && args.rank_prefix[source + 1] <= row)
+            ++source;
+        int highest = -1;
+        for (int k = 0; k < num_topk; ++k)
+            highest = args.recv_topk_idx[static_cast<int64_t>(row) * num_topk + k] >= 0 ? k : highest;
+        int32_t* meta = args.metadata + static_cast<int64_t>(row) * (num_topk + 2);
+        meta[0] = source * args.num_max_tokens_per_rank + args.recv_src_idx[row];
+        meta[1] = source * num_topk + highest;
+        if (!args.expand)
+            for (int k = 0; k < num_topk; ++k)
+                meta[2 + k] = -1;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+        args.chunk_counts[static_cast<int64_t>(blockIdx.x) * num_experts + e] = counts[e];
+}
+
+// psum: with args.expand, start_e + count_e (V2's expanded form: align(psum[e], A) is the next
+// expert's first row); otherwise the inclusive sum of the aligned counts.
+__global__ void __launch_bounds__(kNumThreads) scan_counts(const RowsArgs args) {
+    __shared__ int unaligned[kMaxLocalExperts];
+    const int num_experts = args.num_local_experts, alignment = args.expert_alignment;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    for (int e = warp; e < num_experts; e += kWarps) {
+        int running = 0;
+        for (int first = 0; first < args.num_chunks; first += kWarpSize) {
+            const int chunk = first + lane;
+            int32_t* count = args.chunk_counts + static_cast<int64_t>(chunk) * num_experts + e;
+            const int n = chunk < args.num_chunks ? *count : 0;
+            int inclusive = n;
+#pragma unroll
+            for (int offset = 1; offset < kWarpSize; offset *= 2) {
+                const int before = __shfl_up_sync(kFullWarpMask, inclusive, offset);
+                inclusive += lane >= offset ? before : 0;
+            }
+            if (chunk < args.num_chunks)
+                *count = running + inclusive - n;
+            running += __shfl_sync(kFullWarpMask, inclusive, kWarpSize - 1);
+        }
+        if (lane == 0) {
+            unaligned[e] = running;
+            args.num_unaligned[e] = running;
+            if (args.stats != nullptr)
+                args.stats[e] += running;
+        }
+    }
+    __syncthreads();
+    if (warp != 0)
+        return;
+    int start = 0;
+    for (int first = 0; first < num_experts; first += kWarpSize) {
+        const int e = first + lane;
+        const int count = e < num_experts ? unaligned[e] : 0, aligned = align_to(count, alignment);
+        int inclusive = aligned;
+#pragma unroll
+        for (int offset = 1; offset < kWarpSize; offset *= 2) {
+            const int before = __shfl_up_sync(kFullWarpMask, inclusive, offset);
+            inclusive += lane >= offset ? before : 0;
+        }
+        if (e < num_experts)
+            args.psum[e] = start + inclusive - (args.expand ? aligned - count : 0);
+        start += __shfl_sync(kFullWarpMask, inclusive, kWarpSize - 1);
+    }
+}
+
+__global__ void __launch_bounds__(kNumThreads) place_rows(const PlaceArgs args) {
+    __shared__ int next_slot[kMaxLocalExperts];
+    __shared__ int slots[kChunkRows * kMaxTopk];
+    const int num_experts = args.num_local_experts, num_topk = args.num_topk;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int64_t row_vectors = args.row_bytes / static_cast<int64_t>(sizeof(int4));
+
+    if (static_cast<int>(blockIdx.x) >= args.num_chunks) {  // the padding after one expert's rows
+        const int e = static_cast<int>(blockIdx.x) - args.num_chunks;
+        const int begin = args.psum[e], end = min(align_to(begin, args.expert_alignment), args.out_rows);
+        for (int slot = begin + warp; slot < end; slot += kWarps) {
+            auto* out = reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(slot) * args.row_bytes);
+            for (int64_t v = lane; v < row_vectors; v += kWarpSize)
+                out[v] = make_int4(0, 0, 0, 0);
+            if (args.out_scales != nullptr)
+                for (int p = lane; p < args.num_scales; p += kWarpSize)
+                    args.out_scales[slot * args.scale_row_stride + p * args.scale_col_stride] = 0.0f;
+            if (args.out_weights != nullptr && lane == 0)
+                args.out_weights[slot] = 0.0f;
+        }
+        return;
+    }
+
+    const int rows = received_rows(args.num_rows, args.capacity);
+    const int first = static_cast<int>(blockIdx.x) * kChunkRows, last = min(first + kChunkRows, rows);
+    const int entries = max(0, last - first) * num_topk;
+    if (args.chunk_starts != nullptr) {
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+            next_slot[e] = args.psum[e] - args.num_unaligned[e] +
+                           args.chunk_starts[static_cast<int64_t>(blockIdx.x) * num_experts + e];
+        __syncthreads();
+        // One warp numbers the chunk's entries in received order, 32 at a time: entries naming the same
+        // expert take consecutive rows, in lane order, and the group's highest lane moves the expert on.
+        if (warp == 0) {
+            for (int base = 0; base < entries; base += kWarpSize) {
+                const int j = base + lane;
+                const int64_t id = j < entries ? args.recv_topk_idx[static_cast<int64_t>(first) * num_topk + j] : -1;
+                const int expert = id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+                const uint32_t peers = __match_any_sync(kFullWarpMask, expert);  // every lane: a full-mask intrinsic
+                const int slot = expert >= 0 ? next_slot[expert] + __popc(peers & ((1u << lane) - 1u)) : -1;
+                __syncwarp();
+                if (expert >= 0 && ((peers >> lane) >> 1) == 0)
+                    next_slot[expert] += __popc(peers);
+                __syncwarp();
+                if (j < entries) {
+                    slots[j] = slot;
+                    args.metadata[static_cast<int64_t>(first + j / num_topk) * (num_topk + 2) + 2 + j % num_topk] = slot;
+                }
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < entries; j += kNumThreads)
+            slots[j] = args.metadata[static_cast<int64_t>(first + j / num_topk) * (num_topk + 2) + 2 + j % num_topk];
+    }
+    __syncthreads();
+
+    // A warp per compact row: each vector is loaded once and stored to every expanded row of the row.
+    for (int row = first + warp; row < last; row += kWarps) {
+        const int* row_slots = slots + (row - first) * num_topk;
+        const auto* in = reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(row) * args.row_bytes);
+        for (int64_t v = lane; v < row_vectors; v += kRowUnroll * kWarpSize) {
+            int4 values[kRowUnroll];
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; ++u)
+                if (v + u * kWarpSize < row_vectors)
+                    values[u] = ld_nc_global(in + v + u * kWarpSize);
+            for (int k = 0; k < num_topk; ++k) {
+                const int slot = row_slots[k];
+                if (slot < 0)
+                    continue;
+                auto* out = reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(slot) * args.row_bytes);
+#pragma unroll
+                for (int u = 0; u < kRowUnroll; ++u)
+                    if (v + u * kWarpSize < row_vectors)
+                        st_na_global(out + v + u * kWarpSize, values[u]);
+            }
+        }
+        if (args.scales != nullptr) {
+            for (int p = lane; p < args.num_scales; p += kWarpSize) {
+                const float scale = args.scales[static_cast<int64_t>(row) * args.num_scales + p];
+                for (int k = 0; k < num_topk; ++k)
+                    if (row_slots[k] >= 0)
+                        args.out_scales[row_slots[k] * args.scale_row_stride + p * args.scale_col_stride] = scale;
+            }
+        }
+        if (args.weights != nullptr && args.out_weights != nullptr && lane < num_topk && row_slots[lane] >= 0)
+            args.out_weights[row_slots[lane]] = args.weights[static_cast<int64_t>(row) * num_topk + lane];
+    }
+}
+
+__global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args) {
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_topk = args.num_topk;
+    const int rows = received_rows(args.num_rows, args.capacity);
+    const int64_t row_vectors = args.row_bytes / static_cast<int64_t>(sizeof(int4));
+    for (int row = static_cast<int>(blockIdx.x) * kWarps + warp; row < rows; row += gridDim.x * kWarps) {
+        const int slot = lane < num_topk ? args.metadata[static_cast<int64_t>(row) * (num_topk + 2) + 2 + lane] : -1;
+        const uint32_t lanes = __ballot_sync(kFullWarpMask, slot >= 0);
+        auto* out = reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(row) * args.row_bytes);
+        for (int64_t v = lane; v < row_vectors; v += kRowUnroll * kWarpSize) {
+            float acc[kRowUnroll][kBf16PerVector] = {};
+            for (uint32_t rest = lanes; rest != 0; rest &= rest - 1) {
+                const int source = __shfl_sync(kFullWarpMask, slot, __ffs(rest) - 1);
+                const auto* in = reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(source) * args.row_bytes);
+                int4 values[kRowUnroll];
+#pragma unroll
+                for (int u = 0; u < kRowUnroll; ++u)
+                    if (v + u * kWarpSize < row_vectors)
+                        values[u] = ld_nc_global(in + v + u * kWarpSize);
+#pragma unroll
+                for (int u = 0; u < kRowUnroll; ++u)
+                    if (v + u * kWarpSize < row_vectors)
+                        accumulate_bf16x8(acc[u], values[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < kRowUnroll; ++u)
+                if (v + u * kWarpSize < row_vectors)
+                    out[v + u * kWarpSize] = floats_to_bf16x8(acc[u]);
+        }
+        if (args.out_weights != nullptr && lane < num_topk)
+            args.out_weights[static_cast<int64_t>(row) * num_topk + lane] =
+                slot >= 0 && args.weights != nullptr ? args.weights[slot] : 0.0f;
+    }
+}
+
+}  // namespace cuep::elastic
