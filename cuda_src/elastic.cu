@@ -13,6 +13,8 @@
 //                 received order (so the layout is deterministic). Each compact row is read once and
 //                 stored to every expanded row of its lanes, with its FP8 scales (row- or column-major)
 //                 and its top-k weight; the padding rows after each expert are zeroed on request.
+//   slot_rows     on the sending rank, per (token, lane): the row the token landed in on its expert's rank
+//                 (V2's dst_buffer_slot_idx), from the dispatch's routing; -1 for lanes without an expert.
 //   reduce_rows   combine's first step on an expanded layout: each compact row is the FP32 sum, in
 //                 top-k lane order, of its lanes' expanded rows, rounded once (V2's reduction on the
 //                 expert's rank), and its per-lane weights are gathered back (0 for other ranks' lanes).
@@ -79,6 +81,14 @@ struct ReduceArgs {
     const float* weights;          // [expanded rows] or null
     uint8_t* out_x;                // [capacity, row_bytes] bf16
     float* out_weights;            // [capacity, num_topk] or null
+};
+
+struct SlotArgs {
+    const int64_t* topk_idx;           // [num_tokens, num_topk] global expert ids, -1: none
+    const int32_t* send_pos;           // [num_tokens, num_ranks] row among those sent to each rank, -1: not sent
+    const int32_t* rank_prefix_matrix; // [num_ranks, num_ranks]: [s][d] the rows ranks 0..s sent to d
+    int num_tokens, num_topk, num_ranks, rank, experts_per_rank;
+    int32_t* slots;                    // [num_tokens, num_topk] out
 };
 
 __device__ __forceinline__ int received_rows(const int32_t* num_rows, int capacity) {
@@ -260,6 +270,22 @@ __global__ void __launch_bounds__(kNumThreads) place_rows(const PlaceArgs args) 
         }
         if (args.weights != nullptr && args.out_weights != nullptr && lane < num_topk && row_slots[lane] >= 0)
             args.out_weights[row_slots[lane]] = args.weights[static_cast<int64_t>(row) * num_topk + lane];
+    }
+}
+
+__global__ void __launch_bounds__(kNumThreads) slot_rows(const SlotArgs args) {
+    const int64_t entries = static_cast<int64_t>(args.num_tokens) * args.num_topk;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(kNumThreads) + threadIdx.x; i < entries;
+         i += static_cast<int64_t>(gridDim.x) * kNumThreads) {
+        const int64_t id = args.topk_idx[i];
+        int slot = -1;
+        if (id >= 0) {
+            const int holder = static_cast<int>(id / args.experts_per_rank);
+            const int64_t token = i / args.num_topk;
+            const int first = args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * args.num_ranks + holder] : 0;
+            slot = first + args.send_pos[token * args.num_ranks + holder];
+        }
+        args.slots[i] = slot;
     }
 }
 

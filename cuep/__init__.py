@@ -9,9 +9,10 @@ __version__ = "0.14.0"  # the one place the version is set: pyproject.toml and t
 
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402
+from .elastic import ElasticBuffer, EPHandle  # noqa: E402
 from .errors import (CallOrderError, CompileError, CuepError, MaskedRankError, MissingDependencyError,  # noqa: E402
                      NoGPUError, PeerTimeoutError)
 from .event import EventOverlap  # noqa: E402
 
-__all__ = ["Buffer", "CallOrderError", "CompileError", "Config", "CuepError", "EventOverlap", "MaskedRankError",
-           "MissingDependencyError", "NoGPUError", "PeerTimeoutError", "__version__"]
+__all__ = ["Buffer", "CallOrderError", "CompileError", "Config", "CuepError", "EPHandle", "ElasticBuffer", "EventOverlap",
+           "MaskedRankError", "MissingDependencyError", "NoGPUError", "PeerTimeoutError", "__version__"]

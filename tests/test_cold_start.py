@@ -17,9 +17,9 @@ NVSHMEM_FAMILY = "barrier"  # the shortest NVSHMEM family: header cost, linking,
 
 
 @pytest.mark.parametrize("nvl, rdma, families", [
-    (1 << 20, 0, ["layout", "barrier", "intranode"]),
+    (1 << 20, 0, ["layout", "barrier", "intranode", "elastic"]),
     (0, 1 << 20, ["layout", "barrier", "low_latency"]),
-    (1 << 20, 1 << 20, ["layout", "barrier", "intranode", "low_latency"]),
+    (1 << 20, 1 << 20, ["layout", "barrier", "intranode", "elastic", "low_latency"]),
     (0, 0, ["layout", "barrier"]),
 ])
 def test_a_buffer_compiles_only_the_families_it_uses(nvl, rdma, families):

@@ -6,6 +6,7 @@ C++ entries, each taking one argument struct by value (mirrored below)::
     cuep::elastic::count_rows(const RowsArgs)     a block per chunk of received rows
     cuep::elastic::scan_counts(const RowsArgs)    one block
     cuep::elastic::place_rows(const PlaceArgs)    a block per chunk, then one per expert's padding
+    cuep::elastic::slot_rows(const SlotArgs)      a thread per (token, lane)
     cuep::elastic::reduce_rows(const ReduceArgs)  a warp per compact row
 """
 
@@ -64,7 +65,17 @@ class ReduceArgs(KernelArgs):
                 ("row_bytes", _i64), ("weights", _ptr), ("out_x", _ptr), ("out_weights", _ptr)]
 
 
-ARGUMENT_STRUCTS = (RowsArgs, PlaceArgs, ReduceArgs)
+class SlotArgs(KernelArgs):
+    """``slot_rows``: where each (token, lane) landed on its expert's rank."""
+
+    cxx_name = "SlotArgs"
+    entry = "cuep::elastic::slot_rows"
+    _fields_ = [("topk_idx", _ptr), ("send_pos", _ptr), ("rank_prefix_matrix", _ptr), ("num_tokens", _i32),
+                ("num_topk", _i32), ("num_ranks", _i32), ("rank", _i32), ("experts_per_rank", _i32),
+                ("slots", _ptr)]
+
+
+ARGUMENT_STRUCTS = (RowsArgs, PlaceArgs, SlotArgs, ReduceArgs)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)
 
 
@@ -90,6 +101,14 @@ def place(library: Library, stream, args: PlaceArgs) -> None:
     grid = args.num_chunks + (args.num_local_experts if args.zero_padding else 0)
     if grid > 0:
         launcher.launch(library, PlaceArgs.entry, stream, grid, NUM_THREADS, args)
+
+
+def slots(library: Library, stream, args: SlotArgs, device_sms: int) -> None:
+    """Enqueue ``slot_rows`` (unless there are no entries)."""
+    entries = args.num_tokens * args.num_topk
+    if entries > 0:
+        launcher.launch(library, SlotArgs.entry, stream, min(device_sms * 4, ceil_div(entries, NUM_THREADS)),
+                        NUM_THREADS, args)
 
 
 def reduce(library: Library, stream, args: ReduceArgs, device_sms: int) -> None:
