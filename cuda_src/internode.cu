@@ -559,7 +559,8 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
         scales[s] = tokens.scales[t * tokens.scale_token_stride + s * tokens.scale_channel_stride];
     for (int k = lane; k < tokens.num_topk; k += kWarpSize) {
         at<int32_t>(row, shape.topk_idx)[k] = static_cast<int32_t>(tokens.topk_idx[t * tokens.num_topk + k]);
-        at<float>(row, shape.topk_weights)[k] = tokens.topk_weights[t * tokens.num_topk + k];
+        at<float>(row, shape.topk_weights)[k] =
+            tokens.topk_weights != nullptr ? tokens.topk_weights[t * tokens.num_topk + k] : 0.0f;  // ids without weights
     }
     if (lane == 0)
         *at<int32_t>(row, shape.src) = t;

@@ -790,10 +790,10 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
     // Padding rows up to num_worst_tokens: no expert, no source.
     const int num_warps = gridDim.x * kWarpsPerBlock;
     for (int row = num_recv + blockIdx.x * kWarpsPerBlock + warp_in_block; row < num_rows; row += num_warps) {
-        if (recv.topk_idx != nullptr && lane < num_topk) {
+        if (recv.topk_idx != nullptr && lane < num_topk)
             recv.topk_idx[static_cast<int64_t>(row) * num_topk + lane] = -1;
+        if (recv.topk_weights != nullptr && lane < num_topk)  // ids may come without weights
             recv.topk_weights[static_cast<int64_t>(row) * num_topk + lane] = 0.0f;
-        }
         if (lane == 0)
             recv.src_idx[row] = -1;
     }
