@@ -9,11 +9,13 @@ torch on every rank, then timed.
 - ``--framework megatron``: ``megatron.core.transformer.moe.fused_a2a`` from ``megatron-core`` on PyPI (the
   ``frameworks`` extra): ``set_deepep_num_sms``, ``fused_dispatch``, ``fused_combine``, ``async_finish`` off
   and on.
-- ``--framework torchtitan``: ``torchtitan/distributed/deepep/deepep.py`` from ``torchtitan`` 0.2.2 on PyPI,
-  its last version on DeepEP V1's ``Buffer`` (0.3.0 moved to V2's ``ElasticBuffer``): ``dispatch_tokens``
-  (layout, dispatch, the expert-major permutation), ``combine_tokens``, ``sync_combine``, through its
-  ``torch.ops.deepep`` ops and their autograd. The file is loaded from the installed package by its path,
-  without the package's ``__init__`` (which pulls in its training stack); not a line of it changes.
+- ``--framework torchtitan``: ``torchtitan/distributed/deepep/deepep.py`` from the installed ``torchtitan``:
+  0.2.2 on PyPI, its last version on DeepEP V1's ``Buffer``, or 0.3.0 and later, on DeepEP V2's
+  ``ElasticBuffer`` (its compact, training path: ``get_buffer`` once for the largest ``--tokens``, then
+  ``dispatch_tokens`` with ``num_tokens_per_rank``). Either way ``dispatch_tokens`` (dispatch and the
+  expert-major permutation), ``combine_tokens``, ``sync_combine``, through its ``torch.ops.deepep`` ops and their
+  autograd. The file is loaded from the installed package by its path, without the package's ``__init__``
+  (which pulls in its training stack); not a line of it changes.
 
 Nothing of either framework is copied here; both size their Buffer themselves, from the hints with no
 token count. The layer: each rank routes its tokens to ``--topk`` experts with softmax probabilities; an
@@ -63,9 +65,10 @@ def framework_module(framework: str, backend: str):
         return fused_a2a
     package = importlib.util.find_spec("torchtitan")
     if package is None:
-        raise SystemExit("--framework torchtitan needs the torchtitan package: pip install --no-deps torchtitan==0.2.2")
+        raise SystemExit("--framework torchtitan needs the torchtitan package: pip install --no-deps torchtitan "
+                         "(0.2.2 for DeepEP V1's Buffer, 0.3.0 or later for V2's ElasticBuffer)")
     path = os.path.join(package.submodule_search_locations[0], "distributed", "deepep", "deepep.py")
-    spec = importlib.util.spec_from_file_location("torchtitan_deepep_v1", path)
+    spec = importlib.util.spec_from_file_location("torchtitan_deepep", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -96,16 +99,26 @@ def megatron_layer(fused_a2a, x, idx, probs, factors, num_experts, group, async_
 
 def torchtitan_layer(deepep, x, idx, probs, factors, num_experts, group):
     """torchtitan's calls, as its MoE layer makes them: tokens in expert-major order, one expert after another
-    on its rows, the scores applied at combine (``score_before_experts=False``), then the combine's event."""
+    on its rows, the scores applied at combine (``score_before_experts=False`` on V1), then the combine's event.
+    On V2 (``ElasticBuffer``) it passes the batch's token count, below the buffer's bound."""
     num_local = num_experts // group.size()
-    rows, tokens_per_expert, state = deepep.dispatch_tokens(x, idx, probs, num_local, num_experts, group,
-                                                            score_before_experts=False)
+    if is_torchtitan_v2(deepep):  # its buffer made once for the largest batch (run_rank), as its dispatcher does
+        rows, tokens_per_expert, state = deepep.dispatch_tokens(x, idx, probs, num_local, num_experts,
+                                                                num_tokens_per_rank=x.shape[0])
+    else:
+        rows, tokens_per_expert, state = deepep.dispatch_tokens(x, idx, probs, num_local, num_experts, group,
+                                                                score_before_experts=False)
     local_factors = factors.view(group.size(), -1)[group.rank()].to(rows.dtype)
     expert_of_row = torch.repeat_interleave(torch.arange(num_local, device=rows.device), tokens_per_expert.long(),
                                             output_size=rows.shape[0])
     combined = deepep.combine_tokens(rows * local_factors[expert_of_row].unsqueeze(1), state)
     deepep.sync_combine()
     return combined
+
+
+def is_torchtitan_v2(deepep) -> bool:
+    """Whether torchtitan's DeepEP module is its V2 one (on ``ElasticBuffer``)."""
+    return hasattr(deepep, "ElasticBuffer")
 
 
 def layer_of(framework: str, module, idx, factors, num_experts, group, async_finish: bool = False):
@@ -170,11 +183,15 @@ def run_rank(rank: int, args, port: int) -> None:
     module = framework_module(args.framework, args.backend)
     if args.framework == "megatron":
         module.set_deepep_num_sms(args.sms)
-    else:  # torchtitan has no setting of its own: the Buffer's class-wide count, as DeepEP's users set it
-        module.Buffer.set_num_sms(args.sms)
+    elif not is_torchtitan_v2(module):  # no setting of its own: the Buffer's class-wide count, as DeepEP's users set it
+        module.Buffer.set_num_sms(args.sms)  # (on V2 torchtitan asks the buffer for V2's analytic count)
     dist.barrier(group)  # the group's own communicator exists before the memory is first read
     torch.cuda.synchronize()
     outside_before, buffer_mib = memory_outside_torch(), None
+    if args.framework == "torchtitan" and is_torchtitan_v2(module):
+        # torchtitan's DeepEP dispatcher makes its one buffer up front (init_buffer), for its configured
+        # largest batch per rank; every dispatch passes the batch's own count.
+        module.get_buffer(group, hidden=args.hidden, num_max_tokens_per_rank=max(args.tokens), num_topk=args.topk)
     rows = []
     for num_experts in args.experts:
         for tokens in args.tokens:
@@ -211,8 +228,10 @@ def run_rank(rank: int, args, port: int) -> None:
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
+        sms = "ElasticBuffer, V2's analytic SMs" if args.framework == "torchtitan" and is_torchtitan_v2(module) \
+            else f"Buffer.set_num_sms({args.sms})"
         print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
-              f"Buffer.set_num_sms({args.sms}); output and gradients match the plain-torch layer", flush=True)
+              f"{sms}; output and gradients match the plain-torch layer", flush=True)
         print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10} {'Buffer MiB':>10} "
               f"{'pass MiB':>9}", flush=True)
         for tokens, num_experts, ms, buffer_mib, peak_mib in rows:

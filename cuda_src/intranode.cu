@@ -1140,7 +1140,7 @@ constexpr int kCopiesPerLoad = 2;
 // holders in rank order, the biases last. With them (ElasticBuffer, DeepEP V2's bitwise contract): the
 // biases first, then each holder's copy in increasing order of its representative top-k lane, the
 // highest lane whose expert that holder holds; the FP32 sum is rounded once, so every rank's result is
-// the one V2's reference computes.
+// the one V2's reference computes. Each combined top-k weight is then the one its lane's holder sent back.
 struct ContributionOrder {
     const int64_t* topk_idx;  // [num_tokens, num_topk] expert ids (-1: none), or null
     int num_topk, experts_per_rank;
@@ -1177,6 +1177,7 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
     const uint8_t* rows[kMaxRanks];
     int num_copies = 0;
     const bool biases_first = order.topk_idx != nullptr;
+    const uint8_t* holder_row = nullptr;  // V2's order: the copy of this lane's expert's holder
     if (!biases_first) {
         for (uint32_t holders = __ballot_sync(kFullWarpMask, pos >= 0); holders != 0; holders &= holders - 1) {
             const int copy_slot = __shfl_sync(kFullWarpMask, slot, __ffs(holders) - 1);
@@ -1198,6 +1199,11 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
             if (__shfl_sync(kFullWarpMask, pos, h) >= 0)
                 rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
         }
+        const bool named = holder >= 0 && holder < num_ranks;
+        const int holder_slot = __shfl_sync(kFullWarpMask, slot, named ? holder : 0);
+        const int holder_pos = __shfl_sync(kFullWarpMask, pos, named ? holder : 0);
+        if (named && holder_pos >= 0)
+            holder_row = landed.rows + static_cast<int64_t>(holder_slot) * shape.landing_row_bytes;
     }
     const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
     const int64_t token_vectors = static_cast<int64_t>(token) * num_vectors;
@@ -1250,9 +1256,16 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
         }
     }
     if (slice == 0 && combined_topk_weights != nullptr && lane < shape.num_topk) {
+        // V1: each lane's weights summed over the copies. V2: the lane's weight as its expert's holder
+        // sent it, 0 for a lane without an expert.
         float sum = 0.0f;
-        for (int c = 0; c < num_copies; ++c)
-            sum += reinterpret_cast<const volatile float*>(rows[c] + shape.hidden_bytes)[lane];
+        if (biases_first) {
+            if (holder_row != nullptr)
+                sum = reinterpret_cast<const volatile float*>(holder_row + shape.hidden_bytes)[lane];
+        } else {
+            for (int c = 0; c < num_copies; ++c)
+                sum += reinterpret_cast<const volatile float*>(rows[c] + shape.hidden_bytes)[lane];
+        }
         combined_topk_weights[static_cast<int64_t>(token) * shape.num_topk + lane] = sum;
     }
     return true;

@@ -446,9 +446,8 @@ class ElasticBuffer:
         Arguments:
             x: `[rows, hidden]` `bfloat16`, a row per row of the handle's dispatch (compact or expanded).
             handle: that dispatch's :class:`EPHandle`.
-            topk_weights: compact: `[rows, num_topk]` `float32`, summed back per lane over the token's ranks
-                (the dispatch's own, zero on other ranks' lanes, come back as sent); expanded: `[rows]`, one
-                per expanded row; or ``None``.
+            topk_weights: compact: `[rows, num_topk]` `float32`; expanded: `[rows]`, one per expanded row; or
+                ``None``. Each lane's weight comes back from the rank holding its lane's expert.
             bias: `[num_tokens, hidden]` `bfloat16`, or a tuple of two, added first.
             num_sms: SMs of the kernels (0: the dispatch's).
             num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
@@ -457,7 +456,7 @@ class ElasticBuffer:
         Returns:
             ``(combined_x, combined_topk_weights or None, event)``: `[num_tokens, hidden]` `bfloat16`, for
             each token the biases plus its ranks' rows, in FP32 in the order of each rank's highest top-k lane,
-            rounded once; `[num_tokens, num_topk]` `float32`.
+            rounded once; `[num_tokens, num_topk]` `float32` (0 for lanes without an expert).
         """
         call = "ElasticBuffer.combine()"
         if not isinstance(handle, EPHandle):
