@@ -151,6 +151,69 @@ def combine(recv_xs: list[np.ndarray], recv_srcs: list[np.ndarray], num_tokens: 
     return combined, weights
 
 
+class ElasticLayout(NamedTuple):
+    """What one receiving rank's ``ElasticBuffer.dispatch`` lays out, beyond the compact rows of :func:`dispatch`."""
+
+    src_global: np.ndarray         # [num_recv] source rank * num_max_tokens_per_rank + source token
+    expanded_row: np.ndarray       # [num_recv, num_topk] each lane's expanded row, -1 for other ranks' lanes
+    num_expanded_rows: int         # the sum of the aligned per-expert counts
+    psum_per_expert: np.ndarray    # [num_local_experts] expert e's first row plus its count (V2's expanded form)
+    psum_per_expert_compact: np.ndarray  # [num_local_experts] inclusive prefix sum of the aligned counts
+    num_unaligned_per_expert: np.ndarray  # [num_local_experts]
+
+
+def elastic_layout(result: DispatchResult, num_max_tokens_per_rank: int, num_local_experts: int,
+                   expert_alignment: int = 1) -> ElasticLayout:
+    """DeepEP V2's expanded layout of one rank's compact rows ``result`` (:func:`dispatch`'s): expert ``e`` owns
+    rows from the sum of the earlier experts' counts rounded up to ``expert_alignment``, and within an expert
+    the entries come in received-row order, then lane order."""
+    ids = result.recv_topk_idx
+    counts = np.array([(ids == e).sum() for e in range(num_local_experts)], dtype=np.int64)
+    aligned = np.array([align_up(int(c), expert_alignment) for c in counts], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
+    expanded = np.full(ids.shape, -1, dtype=np.int64)
+    taken = starts.copy()
+    for i, k in zip(*np.nonzero(ids >= 0)):  # row-major: received order, then lane order
+        expanded[i, k] = taken[ids[i, k]]
+        taken[ids[i, k]] += 1
+    src_global = result.recv_src[:, 0] * num_max_tokens_per_rank + result.recv_src[:, 1]
+    return ElasticLayout(src_global, expanded, int(aligned.sum()), (starts + counts).astype(np.int32),
+                         np.cumsum(aligned).astype(np.int32), counts.astype(np.int32))
+
+
+def elastic_combine(contributions: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int,
+                    biases: list | None = None) -> list[np.ndarray]:
+    """DeepEP V2's combine, bit for bit: for each source token, FP32 from its biases (``biases[s]``: rank ``s``'s
+    tuple of up to two BF16 arrays, or ``None``), plus each holder rank's row in the order of that rank's highest
+    top-k lane, rounded to BF16 once. ``contributions[s]``: `[num_tokens_s, num_ranks, hidden]` BF16, the row each
+    rank sends back for each of rank ``s``'s tokens (read only where the token went). Returns BF16 results."""
+    num_ranks = len(topk_idxs)
+    per_rank = num_experts // num_ranks
+    results = []
+    for s, topk in enumerate(topk_idxs):
+        topk = np.asarray(topk)
+        rows = contributions[s]
+        out = np.zeros((topk.shape[0], rows.shape[2]), dtype=np.float32)
+        for b in (biases[s] if biases is not None and biases[s] is not None else ()):
+            out += b.astype(np.float32)
+        for t in range(topk.shape[0]):
+            holders = [int(e) // per_rank if e >= 0 else -1 for e in topk[t]]
+            for k, h in enumerate(holders):
+                if h >= 0 and h not in holders[k + 1:]:  # the holder's highest lane
+                    out[t] += rows[t, h].astype(np.float32)
+        results.append(out.astype(rows.dtype))
+    return results
+
+
+def lane_order_sum(rows: np.ndarray) -> np.ndarray:
+    """`[n, lanes, hidden]` BF16 rows summed over the lanes in order in FP32, rounded to BF16 once (V2's sum of a
+    token's expanded rows on the expert's rank)."""
+    acc = np.zeros((rows.shape[0], rows.shape[2]), dtype=np.float32)
+    for k in range(rows.shape[1]):
+        acc += rows[:, k].astype(np.float32)
+    return acc.astype(rows.dtype)
+
+
 class LowLatencyDispatchResult(NamedTuple):
     """What one receiving rank gets from ``Buffer.low_latency_dispatch`` (rows past a count are zero here)."""
 

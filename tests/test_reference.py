@@ -148,3 +148,34 @@ def test_low_latency_handle_items_by_hand():
     assert layout_range.tolist() == [[(0 << 32) | 2, (2 << 32) | 2]]
     src_info, layout_range = reference.low_latency_handle_items(results[1], num_ranks=2)
     assert src_info[0].tolist() == [1, 2] and layout_range.tolist() == [[(0 << 32) | 1, (1 << 32) | 1]]
+
+
+def test_elastic_layout_groups_entries_by_expert_in_received_order():
+    import ml_dtypes
+    # rank 0 receives from two sources; 2 local experts; alignment 4
+    recv_topk_idx = np.array([[1, -1, 0], [-1, 1, -1], [0, 1, -1]])
+    result = reference.DispatchResult(np.zeros((3, 8), ml_dtypes.bfloat16), None, recv_topk_idx, None, [],
+                                      np.array([[0, 5], [1, 2], [1, 7]]))
+    layout = reference.elastic_layout(result, 100, 2, expert_alignment=4)
+    # expert 0: entries (0, 2), (2, 0) -> rows 0, 1; expert 1 starts at 4: (0, 0), (1, 1), (2, 1) -> 4, 5, 6
+    np.testing.assert_array_equal(layout.expanded_row, [[4, -1, 0], [-1, 5, -1], [1, 6, -1]])
+    np.testing.assert_array_equal(layout.psum_per_expert, [2, 7])
+    np.testing.assert_array_equal(layout.psum_per_expert_compact, [4, 8])
+    np.testing.assert_array_equal(layout.src_global, [5, 102, 107])
+    assert layout.num_expanded_rows == 8
+
+
+def test_elastic_combine_adds_biases_first_then_holders_by_their_highest_lane():
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    # One token of rank 0, lanes on ranks 1 and 0 (2 experts per rank): rank 1's highest lane is 0, rank 0's is 1,
+    # so the order is bias, rank 1, rank 0: 2^24 - 2^24 + 1 = 1. In rank order FP32 loses the 1: 2^24 + 1 - 2^24 = 0.
+    topk = [np.array([[2, 0]]), np.zeros((0, 2), np.int64)]
+    rows = np.zeros((1, 2, 1), bf16)
+    rows[0, 0, 0], rows[0, 1, 0] = 1.0, -(2.0 ** 24)
+    got = reference.elastic_combine([rows, np.zeros((0, 2, 1), bf16)], topk, 4,
+                                    [(np.full((1, 1), 2.0 ** 24, bf16),), None])
+    assert got[0][0, 0] == bf16(1.0)
+    # On the expert's rank, a token's rows in lane order: 2^24 + 1 - 2^24 = 0 in FP32.
+    summed = reference.lane_order_sum(np.array([[[2.0 ** 24], [1.0], [-(2.0 ** 24)]]], bf16))
+    assert summed[0, 0] == bf16(0.0)

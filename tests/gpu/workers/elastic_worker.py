@@ -1,0 +1,215 @@
+"""GPU worker for ``cuep.ElasticBuffer`` (DeepEP V2's API) against cuep.reference, under mpirun on one node.
+
+Every rank rebuilds every rank's inputs from one seed (``common.SeededInputs``), so it knows what it must
+receive and what its tokens must combine to. Moved data, metadata and prefix sums are compared exactly;
+combined sums bit for bit against ``reference.elastic_combine`` (V2's summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+import numpy as np
+from common import BF16, SeededInputs, bits, expect_error, run_cases, selected_cases
+from mpi4py import MPI
+
+import cuep
+from cuep import reference
+
+comm = MPI.COMM_WORLD
+rank, num_ranks = comm.Get_rank(), comm.Get_size()
+SEED = 11
+EXPERTS = 16 * num_ranks
+LOCAL_EXPERTS = EXPERTS // num_ranks
+MAX_TOKENS = 600
+all_inputs = SeededInputs(SEED, num_ranks)
+
+
+def odd_tokens(s: int) -> int:
+    return MAX_TOKENS - 37 * s
+
+
+def expert_rows(key: int, rows: int, hidden: int, on_rank: int) -> np.ndarray:
+    """What rank ``on_rank``'s experts return for its ``rows`` received rows: BF16 normals, known to every rank."""
+    return np.random.default_rng([SEED, key, on_rank]).standard_normal((rows, hidden)).astype(BF16)
+
+
+def dispatch(buffer, inputs, expand: bool, alignment: int = 1, handle=None, **options):
+    mine = inputs[rank].on_gpu()
+    x = (mine.x, mine.scales) if mine.scales is not None else mine.x
+    return buffer.dispatch(x, topk_idx=None if handle is not None else mine.topk_idx,
+                           topk_weights=mine.topk_weights, num_experts=EXPERTS if handle is None else None,
+                           expert_alignment=alignment if handle is None else None, handle=handle, do_expand=expand,
+                           **options)
+
+
+def check_layouts(inputs, alignment: int, compact, expanded, exact: bool = True):
+    """The compact and expanded dispatches of ``inputs`` against the reference (``exact``: the outputs have
+    the received rows, as after a CPU sync); returns the reference's compact result and layout for this rank."""
+    want = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, inputs.topk_weights, inputs.scales,
+                              alignment)[rank]
+    layout = reference.elastic_layout(want, MAX_TOKENS, LOCAL_EXPERTS, alignment)
+    n = len(want.recv_x)
+    recv_x, recv_idx, recv_w, handle, _ = compact
+    rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+    assert not exact or rows.shape[0] == n, (rows.shape, n)
+    np.testing.assert_array_equal(bits(rows.get()[:n]), bits(want.recv_x))
+    if isinstance(recv_x, tuple):
+        np.testing.assert_array_equal(recv_x[1].get()[:n], want.recv_scales)
+    np.testing.assert_array_equal(recv_idx.get()[:n], want.recv_topk_idx)
+    np.testing.assert_array_equal(recv_w.get()[:n], want.recv_topk_weights)
+    metadata = handle.recv_src_metadata.get()[:n]
+    np.testing.assert_array_equal(metadata[:, 0], layout.src_global)
+    np.testing.assert_array_equal(metadata[:, 2:], -1)
+    np.testing.assert_array_equal(handle.psum_num_recv_tokens_per_scaleup_rank.get()[-1], n)
+    np.testing.assert_array_equal(handle.psum_num_recv_tokens_per_expert.get(), layout.psum_per_expert_compact)
+    if exact:
+        assert handle.num_recv_tokens_per_expert_list == want.num_recv_tokens_per_expert
+    ex_x, ex_idx, ex_w, ex_handle, _ = expanded
+    assert ex_idx is None
+    slots = ex_handle.recv_src_metadata.get()[:n, 2:]
+    np.testing.assert_array_equal(slots, layout.expanded_row)
+    np.testing.assert_array_equal(ex_handle.psum_num_recv_tokens_per_expert.get(), layout.psum_per_expert)
+    np.testing.assert_array_equal(ex_handle.num_unaligned_recv_tokens_per_expert.get(), layout.num_unaligned_per_expert)
+    ex_rows = (ex_x[0] if isinstance(ex_x, tuple) else ex_x).get()
+    compact_rows = rows.get()
+    i, k = np.nonzero(slots >= 0)
+    np.testing.assert_array_equal(bits(ex_rows[slots[i, k]]), bits(compact_rows[i]))
+    np.testing.assert_array_equal(ex_w.get()[slots[i, k]], want.recv_topk_weights[i, k])
+    if isinstance(ex_x, tuple):
+        np.testing.assert_array_equal(ex_x[1].get()[slots[i, k]], recv_x[1].get()[i])
+    return want, layout
+
+
+def combine_and_check(buffer, inputs, want, layout, handle, ex_handle, key: int, biases=None):
+    """Compact and expanded combines of known expert rows, bit for bit against V2's order; each lane's top-k
+    weight comes back from its expert's holder."""
+    hidden = inputs.xs[0].shape[1]
+    everyone = comm.allgather((want.recv_src, layout.expanded_row, ex_handle.num_rows))
+    compact_from = [np.zeros((n, num_ranks, hidden), BF16) for n in inputs.num_tokens]
+    expand_from = [np.zeros((n, num_ranks, hidden), BF16) for n in inputs.num_tokens]
+    mine = inputs[rank]
+    topk = mine.topk_idx
+    want_weights = np.zeros(topk.shape, np.float32)
+    for r, (sources, expanded, num_expanded) in enumerate(everyone):
+        compact_rows = expert_rows(key, len(sources), hidden, r)
+        expanded_rows = expert_rows(key + 1, num_expanded, hidden, r)
+        expanded_weights = np.random.default_rng([SEED, key, r]).random(num_expanded, dtype=np.float32)
+        lanes = np.where(expanded[..., None] >= 0, expanded_rows[np.maximum(expanded, 0)], np.zeros((), BF16))
+        summed = reference.lane_order_sum(lanes)  # on the expert's rank: a token's expanded rows in lane order
+        for i, (s, t) in enumerate(sources):
+            compact_from[s][t, r], expand_from[s][t, r] = compact_rows[i], summed[i]
+            if s == rank:
+                held = expanded[i] >= 0
+                want_weights[t, held] = expanded_weights[expanded[i, held]]
+    own_biases = [biases if s == rank else None for s in range(num_ranks)]
+    bias = None if biases is None else tuple(cupy.asarray(b) for b in biases) if len(biases) == 2 \
+        else cupy.asarray(biases[0])
+    n = len(want.recv_x)
+    y = np.zeros((handle.num_rows, hidden), BF16)
+    y[:n] = expert_rows(key, n, hidden, rank)
+    recv_w = cupy.asarray(np.pad(want.recv_topk_weights, ((0, handle.num_rows - n), (0, 0))))
+    combined, weights, _ = buffer.combine(cupy.asarray(y), handle, topk_weights=recv_w, bias=bias)
+    want_compact = reference.elastic_combine(compact_from, inputs.topk_idxs, EXPERTS, own_biases)[rank]
+    np.testing.assert_array_equal(bits(combined.get()), bits(want_compact))
+    np.testing.assert_array_equal(weights.get(), np.where(topk >= 0, mine.topk_weights, 0))
+    ey = expert_rows(key + 1, ex_handle.num_rows, hidden, rank)
+    ex_w = np.random.default_rng([SEED, key, rank]).random(ex_handle.num_rows, dtype=np.float32)
+    combined, weights, _ = buffer.combine(cupy.asarray(ey), ex_handle, topk_weights=cupy.asarray(ex_w), bias=bias)
+    want_expand = reference.elastic_combine(expand_from, inputs.topk_idxs, EXPERTS, own_biases)[rank]
+    np.testing.assert_array_equal(bits(combined.get()), bits(want_expand))
+    np.testing.assert_array_equal(weights.get(), want_weights)
+
+
+def bf16_layouts_and_combines(buffer):
+    for key, alignment, biases in ((1, 1, 0), (3, 8, 1), (5, 128, 2)):
+        inputs = all_inputs(odd_tokens, 2048, EXPERTS, 8, masked=0.15)
+        compact = dispatch(buffer, inputs, False, alignment)
+        expanded = dispatch(buffer, inputs, True, alignment)
+        want, layout = check_layouts(inputs, alignment, compact, expanded)
+        rng = np.random.default_rng([SEED, key, rank, 99])
+        own = [rng.standard_normal((inputs.num_tokens[rank], 2048)).astype(BF16) for _ in range(biases)]
+        combine_and_check(buffer, inputs, want, layout, compact[3], expanded[3], key, own or None)
+
+
+def fp8_column_major_scales_cached_with_zero_padding(buffer):
+    inputs = all_inputs(odd_tokens, 7168, EXPERTS, 6, fp8=True)
+    compact = dispatch(buffer, inputs, False, 16)
+    expanded = dispatch(buffer, inputs, True, 16, use_tma_aligned_col_major_sf=True)
+    scales = expanded[0][1]
+    assert scales.strides == (4, 4 * ((scales.shape[0] + 3) // 4 * 4)), scales.strides
+    want, layout = check_layouts(inputs, 16, compact, expanded)
+    cached_x, _, cached_w, cached_handle, _ = dispatch(buffer, inputs, True, handle=expanded[3], do_zero_padding=True,
+                                                       use_tma_aligned_col_major_sf=True)
+    assert cached_handle is expanded[3]
+    for got, ref in ((cached_x[0], expanded[0][0]), (cached_x[1], expanded[0][1]), (cached_w, expanded[2])):
+        slots = layout.expanded_row[layout.expanded_row >= 0]
+        np.testing.assert_array_equal(got.get()[slots], ref.get()[slots])
+    psum = layout.psum_per_expert
+    for e in range(LOCAL_EXPERTS):
+        end = -(-int(psum[e]) // 16) * 16
+        assert not cached_x[0].get()[psum[e]:end].any() and not cached_w.get()[psum[e]:end].any()
+    cached = dispatch(buffer, inputs, False, handle=compact[3])
+    np.testing.assert_array_equal(cached[0][0].get(), compact[0][0].get())
+    np.testing.assert_array_equal(cached[1].get(), compact[1].get())
+
+
+def without_cpu_sync_and_stats(buffer):
+    inputs = all_inputs(odd_tokens, 2048, EXPERTS, 8, masked=0.1)
+    stats = cupy.full(LOCAL_EXPERTS, 5, dtype=cupy.int32)
+    compact = dispatch(buffer, inputs, False, 4, do_cpu_sync=False, cumulative_local_expert_recv_stats=stats)
+    expanded = dispatch(buffer, inputs, True, 4, do_cpu_sync=False)
+    assert compact[3].num_rows == num_ranks * MAX_TOKENS and compact[3].num_recv_tokens_per_expert_list == []
+    want, layout = check_layouts(inputs, 4, compact, expanded, exact=False)
+    np.testing.assert_array_equal(stats.get(), 5 + layout.num_unaligned_per_expert)
+    combine_and_check(buffer, inputs, want, layout, compact[3], expanded[3], 7)
+
+
+def dst_buffer_slots_name_the_rows_received(buffer):
+    inputs = all_inputs(odd_tokens, 512, EXPERTS, 8, masked=0.2)
+    _, _, _, handle, _ = dispatch(buffer, inputs, False)
+    everyone = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS)
+    slots = handle.dst_buffer_slot_idx.get()
+    topk = inputs[rank].topk_idx
+    for t, k in zip(*np.nonzero(topk >= 0)):
+        holder = topk[t, k] // LOCAL_EXPERTS
+        source_rows = everyone[holder].recv_src
+        row = np.nonzero((source_rows[:, 0] == rank) & (source_rows[:, 1] == t))[0]
+        assert slots[t, k] == row[0], (t, k, slots[t, k], row)
+    assert (slots[topk < 0] == -1).all()
+
+
+def bad_arguments_raise_before_any_kernel(buffer):
+    inputs = all_inputs(odd_tokens, 512, EXPERTS, 8)
+    mine = inputs[rank].on_gpu()
+    expect_error(ValueError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx.astype(cupy.int32),
+                                                     num_experts=EXPERTS), "int32 topk_idx", "topk_idx")
+    expect_error(ValueError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx, num_experts=EXPERTS,
+                                                     num_max_tokens_per_rank=10), "too many tokens",
+                 "num_max_tokens_per_rank")
+    expect_error(ValueError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx, num_experts=EXPERTS,
+                                                     do_zero_padding=True), "zero padding, compact", "do_zero_padding")
+    expect_error(NotImplementedError, lambda: buffer.engram_write(None), "engram", "out of scope")
+
+
+def main() -> None:
+    buffer = cuep.ElasticBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=7168, explicitly_destroy=True)
+    assert buffer.num_bytes == cuep.ElasticBuffer.get_buffer_size_hint(comm, MAX_TOKENS, 7168)
+    cases = [
+        ("BF16 compact and expanded layouts, combines bit for bit with 0, 1 and 2 biases", bf16_layouts_and_combines),
+        ("FP8, column-major scales, cached dispatches, zero padding",
+         fp8_column_major_scales_cached_with_zero_padding),
+        ("no CPU sync, cumulative stats", without_cpu_sync_and_stats),
+        ("dst_buffer_slot_idx names the rows received", dst_buffer_slots_name_the_rows_received),
+        ("bad arguments raise before any kernel", bad_arguments_raise_before_any_kernel),
+    ]
+    run_cases(comm, selected_cases([(name, functools.partial(case, buffer)) for name, case in cases],
+                                   lambda named: named[1].func.__name__))
+    buffer.destroy()
+    if rank == 0:
+        print(f"elastic worker passed on {num_ranks} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main()
