@@ -188,14 +188,15 @@ class ElasticBuffer:
         does not grow with ``num_max_tokens_per_rank``.
 
         Arguments:
-            group: the ranks (a ``torch.distributed`` group or an ``mpi4py`` communicator).
+            group: the ranks (a ``torch.distributed`` group, an ``mpi4py`` communicator, or ``None`` for
+                ``MPI.COMM_WORLD``).
             num_max_tokens_per_rank, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction:
                 accepted for V2's signature.
             hidden: the hidden size.
         """
         call = "get_buffer_size_hint()"
         _checks.check_positive_ints(call, hidden=hidden)
-        num_ranks = group.size() if hasattr(group, "size") else group.Get_size()
+        num_ranks = _group_size(group)
         hidden_bytes = hidden * 2
         hint = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                    Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
@@ -618,6 +619,13 @@ class ElasticBuffer:
         if num_qps > self.num_allocated_qps:
             raise ValueError(f"{call}: num_qps={num_qps} exceeds the {self.num_allocated_qps} allocated "
                              f"(num_allocated_qps)")
+
+
+def _group_size(group) -> int:
+    """Ranks of an ``mpi4py`` communicator (``None``: ``MPI.COMM_WORLD``) or a ``torch.distributed`` group."""
+    if group is None:
+        group = _deps.mpi().COMM_WORLD
+    return group.Get_size() if hasattr(group, "Get_size") else group.size()
 
 
 def _ptr(array: Any) -> int:

@@ -183,8 +183,8 @@ def dst_buffer_slots_name_the_rows_received(buffer):
 def bad_arguments_raise_before_any_kernel(buffer):
     inputs = all_inputs(odd_tokens, 512, EXPERTS, 8)
     mine = inputs[rank].on_gpu()
-    expect_error(ValueError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx.astype(cupy.int32),
-                                                     num_experts=EXPERTS), "int32 topk_idx", "topk_idx")
+    expect_error(TypeError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx.astype(cupy.int32),
+                                                    num_experts=EXPERTS), "int32 topk_idx", "topk_idx must be int64")
     expect_error(ValueError, lambda: buffer.dispatch(mine.x, topk_idx=mine.topk_idx, num_experts=EXPERTS,
                                                      num_max_tokens_per_rank=10), "too many tokens",
                  "num_max_tokens_per_rank")
