@@ -13,8 +13,8 @@
 //                 received order (so the layout is deterministic). Each compact row is read once and
 //                 stored to every expanded row of its lanes, with its FP8 scales (row- or column-major)
 //                 and its top-k weight; the padding rows after each expert are zeroed on request.
-//   slot_rows     on the sending rank, per (token, lane): the row the token landed in on its expert's rank
-//                 (V2's dst_buffer_slot_idx), from the dispatch's routing; -1 for lanes without an expert.
+//   slot_rows     on the sending rank, per (token, lane): the compact row the token landed in on its expert's
+//                 rank (V2's dst_buffer_slot_idx), from the dispatch's routing; -1 for lanes without an expert.
 //   reduce_rows   combine's first step on an expanded layout: each compact row is the FP32 sum, in
 //                 top-k lane order, of its lanes' expanded rows, rounded once (V2's reduction on the
 //                 expert's rank), and its per-lane weights are gathered back (0 for other ranks' lanes).
@@ -222,7 +222,10 @@ __global__ void __launch_bounds__(kNumThreads) place_rows(const PlaceArgs args) 
                 const int64_t id = j < entries ? args.recv_topk_idx[static_cast<int64_t>(first) * num_topk + j] : -1;
                 const int expert = id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
                 const uint32_t peers = __match_any_sync(kFullWarpMask, expert);  // every lane: a full-mask intrinsic
-                const int slot = expert >= 0 ? next_slot[expert] + __popc(peers & ((1u << lane) - 1u)) : -1;
+                int slot = expert >= 0 ? next_slot[expert] + __popc(peers & ((1u << lane) - 1u)) : -1;
+                // Only a token naming one expert twice (outside the contract) can pass the worst case the
+                // arrays were sized for without a CPU wait: such entries are dropped, never written past them.
+                slot = slot < args.out_rows ? slot : -1;
                 __syncwarp();
                 if (expert >= 0 && ((peers >> lane) >> 1) == 0)
                     next_slot[expert] += __popc(peers);
@@ -279,8 +282,8 @@ __global__ void __launch_bounds__(kNumThreads) slot_rows(const SlotArgs args) {
          i += static_cast<int64_t>(gridDim.x) * kNumThreads) {
         const int64_t id = args.topk_idx[i];
         int slot = -1;
-        if (id >= 0) {
-            const int holder = static_cast<int>(id / args.experts_per_rank);
+        const int64_t holder = id >= 0 ? id / args.experts_per_rank : -1;
+        if (holder >= 0 && holder < args.num_ranks) {  // an id past the experts was flagged by the layout kernel
             const int64_t token = i / args.num_topk;
             const int first = args.rank > 0 ? args.rank_prefix_matrix[(args.rank - 1) * args.num_ranks + holder] : 0;
             slot = first + args.send_pos[token * args.num_ranks + holder];
@@ -298,7 +301,9 @@ __global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args
         const int slot = lane < num_topk ? args.metadata[static_cast<int64_t>(row) * (num_topk + 2) + 2 + lane] : -1;
         const uint32_t lanes = __ballot_sync(kFullWarpMask, slot >= 0);
         auto* out = reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(row) * args.row_bytes);
-        for (int64_t v = lane; v < row_vectors; v += kRowUnroll * kWarpSize) {
+        // The loop bound is the warp's, not the lane's: the shuffles below need every lane.
+        for (int64_t first = 0; first < row_vectors; first += kRowUnroll * kWarpSize) {
+            const int64_t v = first + lane;
             float acc[kRowUnroll][kBf16PerVector] = {};
             for (uint32_t rest = lanes; rest != 0; rest &= rest - 1) {
                 const int source = __shfl_sync(kFullWarpMask, slot, __ffs(rest) - 1);

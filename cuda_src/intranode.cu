@@ -1189,17 +1189,18 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
         int holder = -1;
         if (lane < order.num_topk) {
             const int64_t id = ld_nc_global(order.topk_idx + static_cast<int64_t>(token) * order.num_topk + lane);
-            holder = id >= 0 ? static_cast<int>(id / order.experts_per_rank) : -1;
+            const int64_t rank_of_id = id >= 0 ? id / order.experts_per_rank : -1;
+            holder = rank_of_id < num_ranks ? static_cast<int>(rank_of_id) : -1;  // past the experts: flagged, no rank
         }
         const uint32_t same_holder = __match_any_sync(kFullWarpMask, holder);  // every lane: a full-mask intrinsic
-        const bool represents = holder >= 0 && holder < num_ranks && ((same_holder >> lane) >> 1) == 0;
+        const bool represents = holder >= 0 && ((same_holder >> lane) >> 1) == 0;
         for (uint32_t lanes = __ballot_sync(kFullWarpMask, represents); lanes != 0; lanes &= lanes - 1) {
             const int h = __shfl_sync(kFullWarpMask, holder, __ffs(lanes) - 1);
             const int copy_slot = __shfl_sync(kFullWarpMask, slot, h);
             if (__shfl_sync(kFullWarpMask, pos, h) >= 0)
                 rows[num_copies++] = landed.rows + static_cast<int64_t>(copy_slot) * shape.landing_row_bytes;
         }
-        const bool named = holder >= 0 && holder < num_ranks;
+        const bool named = holder >= 0;
         const int holder_slot = __shfl_sync(kFullWarpMask, slot, named ? holder : 0);
         const int holder_pos = __shfl_sync(kFullWarpMask, pos, named ? holder : 0);
         if (named && holder_pos >= 0)

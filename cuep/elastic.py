@@ -66,8 +66,8 @@ class EPHandle:
             num_max_tokens_per_rank + source token``, ``source rank * num_topk +`` the highest top-k lane
             this rank holds, then per lane its expanded row (-1 for other ranks' lanes, and everywhere in
             the compact layout).
-        dst_buffer_slot_idx: `[num_tokens, num_topk]` `int32`, for each of this rank's (token, lane) the
-            row it landed in on its expert's rank (-1 without an expert); made when first read.
+        dst_buffer_slot_idx: `[num_tokens, num_topk]` `int32`, for each of this rank's (token, lane) its
+            compact row on its expert's rank (-1 without an expert); made when first read.
         token_metadata_at_forward, channel_linked_list: ``None`` (V2's hybrid mode; cuep's internode path
             forwards without them).
     """
@@ -86,7 +86,7 @@ class EPHandle:
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.recv_src_metadata = recv_src_metadata
         self.token_metadata_at_forward = self.channel_linked_list = None
-        self._buffer, self._dispatch, self._slots = buffer, dispatch, None
+        self._buffer, self._dispatch, self._slots, self._dispatched = buffer, dispatch, None, None
 
     @property
     def dst_buffer_slot_idx(self):
@@ -122,8 +122,8 @@ class ElasticBuffer:
         deterministic: accepted; cuep's layouts are always deterministic (rows by source rank, then source
             token; expanded rows by expert, then received row).
         allow_hybrid_mode: accepted (one node: no hybrid forwarding).
-        allow_multiple_reduction: accepted; an expanded combine always sums a token's rows on the expert's
-            rank first (V2's result with it on).
+        allow_multiple_reduction: must stay ``True`` for an expanded combine, which sums a token's rows on the
+            expert's rank first (``False``: that combine raises ``NotImplementedError``).
         prefer_overlap_with_compute: :meth:`get_theoretical_num_sms` leaves SMs to computation (else at
             least 64).
         sl_idx: accepted (the network service level of V2's RDMA path).
@@ -397,10 +397,9 @@ class ElasticBuffer:
             topk_idx_kept = topk_idx
         ctx = self._resources.normal_ready(call)
         front, num_ranks = self._front, self.num_ranks
-        if cached:
-            num_worst = handle._dispatch.num_rows
-        else:
-            num_worst = 0 if do_cpu_sync else num_ranks * num_max_tokens_per_rank
+        # A cached dispatch repeats its handle's routing (with the handle's top-k ids, which it sends again) into
+        # as many rows as the handle's dispatch returned, without a CPU wait.
+        num_worst = 0 if do_cpu_sync or cached else num_ranks * num_max_tokens_per_rank
 
         def enqueue(stream):
             nonlocal topk_idx_kept
@@ -412,7 +411,7 @@ class ElasticBuffer:
             self._resources.layout.launch(stream, topk_idx, num_experts, per_expert, per_rank, None, in_rank)
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = intranode.dispatch(
                 ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts, None,
-                expert_alignment, num_worst, num_sms)
+                expert_alignment, num_worst, num_sms, known_rows=handle._dispatch.num_rows if cached else None)
             capacity, chunk_starts = dispatch.num_rows, None
             if cached:
                 out = handle
@@ -432,10 +431,12 @@ class ElasticBuffer:
             recv = (recv_x, recv_scales) if scales is not None else recv_x
             # What the stream still reads after this call returns: the inputs and the compact rows it expands.
             return (recv, recv_topk_idx, recv_topk_weights, out), (xs, scales, topk_idx, topk_weights, stats,
-                                                                   in_rank, chunk_starts, *compact)
+                                                                   in_rank, dispatch, chunk_starts, *compact)
 
         streams = self._buffer._streams
         outputs, event = streams.run(previous_event, async_with_compute_stream, allocate_on_comm_stream, enqueue)
+        if not cached:
+            outputs[3]._dispatched = event  # dst_buffer_slot_idx, made when first read, runs after it
         self._resources.raise_if_failed()
         return (*outputs, event)
 
@@ -464,6 +465,10 @@ class ElasticBuffer:
             raise TypeError(f"{call}: handle must be an EPHandle from ElasticBuffer.dispatch(), got "
                             f"{type(handle).__name__}")
         dispatch = handle._dispatch
+        if handle.do_expand and not self.allow_multiple_reduction:
+            raise NotImplementedError(f"{call}: an expanded combine with allow_multiple_reduction=False (each "
+                                      f"expanded row added on the token's rank) is not built; cuep sums a token's "
+                                      f"rows on the expert's rank first, V2's result with allow_multiple_reduction=True")
         rows = handle._expanded_rows if handle.do_expand else dispatch.num_rows
         xs = _checks.as_device_array(call, "x", x)
         _checks.check_matrix(call, "x", xs, [_checks.bf16_dtype()], rows)
@@ -505,7 +510,10 @@ class ElasticBuffer:
                 kernels.reduce(self._library, stream, args, self._device_sms)
             combined_x, combined_weights = intranode.combine(ctx, stream, compact_x, dispatch, compact_weights,
                                                              biases[0], biases[1], num_sms, topk_idx, num_local_experts)
-            return (combined_x, combined_weights), (xs, topk_weights, *biases, topk_idx, compact_x, compact_weights)
+            # What the stream still reads after this call returns: the inputs, the handle's arrays (a caller may
+            # drop the handle right after an async combine) and the compact rows of an expanded one.
+            return (combined_x, combined_weights), (xs, topk_weights, *biases, topk_idx, dispatch,
+                                                    handle.recv_src_metadata, compact_x, compact_weights)
 
         outputs, event = self._buffer._streams.run(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                                    enqueue)
@@ -603,8 +611,10 @@ class ElasticBuffer:
         return out
 
     def _slot_rows(self, handle: EPHandle):
-        """``handle.dst_buffer_slot_idx``, made on the current stream (slot_rows)."""
+        """``handle.dst_buffer_slot_idx``, made on the current stream (slot_rows) once the dispatch is done."""
         dispatch, front = handle._dispatch, self._front
+        stream = front.current_stream()
+        stream.wait_event(handle._dispatched.event)
         topk_idx = _checks.as_device_array("EPHandle.dst_buffer_slot_idx", "handle.topk_idx", handle.topk_idx)
         num_tokens, num_topk = topk_idx.shape
         slots = front.empty((num_tokens, num_topk), np.int32)
@@ -612,7 +622,7 @@ class ElasticBuffer:
                                 rank_prefix_matrix=dispatch.rank_prefix_matrix.data.ptr, num_tokens=num_tokens,
                                 num_topk=num_topk, num_ranks=self.num_ranks, rank=self.rank_idx,
                                 experts_per_rank=handle.num_experts // self.num_ranks, slots=slots.data.ptr)
-        kernels.slots(self._library, front.current_stream(), args, self._device_sms)
+        kernels.slots(self._library, stream, args, self._device_sms)
         return slots
 
     def _check_qps(self, call: str, num_qps: int) -> None:

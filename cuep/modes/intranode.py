@@ -314,7 +314,8 @@ def _routing_arrays(num_tokens: int, num_ranks: int, num_local_experts: int) -> 
 
 
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
-             num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int):
+             num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int,
+             known_rows: int | None = None):
     """Enqueue a dispatch on ``stream`` (a CuPy stream; outputs are allocated on the current stream).
 
     Cached (``handle`` given): :func:`cached_dispatch`. Otherwise stage, barrier, notify, the CPU wait
@@ -333,6 +334,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         expert_alignment: the per-expert received counts are rounded up to a multiple of it.
         num_worst_tokens: if > 0, the received arrays have this many rows and nothing waits on the CPU.
         num_sms: blocks of the copy kernels (capped at the GPU's SMs).
+        known_rows: the rows this rank receives, known beforehand (a repeat of an earlier dispatch's routing):
+            the received arrays have this many rows and nothing waits on the CPU; ``None`` otherwise.
 
     Returns:
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``;
@@ -367,7 +370,9 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     notify.num_experts, notify.expert_alignment = num_experts, expert_alignment
     notify.recv_info, notify.rank_prefix_matrix = recv_info.data.ptr, rank_prefix_matrix.data.ptr
     launch(ctx.library, notify.entry, stream, 1, kernels.NUM_THREADS, notify)
-    if num_worst_tokens > 0:
+    if known_rows is not None:
+        num_rows = known_rows
+    elif num_worst_tokens > 0:
         num_rows = num_worst_tokens
     else:
         info = _interop.read_on_host(recv_info, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
