@@ -66,8 +66,6 @@ class EPHandle:
             num_max_tokens_per_rank + source token``, ``source rank * num_topk +`` the highest top-k lane
             this rank holds, then per lane its expanded row (-1 for other ranks' lanes, and everywhere in
             the compact layout).
-        dst_buffer_slot_idx: `[num_tokens, num_topk]` `int32`, for each of this rank's (token, lane) its
-            compact row on its expert's rank (-1 without an expert); made when first read.
         token_metadata_at_forward, channel_linked_list: ``None`` (V2's hybrid mode; cuep's internode path
             forwards without them).
     """
@@ -90,6 +88,8 @@ class EPHandle:
 
     @property
     def dst_buffer_slot_idx(self):
+        """`[num_tokens, num_topk]` `int32`: for each of this rank's (token, lane), its compact row on its expert's
+        rank (-1 without an expert); made when first read, after the dispatch."""
         if self._slots is None:
             self._slots = self._buffer._slot_rows(self)
         return self._slots
@@ -452,8 +452,8 @@ class ElasticBuffer:
                 ``None``. Each lane's weight comes back from the rank holding its lane's expert.
             bias: `[num_tokens, hidden]` `bfloat16`, or a tuple of two, added first.
             num_sms: SMs of the kernels (0: the dispatch's).
-            num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream,
-                allocate_on_comm_stream: as in :meth:`dispatch`.
+            num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream:
+                as in :meth:`dispatch`.
 
         Returns:
             ``(combined_x, combined_topk_weights or None, event)``: `[num_tokens, hidden]` `bfloat16`, for

@@ -33,6 +33,7 @@ class EPHandle:
 
     @property
     def dst_buffer_slot_idx(self):
+        """`[num_tokens, num_topk]` `int32`, as the core handle's."""
         return self._front.export(self._core.dst_buffer_slot_idx)
 
 
