@@ -256,10 +256,8 @@ def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: i
     """Every argument of :meth:`cuep.Buffer.dispatch` but the config; ``handle_type``: the mode's Handle
     (default the intranode one)."""
     x, scales = tokens(call, x)
-    expert_alignment = check_nonnegative_int(call, "expert_alignment", expert_alignment)
+    expert_alignment = check_expert_alignment(call, expert_alignment)
     num_worst_tokens = check_nonnegative_int(call, "num_worst_tokens", num_worst_tokens)
-    if expert_alignment < 1:
-        raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
     check_event_options(call, previous_event, async_finish, allocate_on_comm_stream)
     if handle is not None:
         handle = cached_dispatch_handle(call, handle, x.shape[0], num_ranks, topk_idx, topk_weights, handle_type)
@@ -268,6 +266,14 @@ def dispatch_arguments(call: str, num_ranks: int, num_nodes: int, max_experts: i
                                num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                topk_weights)
     return DispatchArguments(x, scales, None, *routing, expert_alignment, num_worst_tokens)
+
+
+def check_expert_alignment(call: str, expert_alignment: Any) -> int:
+    """A dispatch's ``expert_alignment``: an int >= 1."""
+    expert_alignment = check_nonnegative_int(call, "expert_alignment", expert_alignment)
+    if expert_alignment < 1:
+        raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
+    return expert_alignment
 
 
 def tokens(call: str, x) -> tuple[Any, Any]:
@@ -354,22 +360,27 @@ def cached_dispatch_handle(call: str, handle: Any, num_tokens: int, num_ranks: i
 def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int, handle_type: type | None = None
                    ) -> tuple[Any, Any, Any, Any, Any]:
     """A normal-mode combine's arguments; returns ``(x, handle, topk_weights or None, bias0, bias1)``."""
-    bf16 = bf16_dtype()
     handle = normal_handle(call, handle, num_ranks, handle_type)
     x = as_device_array(call, "x", x)
-    check_matrix(call, "x", x, [bf16], handle.num_rows)
+    check_matrix(call, "x", x, [bf16_dtype()], handle.num_rows)
     check_hidden(call, x.shape[1], fp8=False)
     if topk_weights is not None:
         topk_weights = as_device_array(call, "topk_weights", topk_weights)
         check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_rows)
+    return (x, handle, topk_weights, *combine_biases(call, bias, handle.num_tokens, x.shape[1]))
+
+
+def combine_biases(call: str, bias, num_tokens: int, hidden: int) -> tuple[Any, Any]:
+    """A combine's ``bias``: none, one `[num_tokens, hidden]` BF16 array, or a tuple of two; returns
+    ``(bias0, bias1)``, ``None`` where absent."""
     biases = bias if isinstance(bias, tuple) else (bias,)
     if len(biases) > 2:
         raise ValueError(f"{call}: bias must be one array or a tuple of two, got {len(biases)}")
     biases = [as_device_array(call, "bias", b) if b is not None else None for b in biases] + [None] * (2 - len(biases))
     for b in biases:
         if b is not None:
-            check_matrix(call, "bias", b, [bf16], handle.num_tokens, x.shape[1])
-    return x, handle, topk_weights, biases[0], biases[1]
+            check_matrix(call, "bias", b, [bf16_dtype()], num_tokens, hidden)
+    return biases[0], biases[1]
 
 
 def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int,

@@ -367,9 +367,7 @@ class ElasticBuffer:
         num_local_experts = num_experts // self.num_ranks
         if num_local_experts > kernels.MAX_LOCAL_EXPERTS:
             raise ValueError(f"{call}: {num_local_experts} experts per rank; at most {kernels.MAX_LOCAL_EXPERTS}")
-        expert_alignment = _checks.check_nonnegative_int(call, "expert_alignment", expert_alignment)
-        if expert_alignment < 1:
-            raise ValueError(f"{call}: expert_alignment must be >= 1, got {expert_alignment}")
+        expert_alignment = _checks.check_expert_alignment(call, expert_alignment)
         xs, scales = _checks.tokens(call, x)
         num_tokens = xs.shape[0]
         topk_idx = _checks.as_device_array(call, "topk_idx", topk_idx)
@@ -480,14 +478,7 @@ class ElasticBuffer:
                 _checks.check_vector(call, "topk_weights", topk_weights, np.float32, rows)
             else:
                 _checks.check_matrix(call, "topk_weights", topk_weights, [np.float32], rows, num_topk)
-        biases = bias if isinstance(bias, tuple) else (bias,)
-        if len(biases) > 2:
-            raise ValueError(f"{call}: bias must be one array or a tuple of two, got {len(biases)}")
-        biases = [_checks.as_device_array(call, "bias", b) if b is not None else None for b in biases]
-        biases += [None] * (2 - len(biases))
-        for b in biases:
-            if b is not None:
-                _checks.check_matrix(call, "bias", b, [_checks.bf16_dtype()], dispatch.num_tokens, xs.shape[1])
+        biases = _checks.combine_biases(call, bias, dispatch.num_tokens, xs.shape[1])
         if previous_event is not None and not allocate_on_comm_stream:
             raise ValueError(f"{call}: previous_event needs allocate_on_comm_stream=True (as DeepEP V2)")
         self._check_qps(call, num_qps)

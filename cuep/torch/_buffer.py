@@ -148,6 +148,15 @@ class _NotMade:
 _NOT_MADE = _NotMade()
 
 
+def record_on_current_stream(torch, tensors) -> None:
+    """Outputs allocated on the comm stream are used on the current one: tell torch's allocator, as DeepEP
+    does, so that their memory is not handed out again before the current stream is done with them."""
+    stream = torch.cuda.current_stream()
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
 class Buffer:
     """The communication buffers of one rank for expert-parallel dispatch and combine, on torch tensors.
 
@@ -415,12 +424,7 @@ class Buffer:
     # ----------------------------------------------------------------------------------------------
     # Outputs and handles
     def _record_on_current_stream(self, tensors) -> None:
-        """Outputs allocated on the comm stream are used on the current one: tell torch's allocator, as DeepEP
-        does, so that their memory is not handed out again before the current stream is done with them."""
-        stream = self._torch.cuda.current_stream()
-        for tensor in tensors:
-            if isinstance(tensor, self._torch.Tensor) and tensor.is_cuda:
-                tensor.record_stream(stream)
+        record_on_current_stream(self._torch, tensors)
 
     def _dispatch_handle(self, core_handle) -> DispatchHandle:
         torch = self._torch

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import _deps
 from ..elastic import EPHandle as CoreHandle
 from ..elastic import ElasticBuffer as CoreElasticBuffer
-from ._buffer import _torch_function_off
+from ._buffer import _torch_function_off, record_on_current_stream
 from .event import EventHandle, core_event, wrap
 from .front import TorchFront
 
@@ -130,7 +128,7 @@ class ElasticBuffer:
         recv_topk_idx, recv_topk_weights = export(recv_topk_idx), export(recv_topk_weights)
         handle = handle if handle is not None else EPHandle(core_handle, self._front)
         if allocate_on_comm_stream:
-            self._record_on_current_stream((*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_topk_idx,
+            record_on_current_stream(self._torch, (*(recv_x if isinstance(recv_x, tuple) else (recv_x,)), recv_topk_idx,
                                             recv_topk_weights, *(getattr(handle, n) for n in _HANDLE_TENSORS)))
         return recv_x, recv_topk_idx, recv_topk_weights, handle, wrap(event)
 
@@ -150,14 +148,8 @@ class ElasticBuffer:
         export = self._front.export
         combined_x, combined_weights = export(combined_x), export(combined_weights)
         if allocate_on_comm_stream:
-            self._record_on_current_stream((combined_x, combined_weights))
+            record_on_current_stream(self._torch, (combined_x, combined_weights))
         return combined_x, combined_weights, wrap(event)
-
-    def _record_on_current_stream(self, tensors: Any) -> None:
-        stream = self._torch.cuda.current_stream()
-        for tensor in tensors:
-            if isinstance(tensor, self._torch.Tensor) and tensor.is_cuda:
-                tensor.record_stream(stream)
 
 
 __all__ = ["EPHandle", "ElasticBuffer"]
