@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _deps
+from . import _checks, _deps, _interop
 from ._math import align_up
 from .buffer import Buffer, _layout_outputs
 from .errors import CuepError
@@ -593,12 +593,8 @@ class ElasticBuffer:
         stride = align_up(rows, 4)
         storage = front.storage(max(1, cols * stride) * 4, scales.dtype)
         out = front.view(storage, (rows, cols), scales.dtype, 0, (4, stride * 4))
-        src = cupy.ndarray((rows, cols), scales.dtype, cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(scales.data.ptr, rows * cols * 4, scales), 0))
-        dst = cupy.ndarray((rows, cols), scales.dtype, cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(storage.ptr, max(1, cols * stride) * 4, storage), 0), strides=(4, stride * 4))
         with cupy.cuda.ExternalStream(stream.ptr):
-            dst[...] = src
+            _interop.as_cupy(out)[...] = _interop.as_cupy(scales)
         return out
 
     def _slot_rows(self, handle: EPHandle):

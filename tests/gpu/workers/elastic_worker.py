@@ -153,6 +153,10 @@ def fp8_column_major_scales_cached_with_zero_padding(buffer):
     cached = dispatch(buffer, inputs, False, handle=compact[3])
     np.testing.assert_array_equal(cached[0][0].get(), compact[0][0].get())
     np.testing.assert_array_equal(cached[1].get(), compact[1].get())
+    # The compact layout's scales column-major too, as V2's TMA takes them.
+    column_major = dispatch(buffer, inputs, False, 16, use_tma_aligned_col_major_sf=True)[0][1]
+    assert column_major.strides == (4, 4 * ((column_major.shape[0] + 3) // 4 * 4)), column_major.strides
+    np.testing.assert_array_equal(column_major.get(), want.recv_scales)
 
 
 def without_cpu_sync_and_stats(buffer):
