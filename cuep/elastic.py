@@ -154,7 +154,7 @@ class ElasticBuffer:
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
         self._buffer = Buffer(group, num_bytes, 0, False, 24, True, explicitly_destroy, front=front,
-                              device_id=device_id)
+                              device_id=device_id, elastic=True)
         core = self._buffer
         if core.topology.num_nodes > 1:
             core.destroy()

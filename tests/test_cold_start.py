@@ -17,15 +17,20 @@ NVSHMEM_FAMILY = "barrier"  # the shortest NVSHMEM family: header cost, linking,
 
 
 @pytest.mark.parametrize("nvl, rdma, families", [
-    (1 << 20, 0, ["layout", "barrier", "intranode", "elastic"]),
+    (1 << 20, 0, ["layout", "barrier", "intranode"]),
     (0, 1 << 20, ["layout", "barrier", "low_latency"]),
-    (1 << 20, 1 << 20, ["layout", "barrier", "intranode", "elastic", "low_latency"]),
+    (1 << 20, 1 << 20, ["layout", "barrier", "intranode", "low_latency"]),
     (0, 0, ["layout", "barrier"]),
 ])
 def test_a_buffer_compiles_only_the_families_it_uses(nvl, rdma, families):
     specs = buffer_specs("sm_90", nvl, rdma)
     assert list(specs) == families
     assert all(spec == FAMILIES[family].spec("sm_90") for family, spec in specs.items())
+
+
+def test_only_an_elastic_buffer_adds_the_elastic_family_on_one_node():
+    assert list(buffer_specs("sm_90", 1 << 20, 0, elastic=True)) == ["layout", "barrier", "intranode", "elastic"]
+    assert "elastic" not in buffer_specs("sm_90", 1 << 20, 1 << 20, internode=True, elastic=True)
 
 
 def test_nvshmem_families_leave_the_collective_headers_out():

@@ -36,7 +36,7 @@ class Resources:
 
     def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  force_put: bool, shrink: bool = False, device_id: int | None = None,
-                 num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK):
+                 num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK, elastic: bool = False):
         nvshmem_world.check_group(group)  # before anything else is collective over a group that cannot work
         self.topology = discover_topology(group)
         self.group = group
@@ -58,7 +58,7 @@ class Resources:
                                      self.device_id, normal_nvl_bytes,
                                      num_rdma_bytes if low_latency_mode else 0, across_nodes,
                                      across_hosts=self.topology.num_local_ranks < self.num_ranks
-                                     or env.get("CUEP_NETWORK_BUILD"))
+                                     or env.get("CUEP_NETWORK_BUILD"), elastic=elastic)
         nvshmem_world.init_world(group, self.topology, self.regions.total_bytes, self.device_id, num_qps_per_rank)
         cupy = _deps.cupy()
         self.device = cupy.cuda.Device(self.device_id)
@@ -71,7 +71,7 @@ class Resources:
         self.status = StatusWords()
         self.layout = layout_kernel.LayoutLaunches(libraries["layout"], self.num_ranks, self.topology.num_nodes,
                                                    self.status)
-        self.elastic_library = libraries.get("elastic")  # DeepEP V2's layouts (cuep.elastic), on one node
+        self.elastic_library = libraries.get("elastic")  # an ElasticBuffer's: DeepEP V2's layouts, on one node
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._barrier_launches: dict[float, Launch] = {}
         self.memory = SymmetricMemory(self.regions)
@@ -221,13 +221,14 @@ def check_internode_sizes(topology, num_nvl_bytes: int, num_rdma_bytes: int) -> 
 
 
 def start_kernels(group: NodeGroup, device_id: int, num_nvl_bytes: int, num_low_latency_bytes: int,
-                  internode_mode: bool = False, across_hosts: bool = False) -> Callable[[], dict[str, Library]]:
+                  internode_mode: bool = False, across_hosts: bool = False,
+                  elastic: bool = False) -> Callable[[], dict[str, Library]]:
     """Collective over ``group``: start compiling (one rank per host, every family at once, in the
     background) or loading the kernel families a Buffer of these sizes uses (``internode_mode``: its
     ranks span several nodes; ``across_hosts``: several physical hosts, so the network families' build
-    that links NVSHMEM's transfer code); the returned call, once NVSHMEM is up, waits for them and loads
+    that links NVSHMEM's transfer code; ``elastic``: an ``ElasticBuffer``'s); the returned call, once NVSHMEM is up, waits for them and loads
     them, by family name."""
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
-    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode, across_hosts)
+    specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode, across_hosts, elastic)
     finish = start_libraries(list(specs.values()), group)
     return lambda: dict(zip(specs, finish()))
