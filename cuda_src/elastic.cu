@@ -7,7 +7,9 @@
 //                 source token; source rank * num_topk + the highest top-k lane this rank holds; then
 //                 per lane its expanded row, or -1).
 //   scan_counts   one block: each chunk's first row per expert (in place), the per-expert counts, their
-//                 prefix sums (V2's psum_num_recv_tokens_per_expert) and the cumulative statistics.
+//                 prefix sums (V2's psum_num_recv_tokens_per_expert), the cumulative statistics, and the
+//                 prefix sum of the rows from each local index (V2's psum_num_recv_tokens_per_scaleup_rank:
+//                 the rows from every node's rank of that index; on one node, from that rank).
 //   place_rows    the expanded layout: expert e owns rows [start_e, start_e + count_e), start_e the sum of
 //                 the earlier experts' counts rounded up to expert_alignment; within an expert, entries in
 //                 received order (so the layout is deterministic). Each compact row is read once and
@@ -43,12 +45,13 @@ struct RowsArgs {
     const int32_t* recv_src_idx;   // [capacity] source token of each row
     const int32_t* num_rows;       // rows received (the dispatch's count, on the GPU)
     const int32_t* rank_prefix;    // [num_ranks + 1] rows received from the ranks before each
-    int capacity, num_topk, num_local_experts, num_ranks, num_max_tokens_per_rank, expert_alignment;
+    int capacity, num_topk, num_local_experts, num_ranks, ranks_per_node, num_max_tokens_per_rank, expert_alignment;
     int num_chunks, expand;        // expand: leave the slot columns to place_rows
     int32_t* chunk_counts;         // [num_chunks, num_local_experts]
     int32_t* metadata;             // [capacity, num_topk + 2]
     int32_t* num_unaligned;        // [num_local_experts] out
     int32_t* psum;                 // [num_local_experts] out: inclusive (aligned) or expanded (see scan_counts)
+    int32_t* psum_local;           // [ranks_per_node] out: inclusive, rows from the ranks of each local index
     int32_t* stats;                // [num_local_experts] cumulative, or null
 };
 
@@ -162,6 +165,17 @@ __global__ void __launch_bounds__(kNumThreads) scan_counts(const RowsArgs args) 
             args.num_unaligned[e] = running;
             if (args.stats != nullptr)
                 args.stats[e] += running;
+        }
+    }
+    if (threadIdx.x == kNumThreads - 1) {  // one thread, its warp done with its experts
+        const int L = args.ranks_per_node, num_nodes = args.num_ranks / L;
+        int sum = 0;
+        for (int local = 0; local < L; ++local) {
+            for (int node = 0; node < num_nodes; ++node) {
+                const int source = node * L + local;
+                sum += args.rank_prefix[source + 1] - args.rank_prefix[source];
+            }
+            args.psum_local[local] = sum;
         }
     }
     __syncthreads();

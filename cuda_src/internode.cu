@@ -47,6 +47,15 @@
 //            has released the partitions.
 //   reduce:  each source sums the partials of every node its tokens of the round went to, and the
 //            biases; then releases the round to the forwarders on its rail.
+// A combine row (a pushed copy, or a partial on the wire) is the BF16 hidden, the top-k weights (float32),
+// then a tag (int32; cuep/modes/internode.py sizes it, combine_row_bytes).
+// The order of the sums. DeepEP V1's combine (no order given): a forwarder adds its node's copies by local
+// rank, a source its partials by node and then the biases. ElasticBuffer's (DeepEP V2's hybrid order, bit
+// for bit; the order arrays given): a pushed copy's tag is the highest top-k lane its rank holds, and its
+// weights are zero on the lanes it does not hold; a forwarder adds its copies in increasing order of their
+// tags from FP32 zero and rounds once; a source starts from the biases, adds each node's partial in
+// increasing order of that node's highest lane and rounds once, and takes each lane's weight from the
+// partial of its expert's node.
 //
 // Only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits, quiet), so any
 // transport serves; data is never inferred from the arrival of a later write. Ranks of one node
@@ -285,6 +294,7 @@ struct PushArgs {
     int64_t hidden_bytes;
     const float* topk_weights;
     int num_topk;
+    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids (-1: another rank's lane), or null (CombineOrder)
     int64_t landing_row_bytes;
     Round round;
     uint64_t* state;
@@ -305,6 +315,7 @@ struct ForwardArgs {
     const int32_t* forward_src;
     int64_t hidden_bytes;
     int num_topk;
+    int ordered;                // sum a row's copies in the order of their tags (CombineOrder), else by local rank
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
     Round round;
@@ -327,6 +338,8 @@ struct ReduceArgs {
     int chunk_rows;
     const __nv_bfloat16* bias0;
     const __nv_bfloat16* bias1;
+    const int64_t* order_topk_idx;  // [num_tokens, num_topk] the dispatch's global ids, or null (CombineOrder)
+    int experts_per_node;
     __nv_bfloat16* combined_x;
     float* combined_topk_weights;
     Round round;
@@ -885,8 +898,18 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
         const int64_t slot = static_cast<int64_t>(topo.local * N + m) * args.round.tokens + j;
         uint8_t* landing = reinterpret_cast<uint8_t*>(args.node_nvl[i]) + args.nvl.landing + slot * args.landing_row_bytes;
         warp_copy(landing, args.x + k * args.hidden_bytes, args.hidden_bytes, lane);
-        for (int w = lane; w < args.num_topk; w += kWarpSize)
-            reinterpret_cast<float*>(landing + args.hidden_bytes)[w] = args.topk_weights[k * args.num_topk + w];
+        // V2's order: the lanes this rank holds (the tag is the highest), and their weights alone.
+        const bool held = args.order_topk_idx == nullptr ||
+                          (lane < args.num_topk && args.order_topk_idx[k * args.num_topk + lane] >= 0);
+        if (args.topk_weights != nullptr)
+            for (int w = lane; w < args.num_topk; w += kWarpSize)
+                reinterpret_cast<float*>(landing + args.hidden_bytes)[w] =
+                    held ? args.topk_weights[k * args.num_topk + w] : 0.0f;
+        if (args.order_topk_idx != nullptr) {
+            const uint32_t held_lanes = __ballot_sync(kFullWarpMask, held);
+            if (lane == 0)
+                reinterpret_cast<int32_t*>(landing + args.hidden_bytes)[args.num_topk] = 31 - __clz(held_lanes);
+        }
     }
     finish_round(args.state, call, args.round, false, [&] {
         for (int i = 0; i < L; ++i)
@@ -953,9 +976,28 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                                          : 0;
             const uint8_t* copies[kMaxRanksPerNode];
             int num_copies = 0;
-            for (uint32_t holders = __ballot_sync(kFullWarpMask, position >= 0); holders != 0; holders &= holders - 1) {
-                const int64_t row = __shfl_sync(kFullWarpMask, copy_row, __ffs(holders) - 1);
-                copies[num_copies++] = landing + row * args.landing_row_bytes;
+            const uint32_t holders = __ballot_sync(kFullWarpMask, position >= 0);
+            if (!args.ordered) {
+                for (uint32_t left = holders; left != 0; left &= left - 1) {
+                    const int64_t row = __shfl_sync(kFullWarpMask, copy_row, __ffs(left) - 1);
+                    copies[num_copies++] = landing + row * args.landing_row_bytes;
+                }
+            } else {
+                // Each holder's place among the holders, by tag (distinct: one lane has one expert's rank).
+                const int tag = position >= 0 ? ld_volatile_global(reinterpret_cast<const int32_t*>(
+                                                    landing + copy_row * args.landing_row_bytes + args.hidden_bytes) +
+                                                args.num_topk)
+                                              : 0;
+                int place = 0;
+                for (uint32_t left = holders; left != 0; left &= left - 1) {
+                    const int other = __ffs(left) - 1;
+                    const int other_tag = __shfl_sync(kFullWarpMask, tag, other);
+                    place += other_tag < tag || (other_tag == tag && other < lane);
+                }
+                for (int c = 0; c < __popc(holders); ++c) {
+                    const int holder = __ffs(__ballot_sync(kFullWarpMask, position >= 0 && place == c)) - 1;
+                    copies[num_copies++] = landing + __shfl_sync(kFullWarpMask, copy_row, holder) * args.landing_row_bytes;
+                }
             }
             uint8_t* out = staged + r * args.row_bytes;
             for (int v = lane; v < num_vectors; v += kWarpSize) {
@@ -996,6 +1038,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
 // partial of each node the token went to, and writes their FP32 sum plus the biases; the last block
 // releases the round to the forwarders on this rank's rail.
 
+// Source node n's partial at `slot` of its round in this rank's receive region.
+static __device__ __forceinline__ const uint8_t* partial_row(const ReduceArgs& args, int n, int slot) {
+    return args.rdma + args.layout.recv + n * args.layout.partition_bytes + static_cast<int64_t>(slot) * args.row_bytes;
+}
+
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
     __shared__ int32_t node_first[kMaxRanks];
     const Topology& topo = args.topo;
@@ -1022,33 +1069,65 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
         }
         if (!__all_sync(kFullWarpMask, arrived))
             break;
+        // The partials in the order they are added: by node (V1), or by each node's highest lane (V2's order;
+        // lane k < num_topk names its expert's node, and represents it when no higher lane names the same).
+        const uint8_t* partials[kMaxRanks];
+        int num_partials = 0;
+        int node_of_lane = -1;
+        if (args.order_topk_idx == nullptr) {
+            for (int n = 0; n < N; ++n) {
+                const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+                if (position >= 0)
+                    partials[num_partials++] = partial_row(args, n, position - node_first[n]);
+            }
+        } else {
+            if (lane < args.num_topk) {
+                const int64_t id = args.order_topk_idx[static_cast<int64_t>(t) * args.num_topk + lane];
+                const int64_t node = id >= 0 ? id / args.experts_per_node : -1;
+                node_of_lane = node < N ? static_cast<int>(node) : -1;  // past the experts: flagged, no node
+            }
+            const uint32_t same_node = __match_any_sync(kFullWarpMask, node_of_lane);
+            const int position =
+                node_of_lane >= 0 ? args.node_pos[static_cast<int64_t>(t) * N + node_of_lane] : -1;
+            // A node the dispatch never sent to (ids changed since) adds nothing.
+            const bool represents = position >= 0 && ((same_node >> lane) >> 1) == 0;
+            for (uint32_t lanes = __ballot_sync(kFullWarpMask, represents); lanes != 0; lanes &= lanes - 1) {
+                const int k = __ffs(lanes) - 1;
+                const int n = __shfl_sync(kFullWarpMask, node_of_lane, k);
+                partials[num_partials++] = partial_row(args, n, __shfl_sync(kFullWarpMask, position, k) - node_first[n]);
+            }
+            if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
+                const float weight = position >= 0 ? __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
+                                                         partial_row(args, node_of_lane, position - node_first[node_of_lane]) +
+                                                         args.hidden_bytes) + lane))
+                                                   : 0.0f;
+                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = weight;
+            }
+        }
+        const bool biases_first = args.order_topk_idx != nullptr;
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
         for (int v = lane; v < num_vectors; v += kWarpSize) {
             float acc[kBf16PerVector] = {};
-            for (int n = 0; n < N; ++n) {
-                const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                if (position < 0)
-                    continue;
-                const uint8_t* partial = args.rdma + args.layout.recv + n * args.layout.partition_bytes +
-                                         static_cast<int64_t>(position - node_first[n]) * args.row_bytes;
-                accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partial) + v));
-            }
-            if (args.bias0 != nullptr)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
-            if (args.bias1 != nullptr)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
+            const auto add_biases = [&]() {
+                if (args.bias0 != nullptr)
+                    accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
+                if (args.bias1 != nullptr)
+                    accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
+            };
+            if (biases_first)
+                add_biases();
+            for (int p = 0; p < num_partials; ++p)
+                accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partials[p]) + v));
+            if (!biases_first)
+                add_biases();
             reinterpret_cast<int4*>(args.combined_x)[token_vectors + v] = floats_to_bf16x8(acc);
         }
-        if (args.combined_topk_weights != nullptr) {
+        if (args.combined_topk_weights != nullptr && !biases_first) {
             for (int k = lane; k < args.num_topk; k += kWarpSize) {
                 float sum = 0.0f;
-                for (int n = 0; n < N; ++n) {
-                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                    if (position >= 0)
-                        sum += __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
-                            args.rdma + args.layout.recv + n * args.layout.partition_bytes +
-                            static_cast<int64_t>(position - node_first[n]) * args.row_bytes + args.hidden_bytes) + k));
-                }
+                for (int p = 0; p < num_partials; ++p)
+                    sum += __int_as_float(ld_volatile_global(
+                        reinterpret_cast<const int32_t*>(partials[p] + args.hidden_bytes) + k));
                 args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + k] = sum;
             }
         }

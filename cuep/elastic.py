@@ -10,6 +10,12 @@ batch up to ``num_max_tokens_per_rank`` goes through a Buffer sized by DeepEP V1
 Combine sums in V2's order, bit for bit: on the expert's rank a token's expanded rows in top-k lane order
 (FP32, rounded once), then on the token's rank the biases first and each rank's contribution in the
 order of its highest top-k lane, rounded once.
+
+Across nodes the compact rows come from the internode mode (a token crosses to each destination node once,
+along its source's rail, and reaches that node's ranks over NVLink), and combine sums in V2's hybrid
+order: each node's forwarder adds the node's rank contributions in the order of their highest lanes
+(rounded once), then the token's rank adds, after the biases, each node's partial in the order of the
+node's highest lane.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ import numpy as np
 from . import _checks, _deps, _interop
 from ._math import align_up
 from .buffer import Buffer, _layout_outputs
+from .config import MAX_TOPK_HINT
 from .errors import CuepError
 from .event import EventOverlap, record_event
 from .kernels import elastic as kernels
-from .modes import intranode
+from .modes import internode, intranode
+from .runtime import as_group
+from .runtime.regions import REGION_ALIGN
+from .runtime.topology import discover_topology
 
 #: What V2's size hint rounds to.
 BUFFER_ALIGNMENT = 2 << 20
@@ -56,8 +66,9 @@ class EPHandle:
         num_expanded_tokens: expanded rows (with ``do_cpu_sync``; otherwise the rows allocated).
         num_recv_tokens_per_expert_list: per local expert, received entries rounded up to
             ``expert_alignment`` (empty without ``do_cpu_sync``).
-        psum_num_recv_tokens_per_scaleup_rank: `[num_ranks]` `int32`, inclusive prefix sum of the rows
-            received from each rank; the last is the received count.
+        psum_num_recv_tokens_per_scaleup_rank: `[num_scaleup_ranks]` `int32`, inclusive prefix sum of the rows
+            received from the ranks of each local index (on one node, from each rank); the last is the
+            received count.
         psum_num_recv_tokens_per_expert: `[num_local_experts]` `int32`: compact layout, the inclusive
             prefix sum of the aligned counts; expanded, expert ``e``'s first row plus its count, so
             ``align(psum[e], expert_alignment)`` is expert ``e + 1``'s first row.
@@ -66,8 +77,9 @@ class EPHandle:
             num_max_tokens_per_rank + source token``, ``source rank * num_topk +`` the highest top-k lane
             this rank holds, then per lane its expanded row (-1 for other ranks' lanes, and everywhere in
             the compact layout).
-        token_metadata_at_forward, channel_linked_list: ``None`` (V2's hybrid mode; cuep's internode path
-            forwards without them).
+        token_metadata_at_forward: across nodes, `[forwarded rows]` `int32`, the source token of each row this
+            rank forwarded to its node (``None`` on one node).
+        channel_linked_list: ``None`` (V2's hybrid-mode channels; cuep's forwarders need no list).
     """
 
     def __init__(self, buffer: "ElasticBuffer", dispatch: intranode.Handle, do_expand: bool, num_experts: int,
@@ -83,13 +95,20 @@ class EPHandle:
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.recv_src_metadata = recv_src_metadata
-        self.token_metadata_at_forward = self.channel_linked_list = None
+        self.token_metadata_at_forward = getattr(dispatch, "forward_src", None)
+        self.channel_linked_list = None
         self._buffer, self._dispatch, self._slots, self._dispatched = buffer, dispatch, None, None
+        self._recv_topk_idx = None  # across nodes: the received local ids, for combine's order
 
     @property
     def dst_buffer_slot_idx(self):
-        """`[num_tokens, num_topk]` `int32`: for each of this rank's (token, lane), its compact row on its expert's
-        rank (-1 without an expert); made when first read, after the dispatch."""
+        """On one node, `[num_tokens, num_topk]` `int32`: for each of this rank's (token, lane), its compact row on
+        its expert's rank (-1 without an expert); made when first read, after the dispatch. Across nodes (as
+        V2's hybrid mode, whose array is its forwarders' bookkeeping): `[forwarded rows, ranks_per_node]`, for
+        each row this rank forwarded, its place among the round's rows each local rank received from its
+        source (-1: none), written by the dispatch."""
+        if isinstance(self._dispatch, internode.Handle):
+            return self._dispatch.forward_pos
         if self._slots is None:
             self._slots = self._buffer._slot_rows(self)
         return self._slots
@@ -109,21 +128,28 @@ class ElasticBuffer:
     ``num_max_tokens_per_rank`` go through it in rounds, and nothing is compiled per token count.
 
     Requirements:
-        every rank on one node (across nodes: not yet built, issue 48); every rank calls each dispatch and
-        combine, in the same order.
+        every rank calls each dispatch and combine, in the same order. Across nodes (the internode mode):
+        ``allow_hybrid_mode`` and ``allow_multiple_reduction`` stay ``True`` (V2's direct order, each rank's
+        row crossing between nodes alone, is not built), and a dispatch with ``do_cpu_sync=False`` moves one
+        round of the buffer's tokens (a larger batch on any rank is reported by every rank's next call, as
+        :meth:`cuep.Buffer.dispatch` with ``num_worst_tokens``).
 
     Arguments:
         group: an ``mpi4py`` communicator or a ``torch.distributed`` process group.
-        num_bytes: the buffer's bytes; default :meth:`get_buffer_size_hint` of the MoE settings below.
+        num_bytes: the buffer's bytes; default :meth:`get_buffer_size_hint` of the MoE settings below. Across
+            nodes they are split between the NVLink landing rows and the network partitions as a round needs
+            them (``ranks_per_node`` to 2).
         num_cpu_bytes: host memory for V2's Engram storage: must be 0 (Engram is out of scope).
         num_max_tokens_per_rank: the most tokens a rank dispatches (a call may pass its own).
         hidden: the hidden size, for the default size.
         num_topk, use_fp8_dispatch: accepted for V2's signature (the size does not depend on them).
         deterministic: accepted; cuep's layouts are always deterministic (rows by source rank, then source
             token; expanded rows by expert, then received row).
-        allow_hybrid_mode: accepted (one node: no hybrid forwarding).
-        allow_multiple_reduction: must stay ``True`` for an expanded combine, which sums a token's rows on the
-            expert's rank first (``False``: that combine raises ``NotImplementedError``).
+        allow_hybrid_mode: across nodes it must stay ``True``: tokens cross once per node and their forwarders
+            sum the node's rows (one node: accepted, no forwarding).
+        allow_multiple_reduction: must stay ``True`` for an expanded combine and across nodes, which sum a
+            token's rows on the expert's rank and at the forwarder first (``False``: an expanded combine
+            raises ``NotImplementedError``; across nodes, the constructor does).
         prefer_overlap_with_compute: :meth:`get_theoretical_num_sms` leaves SMs to computation (else at
             least 64).
         sl_idx: accepted (the network service level of V2's RDMA path).
@@ -133,7 +159,7 @@ class ElasticBuffer:
         explicitly_destroy: resources are released only by :meth:`destroy`.
         front, device_id: as :class:`cuep.Buffer`'s (``cuep.torch`` passes them).
 
-    Differs from DeepEP V2: no NCCL (NVSHMEM); no run-time compiler; one node.
+    Differs from DeepEP V2: no NCCL (NVSHMEM); no run-time compiler; across nodes, the hybrid order only.
     """
 
     def __init__(self, group=None, num_bytes: int | None = None, num_cpu_bytes: int = 0,
@@ -153,14 +179,18 @@ class ElasticBuffer:
                 raise ValueError(f"{call}: pass num_bytes, or hidden (with num_max_tokens_per_rank) to size the buffer")
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch,
                                                   allow_hybrid_mode, allow_multiple_reduction)
-        self._buffer = Buffer(group, num_bytes, 0, False, 24, True, explicitly_destroy, front=front,
+        num_bytes = _checks.check_nonnegative_int(call, "num_bytes", num_bytes)
+        topology = discover_topology(as_group(call, group))
+        if topology.num_nodes > 1 and not (allow_hybrid_mode and allow_multiple_reduction):
+            raise NotImplementedError(f"{call}: across nodes cuep combines in V2's hybrid order (a forwarder sums its "
+                                      f"node's rows); allow_hybrid_mode=False or allow_multiple_reduction=False (each "
+                                      f"rank's row crossing between nodes alone) is not built")
+        num_nvl_bytes, num_rdma_bytes = split_bytes(num_bytes, topology.ranks_per_node, topology.num_nodes, hidden,
+                                                   num_topk or MAX_TOPK_HINT)
+        self._buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, False, 24, True, explicitly_destroy, front=front,
                               device_id=device_id, elastic=True)
         core = self._buffer
-        if core.topology.num_nodes > 1:
-            core.destroy()
-            raise NotImplementedError(f"{call}: ranks across {core.topology.num_nodes} nodes: cuep's ElasticBuffer "
-                                      f"serves one node so far (issue 48); use cuep.Buffer across nodes")
-        self.group, self.num_bytes = group, core.num_nvl_bytes
+        self.group, self.num_bytes = group, num_bytes
         self.rank_idx, self.num_ranks = core.rank, core.group_size
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.deterministic, self.allow_hybrid_mode = bool(deterministic), bool(allow_hybrid_mode)
@@ -168,11 +198,16 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.num_allocated_qps = int(num_allocated_qps) or MAX_ALLOCATED_QPS[self.allow_hybrid_mode]
-        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
-        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        nodes, local = core.topology.num_nodes, core.topology.ranks_per_node
+        self.num_scaleout_ranks, self.num_scaleup_ranks = nodes, local
+        self.scaleout_rank_idx, self.scaleup_rank_idx = divmod(self.rank_idx, local)
+        self.num_rdma_ranks, self.num_nvlink_ranks = nodes, local
+        self._across_nodes = nodes > 1
         self._front = core._front
         self._resources = core._resources
+        # Rows per signalled put across nodes (DeepEP V1's RDMA chunk of the Configs).
+        self._dispatch_chunk_tokens = Buffer.get_dispatch_config(self.num_ranks).num_max_rdma_chunked_send_tokens
+        self._combine_chunk_tokens = Buffer.get_combine_config(self.num_ranks).num_max_rdma_chunked_send_tokens
         self._library = core._resources.elastic_library
         self._device_sms = core._resources.device.attributes["MultiProcessorCount"]
         self._compute_capability = int(core._resources.device.compute_capability)
@@ -184,12 +219,13 @@ class ElasticBuffer:
                              use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes of buffer for these MoE settings, a multiple of 2 MiB: DeepEP V1's NVL hint for BF16 rows of
-        ``hidden`` (its dispatch and combine configs), which any batch goes through in rounds, so the size
-        does not grow with ``num_max_tokens_per_rank``.
+        ``hidden`` (its dispatch and combine configs), plus across nodes its RDMA hint. Any batch goes through
+        them in rounds, so the size does not grow with ``num_max_tokens_per_rank``.
 
         Arguments:
             group: the ranks (a ``torch.distributed`` group, an ``mpi4py`` communicator, or ``None`` for
-                ``MPI.COMM_WORLD``).
+                ``MPI.COMM_WORLD``); their nodes are as V1's hints assume (``CUEP_RANKS_PER_NODE``, else
+                up to 8 ranks a node).
             num_max_tokens_per_rank, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction:
                 accepted for V2's signature.
             hidden: the hidden size.
@@ -198,8 +234,9 @@ class ElasticBuffer:
         _checks.check_positive_ints(call, hidden=hidden)
         num_ranks = _group_size(group)
         hidden_bytes = hidden * 2
-        hint = max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-                   Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+        configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+        hint = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for config in configs)
+        hint += max(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for config in configs)
         return align_up(hint, BUFFER_ALIGNMENT)
 
     def destroy(self) -> None:
@@ -234,11 +271,12 @@ class ElasticBuffer:
         return self._buffer.get_comm_stream()
 
     def get_physical_domain_size(self) -> tuple[int, int]:
-        """``(num_rdma_ranks, num_nvlink_ranks)``: ``(1, num_ranks)`` on one node."""
+        """``(num_rdma_ranks, num_nvlink_ranks)``: the nodes and the ranks of each (``(1, num_ranks)`` on one node)."""
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
     def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, num_ranks)`` on one node."""
+        """``(num_scaleout_ranks, num_scaleup_ranks)``: as :meth:`get_physical_domain_size` (cuep forwards between
+        nodes in V2's hybrid way, so its logical domains are the physical ones)."""
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
@@ -250,7 +288,7 @@ class ElasticBuffer:
         Arguments:
             num_experts, num_topk: the routing.
             num_scaleout_topk: must be 0 (as V2's).
-            rdma_gbs: accepted (one node).
+            rdma_gbs: accepted (the count follows the NVLink traffic, across nodes too).
             nvlink_gbs: NVLink GB/s; 0: :data:`NVLINK_GBS` for this GPU.
             sm_read_gbs, sm_write_gbs: what one SM reads and writes of HBM, GB/s.
         """
@@ -365,8 +403,10 @@ class ElasticBuffer:
             raise ValueError(f"{call}: num_experts is required without a handle")
         _checks.check_num_experts(call, num_experts, self.num_ranks)
         num_local_experts = num_experts // self.num_ranks
-        if num_local_experts > kernels.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"{call}: {num_local_experts} experts per rank; at most {kernels.MAX_LOCAL_EXPERTS}")
+        max_local_experts = internode.MAX_LOCAL_EXPERTS if self._across_nodes else kernels.MAX_LOCAL_EXPERTS
+        if num_local_experts > max_local_experts:
+            raise ValueError(f"{call}: {num_local_experts} experts per rank; at most {max_local_experts}"
+                             f"{' across nodes' if self._across_nodes else ''}")
         expert_alignment = _checks.check_expert_alignment(call, expert_alignment)
         xs, scales = _checks.tokens(call, x)
         num_tokens = xs.shape[0]
@@ -394,6 +434,7 @@ class ElasticBuffer:
         else:
             topk_idx_kept = topk_idx
         ctx = self._resources.normal_ready(call)
+        across_nodes = self._across_nodes
         front, num_ranks = self._front, self.num_ranks
         # A cached dispatch repeats its handle's routing (with the handle's top-k ids, which it sends again) into
         # as many rows as the handle's dispatch returned, without a CPU wait.
@@ -404,12 +445,22 @@ class ElasticBuffer:
             if topk_idx_kept is None:
                 topk_idx_kept = front.empty(topk_idx.shape, np.int64)
                 _copy(topk_idx_kept, topk_idx, stream)
-            regions, nbytes = _layout_outputs(num_ranks, 1, num_experts, num_tokens)
-            per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
-            self._resources.layout.launch(stream, topk_idx, num_experts, per_expert, per_rank, None, in_rank)
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = intranode.dispatch(
-                ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts, None,
-                expert_alignment, num_worst, num_sms, known_rows=handle._dispatch.num_rows if cached else None)
+            in_rank = per_expert = None
+            if not (cached and across_nodes):  # the internode mode's cached dispatch keeps its handle's routing
+                regions, nbytes = _layout_outputs(num_ranks, self.num_scaleout_ranks, num_experts, num_tokens)
+                per_rank, per_expert, in_rank, *per_node = front.readable_views(front.storage(nbytes, regions[0].dtype),
+                                                                                regions)
+                self._resources.layout.launch(stream, topk_idx, num_experts, per_expert, per_rank,
+                                              per_node[0] if per_node else None, in_rank)
+            if across_nodes:
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = internode.dispatch(
+                    ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts,
+                    handle._dispatch if cached else None, expert_alignment, num_worst, num_sms,
+                    self._dispatch_chunk_tokens)
+            else:
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = intranode.dispatch(
+                    ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts, None,
+                    expert_alignment, num_worst, num_sms, known_rows=handle._dispatch.num_rows if cached else None)
             capacity, chunk_starts = dispatch.num_rows, None
             if cached:
                 out = handle
@@ -418,6 +469,9 @@ class ElasticBuffer:
                     stream, dispatch, recv_topk_idx, num_topk, num_local_experts, num_max_tokens_per_rank,
                     expert_alignment, do_expand, stats, do_cpu_sync, per_expert_list, num_experts, num_sms,
                     topk_idx_kept)
+                if across_nodes:  # combine's order: which lanes each received row holds (a copy: the caller may
+                    out._recv_topk_idx = front.empty(recv_topk_idx.shape, np.int64)  # change the returned ids)
+                    _copy(out._recv_topk_idx, recv_topk_idx, stream)
             compact = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights)
             if do_expand:
                 recv_x, recv_scales, recv_topk_weights = self._expand(
@@ -493,18 +547,25 @@ class ElasticBuffer:
                 compact_x = self._front.empty((dispatch.num_rows, xs.shape[1]), xs.dtype)
                 compact_weights = self._front.empty((dispatch.num_rows, num_topk), np.float32) \
                     if topk_weights is not None else None
-                args = kernels.ReduceArgs(num_rows=dispatch.recv_info.data.ptr, capacity=dispatch.num_rows,
+                args = kernels.ReduceArgs(num_rows=_received(dispatch)[0], capacity=dispatch.num_rows,
                                           num_topk=num_topk, metadata=handle.recv_src_metadata.data.ptr,
                                           x=xs.data.ptr, row_bytes=xs.shape[1] * xs.itemsize,
                                           weights=_ptr(topk_weights), out_x=compact_x.data.ptr,
                                           out_weights=_ptr(compact_weights))
                 kernels.reduce(self._library, stream, args, self._device_sms)
-            combined_x, combined_weights = intranode.combine(ctx, stream, compact_x, dispatch, compact_weights,
-                                                             biases[0], biases[1], num_sms, topk_idx, num_local_experts)
+            if self._across_nodes:
+                combined_x, combined_weights = internode.combine(
+                    ctx, stream, compact_x, dispatch, compact_weights, biases[0], biases[1], num_sms,
+                    self._combine_chunk_tokens, order=(handle._recv_topk_idx, topk_idx, num_local_experts))
+            else:
+                combined_x, combined_weights = intranode.combine(ctx, stream, compact_x, dispatch, compact_weights,
+                                                                 biases[0], biases[1], num_sms, topk_idx,
+                                                                 num_local_experts)
             # What the stream still reads after this call returns: the inputs, the handle's arrays (a caller may
             # drop the handle right after an async combine) and the compact rows of an expanded one.
             return (combined_x, combined_weights), (xs, topk_weights, *biases, topk_idx, dispatch,
-                                                    handle.recv_src_metadata, compact_x, compact_weights)
+                                                    handle.recv_src_metadata, handle._recv_topk_idx, compact_x,
+                                                    compact_weights)
 
         outputs, event = self._buffer._streams.run(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                                    enqueue)
@@ -524,21 +585,17 @@ class ElasticBuffer:
         chunk_counts = front.empty((chunks, num_local_experts), np.int32)
         num_unaligned = front.empty((num_local_experts,), np.int32)
         psum = front.empty((num_local_experts,), np.int32)
-        recv_info = dispatch.recv_info.data.ptr
+        num_rows, rank_prefix = _received(dispatch)
+        per_local_psum = front.empty((self.num_scaleup_ranks,), np.int32)
         args = kernels.RowsArgs(recv_topk_idx=recv_topk_idx.data.ptr, recv_src_idx=dispatch.recv_src_idx.data.ptr,
-                                num_rows=recv_info,
-                                rank_prefix=recv_info + intranode.RECV_INFO_RANK_PREFIX * 4, capacity=capacity,
-                                num_topk=num_topk, num_local_experts=num_local_experts, num_ranks=num_ranks,
-                                num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
-                                num_chunks=chunks, expand=int(do_expand), chunk_counts=chunk_counts.data.ptr,
-                                metadata=metadata.data.ptr, num_unaligned=num_unaligned.data.ptr, psum=psum.data.ptr,
-                                stats=_ptr(stats))
+                                num_rows=num_rows, rank_prefix=rank_prefix, capacity=capacity, num_topk=num_topk,
+                                num_local_experts=num_local_experts, num_ranks=num_ranks,
+                                ranks_per_node=self.num_scaleup_ranks, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                                expert_alignment=expert_alignment, num_chunks=chunks, expand=int(do_expand),
+                                chunk_counts=chunk_counts.data.ptr, metadata=metadata.data.ptr,
+                                num_unaligned=num_unaligned.data.ptr, psum=psum.data.ptr,
+                                psum_local=per_local_psum.data.ptr, stats=_ptr(stats))
         kernels.count_and_scan(self._library, stream, args)
-        # The inclusive prefix of the rows from each rank: rank_prefix[1:] of the dispatch's recv_info.
-        per_rank_psum = front.empty((num_ranks,), np.int32)
-        _deps.cupy().cuda.runtime.memcpyAsync(per_rank_psum.data.ptr,
-                                              recv_info + (intranode.RECV_INFO_RANK_PREFIX + 1) * 4, num_ranks * 4,
-                                              _deps.cupy().cuda.runtime.memcpyDeviceToDevice, stream.ptr)
         if do_cpu_sync:
             expanded_rows = sum(per_expert_list)
             num_recv, num_expanded = dispatch.num_recv_tokens, expanded_rows
@@ -547,7 +604,7 @@ class ElasticBuffer:
                                      + (expert_alignment - 1) * num_local_experts, expert_alignment)
             num_recv, num_expanded, per_expert_list = capacity, expanded_rows, []
         handle = EPHandle(self, dispatch, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms,
-                          topk_idx, num_recv, num_expanded if do_expand else num_recv, per_expert_list, per_rank_psum,
+                          topk_idx, num_recv, num_expanded if do_expand else num_recv, per_expert_list, per_local_psum,
                           psum, num_unaligned, metadata)
         handle._expanded_rows = expanded_rows
         return handle, chunk_counts
@@ -572,7 +629,7 @@ class ElasticBuffer:
                 out_scales = front.empty((rows, num_scales), recv_scales.dtype)
                 scale_ptr, strides = out_scales.data.ptr, (num_scales, 1)
         dispatch = handle._dispatch
-        args = kernels.PlaceArgs(num_rows=dispatch.recv_info.data.ptr, capacity=capacity, num_topk=num_topk,
+        args = kernels.PlaceArgs(num_rows=_received(dispatch)[0], capacity=capacity, num_topk=num_topk,
                                  num_local_experts=handle.num_experts // self.num_ranks,
                                  expert_alignment=handle.expert_alignment, num_chunks=kernels.num_chunks(capacity),
                                  chunk_starts=_ptr(chunk_starts), num_unaligned=_ptr(handle.num_unaligned_recv_tokens_per_expert),
@@ -618,11 +675,44 @@ class ElasticBuffer:
                              f"(num_allocated_qps)")
 
 
+def split_bytes(num_bytes: int, ranks_per_node: int, num_nodes: int, hidden: int = 0,
+                num_topk: int = MAX_TOPK_HINT) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` of an ElasticBuffer of ``num_bytes``: all NVLink on one node; across
+    nodes, in the proportion a round of tokens needs: the combine's copies from every rank of the node for each
+    source node in the NVL buffer, a send and a receive partition per node in the RDMA buffer (rows of
+    ``hidden``, or ``ranks_per_node`` to 2 when it is 0)."""
+    if num_nodes <= 1:
+        return num_bytes, 0
+    nvl_share, rdma_share = ranks_per_node, 2
+    if hidden:
+        combine_row = internode.combine_row_bytes(hidden, num_topk)
+        nvl_share = ranks_per_node * combine_row
+        rdma_share = 2 * max(internode.dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
+    # Each buffer's fixed part first (flags and count messages; partitions are page-aligned), then the rows.
+    num_ranks = ranks_per_node * num_nodes
+    rdma_fixed = internode.rdma_bytes_for(0, num_ranks, num_nodes) + 2 * num_nodes * REGION_ALIGN
+    nvl_fixed = internode.nvl_bytes_for(0, 0)
+    rows = max(0, num_bytes - rdma_fixed - nvl_fixed)
+    rdma = min(num_bytes, align_up(rdma_fixed + rows * rdma_share // (nvl_share + rdma_share), REGION_ALIGN))
+    return num_bytes - rdma, rdma
+
+
 def _group_size(group) -> int:
     """Ranks of an ``mpi4py`` communicator (``None``: ``MPI.COMM_WORLD``) or a ``torch.distributed`` group."""
     if group is None:
         group = _deps.mpi().COMM_WORLD
     return group.Get_size() if hasattr(group, "Get_size") else group.size()
+
+
+def _received(dispatch: intranode.Handle | internode.Handle) -> tuple[int, int]:
+    """Device addresses of a dispatch's received row count (int32) and its rows' prefix over source ranks
+    (int32 `[num_ranks + 1]`), written by the dispatch."""
+    if isinstance(dispatch, internode.Handle):
+        plan = dispatch.plan.data.ptr
+        layout = internode.PlanLayout.create(dispatch.num_ranks, dispatch.node_pos.shape[1], dispatch.num_local_experts)
+        return plan + layout.NUM_RECV * 4, plan + layout.recv_prefix * 4
+    recv_info = dispatch.recv_info.data.ptr
+    return recv_info, recv_info + intranode.RECV_INFO_RANK_PREFIX * 4
 
 
 def _ptr(array: Any) -> int:
@@ -635,4 +725,4 @@ def _copy(dst, src, stream) -> None:
     runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.size * src.itemsize, runtime.memcpyDeviceToDevice, stream.ptr)
 
 
-__all__ = ["BUFFER_ALIGNMENT", "EPHandle", "ElasticBuffer"]
+__all__ = ["BUFFER_ALIGNMENT", "EPHandle", "ElasticBuffer", "split_bytes"]

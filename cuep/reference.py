@@ -182,13 +182,18 @@ def elastic_layout(result: DispatchResult, num_max_tokens_per_rank: int, num_loc
 
 
 def elastic_combine(contributions: list[np.ndarray], topk_idxs: list[np.ndarray], num_experts: int,
-                    biases: list | None = None) -> list[np.ndarray]:
+                    biases: list | None = None, ranks_per_node: int | None = None) -> list[np.ndarray]:
     """DeepEP V2's combine, bit for bit: for each source token, FP32 from its biases (``biases[s]``: rank ``s``'s
     tuple of up to two BF16 arrays, or ``None``), plus each holder rank's row in the order of that rank's highest
     top-k lane, rounded to BF16 once. ``contributions[s]``: `[num_tokens_s, num_ranks, hidden]` BF16, the row each
-    rank sends back for each of rank ``s``'s tokens (read only where the token went). Returns BF16 results."""
+    rank sends back for each of rank ``s``'s tokens (read only where the token went). Returns BF16 results.
+
+    With ``ranks_per_node`` less than the ranks (V2's hybrid order, across nodes): each node's holder rows are
+    first summed in FP32 in the order of each rank's highest lane and rounded to BF16, and those node partials
+    take the place of the rows, in the order of each node's highest lane."""
     num_ranks = len(topk_idxs)
     per_rank = num_experts // num_ranks
+    per_node = ranks_per_node or num_ranks
     results = []
     for s, topk in enumerate(topk_idxs):
         topk = np.asarray(topk)
@@ -198,9 +203,20 @@ def elastic_combine(contributions: list[np.ndarray], topk_idxs: list[np.ndarray]
             out += b.astype(np.float32)
         for t in range(topk.shape[0]):
             holders = [int(e) // per_rank if e >= 0 else -1 for e in topk[t]]
-            for k, h in enumerate(holders):
-                if h >= 0 and h not in holders[k + 1:]:  # the holder's highest lane
+            represented = [h for k, h in enumerate(holders) if h >= 0 and h not in holders[k + 1:]]  # highest lanes
+            if per_node == num_ranks:
+                for h in represented:
                     out[t] += rows[t, h].astype(np.float32)
+                continue
+            nodes = [h // per_node for h in represented]
+            for i, node in enumerate(nodes):
+                if node in nodes[i + 1:]:
+                    continue  # the node's highest lane is that of its last represented rank
+                partial = np.zeros(rows.shape[2], dtype=np.float32)
+                for h in represented:
+                    if h // per_node == node:
+                        partial += rows[t, h].astype(np.float32)
+                out[t] += partial.astype(rows.dtype).astype(np.float32)
         results.append(out.astype(rows.dtype))
     return results
 

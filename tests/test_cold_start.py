@@ -28,9 +28,11 @@ def test_a_buffer_compiles_only_the_families_it_uses(nvl, rdma, families):
     assert all(spec == FAMILIES[family].spec("sm_90") for family, spec in specs.items())
 
 
-def test_only_an_elastic_buffer_adds_the_elastic_family_on_one_node():
+def test_only_an_elastic_buffer_adds_the_elastic_family():
     assert list(buffer_specs("sm_90", 1 << 20, 0, elastic=True)) == ["layout", "barrier", "intranode", "elastic"]
-    assert "elastic" not in buffer_specs("sm_90", 1 << 20, 1 << 20, internode=True, elastic=True)
+    assert list(buffer_specs("sm_90", 1 << 20, 0, internode=True, elastic=True)) == [
+        "layout", "barrier", "elastic", "internode"]
+    assert "elastic" not in buffer_specs("sm_90", 1 << 20, 0, internode=True)
 
 
 def test_nvshmem_families_leave_the_collective_headers_out():

@@ -14,8 +14,8 @@ def test_rows_hold_their_parts_in_whole_vectors():
     assert internode.dispatch_row_bytes(14336, 0, 8, 8) == 14480
     # FP8 7168 with 56 scales, top-8, 2 ranks per node: 7168 + 224 + 64 + 4 + 2 * 8 = 7476 -> 7488
     assert internode.dispatch_row_bytes(7168, 56, 8, 2) == 7488
-    assert internode.combine_row_bytes(7168, 8) == 14368
-    assert internode.combine_row_bytes(7168, 0) == 14336
+    assert internode.combine_row_bytes(7168, 8) == 14384
+    assert internode.combine_row_bytes(7168, 0) == 14352
     for size in (internode.dispatch_row_bytes(2 * 384, 0, 3, 3), internode.combine_row_bytes(384, 3)):
         assert size % internode.ROW_ALIGN == 0
 

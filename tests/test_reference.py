@@ -179,3 +179,25 @@ def test_elastic_combine_adds_biases_first_then_holders_by_their_highest_lane():
     # On the expert's rank, a token's rows in lane order: 2^24 + 1 - 2^24 = 0 in FP32.
     summed = reference.lane_order_sum(np.array([[[2.0 ** 24], [1.0], [-(2.0 ** 24)]]], bf16))
     assert summed[0, 0] == bf16(0.0)
+
+
+def test_elastic_combine_across_nodes_rounds_each_node_partial_once():
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    # Four ranks, two a node, one expert each; one token of rank 0 with lanes on ranks 1, 0, 3 (highest lanes 0, 1,
+    # 2): node 0 sums ranks 1 then 0, node 1 has rank 3; the source adds node 0's partial, then node 1's.
+    topk = [np.array([[1, 0, 3]])] + [np.zeros((0, 3), np.int64)] * 3
+    rows = np.zeros((1, 4, 1), bf16)
+    rows[0, 1, 0], rows[0, 0, 0], rows[0, 3, 0] = 256.0, 1.0, -256.0
+    empty = [np.zeros((0, 4, 1), bf16)] * 3
+    hybrid = reference.elastic_combine([rows] + empty, topk, 4, ranks_per_node=2)
+    # Node 0's partial 257 rounds to 256 in BF16 (8 significant bits), so the result is 0; summed flat it is 1.
+    assert hybrid[0][0, 0] == bf16(0.0)
+    assert reference.elastic_combine([rows] + empty, topk, 4)[0][0, 0] == bf16(1.0)
+    # The order between nodes follows each node's highest lane: node 1's rank 3 holds lane 0 here.
+    topk = [np.array([[3, 0, 1]])] + [np.zeros((0, 3), np.int64)] * 3
+    rows[0, 3, 0], rows[0, 0, 0], rows[0, 1, 0] = -(2.0 ** 24), 1.0, 0.0
+    bias = (np.full((1, 1), 2.0 ** 24, bf16),)
+    got = reference.elastic_combine([rows] + empty, topk, 4, [bias, None, None, None], ranks_per_node=2)
+    # The bias, node 1 (lane 0), node 0 (lanes 1, 2): 2^24 - 2^24 + 1 = 1; node 0 first would lose the 1 in FP32.
+    assert got[0][0, 0] == bf16(1.0)

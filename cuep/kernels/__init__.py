@@ -24,15 +24,15 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
 
     The layout and barrier kernels serve every Buffer; the normal-mode family needs an NVLink buffer
     (``num_nvl_bytes > 0``): the internode family when the ranks span several nodes (``internode``),
-    the intranode family otherwise, and with it, for an ``ElasticBuffer`` (``elastic``), the elastic family
-    (DeepEP V2's layouts on the intranode rows); the low-latency family needs a low-latency region
+    the intranode family otherwise, and with either, for an ``ElasticBuffer`` (``elastic``), the elastic family
+    (DeepEP V2's layouts on the normal mode's rows); the low-latency family needs a low-latency region
     (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer).
     Compiling only these keeps a cold start to what the Buffer can use. ``across_hosts`` (ranks on
     several physical hosts) picks the network families' build that links NVSHMEM's transfer code
     (IBGDA included); on one host they inline NVSHMEM whole (``cuda_src/cuep/network.cuh``).
     """
     wanted = {"layout": True, "barrier": True, "intranode": num_nvl_bytes > 0 and not internode,
-              "elastic": elastic and num_nvl_bytes > 0 and not internode, "internode": num_nvl_bytes > 0 and internode,
+              "elastic": elastic and num_nvl_bytes > 0, "internode": num_nvl_bytes > 0 and internode,
               "low_latency": num_rdma_bytes > 0}
     options = {"across_hosts": across_hosts}
     return {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))

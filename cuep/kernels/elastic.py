@@ -38,9 +38,9 @@ class RowsArgs(KernelArgs):
     entries = ("cuep::elastic::count_rows", "cuep::elastic::scan_counts")
     _fields_ = [("recv_topk_idx", _ptr), ("recv_src_idx", _ptr), ("num_rows", _ptr), ("rank_prefix", _ptr),
                 ("capacity", _i32), ("num_topk", _i32), ("num_local_experts", _i32), ("num_ranks", _i32),
-                ("num_max_tokens_per_rank", _i32), ("expert_alignment", _i32), ("num_chunks", _i32),
-                ("expand", _i32), ("chunk_counts", _ptr), ("metadata", _ptr), ("num_unaligned", _ptr),
-                ("psum", _ptr), ("stats", _ptr)]
+                ("ranks_per_node", _i32), ("num_max_tokens_per_rank", _i32), ("expert_alignment", _i32),
+                ("num_chunks", _i32), ("expand", _i32), ("chunk_counts", _ptr), ("metadata", _ptr),
+                ("num_unaligned", _ptr), ("psum", _ptr), ("psum_local", _ptr), ("stats", _ptr)]
 
 
 class PlaceArgs(KernelArgs):

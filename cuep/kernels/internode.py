@@ -189,7 +189,8 @@ class PushArgs(KernelArgs):
     entry = "cuep::internode::push"
     _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
                 ("plan_layout", PlanLayout), ("recv_src_idx", _ptr), ("num_rows", _i32), ("x", _ptr), ("hidden_bytes", _i64),
-                ("topk_weights", _ptr), ("num_topk", _i32), ("landing_row_bytes", _i64), ("round", Round),
+                ("topk_weights", _ptr), ("num_topk", _i32), ("order_topk_idx", _ptr), ("landing_row_bytes", _i64),
+                ("round", Round),
                 ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
@@ -201,7 +202,8 @@ class ForwardArgs(KernelArgs):
     entry = "cuep::internode::forward"
     _fields_ = [("nvl", _ptr), ("node_nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
-                ("forward_src", _ptr), ("hidden_bytes", _i64), ("num_topk", _i32), ("landing_row_bytes", _i64),
+                ("forward_src", _ptr), ("hidden_bytes", _i64), ("num_topk", _i32), ("ordered", _i32),
+                ("landing_row_bytes", _i64),
                 ("row_bytes", _i64), ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
                 ("status", Status), ("timeout_ns", _u64)]
 
@@ -213,7 +215,8 @@ class ReduceArgs(KernelArgs):
     entry = "cuep::internode::combine"
     _fields_ = [("rdma", _ptr), ("layout", RdmaLayout), ("topo", Topology), ("node_pos", _ptr),
                 ("prefix", UnitPrefix), ("num_tokens", _i32), ("hidden_bytes", _i64), ("num_topk", _i32),
-                ("row_bytes", _i64), ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("combined_x", _ptr),
+                ("row_bytes", _i64), ("chunk_rows", _i32), ("bias0", _ptr), ("bias1", _ptr), ("order_topk_idx", _ptr),
+                ("experts_per_node", _i32), ("combined_x", _ptr),
                 ("combined_topk_weights", _ptr), ("round", Round), ("state", _ptr), ("status", Status),
                 ("timeout_ns", _u64)]
 

@@ -63,9 +63,9 @@ def dispatch_row_bytes(hidden_bytes: int, num_scales: int, num_topk: int, ranks_
 
 
 def combine_row_bytes(hidden: int, num_topk: int) -> int:
-    """One combine row (a pushed copy, or a node's partial on the wire): BF16 hidden, then the top-k
-    weights (float32)."""
-    return align_up(2 * hidden + 4 * num_topk, ROW_ALIGN)
+    """One combine row (a pushed copy, or a node's partial on the wire): BF16 hidden, the top-k weights
+    (float32), then a tag (int32: the pushing rank's highest top-k lane, for DeepEP V2's order)."""
+    return align_up(2 * hidden + 4 * num_topk + 4, ROW_ALIGN)
 
 
 def _control_bytes(num_ranks: int, num_nodes: int) -> int:
@@ -153,6 +153,8 @@ class PlanLayout:
     forward_prefix: int
     words: int
 
+    #: plan[NUM_RECV]: the rows this rank receives (kPlanNumRecv in ``internode.cu``).
+    NUM_RECV: ClassVar[int] = 0
     #: plan[MAX_TOKENS]: the largest token count of any rank, which sets the call's rounds.
     MAX_TOKENS: ClassVar[int] = PLAN_MAX_TOKENS
 
@@ -475,7 +477,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         else:
             plan_host = _interop.read_on_host(plan, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
-            num_recv = num_rows = int(plan_host[0])
+            num_recv = num_rows = int(plan_host[PlanLayout.NUM_RECV])
             forward_capacity = int(plan_host[1])
             num_rounds = _rounds(int(plan_host[PlanLayout.MAX_TOKENS]), round_tokens)
             per_expert = plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts].tolist()
@@ -506,7 +508,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         launch(ctx.library, send.entry, stream, grid, NUM_THREADS, send)
         launch(ctx.library, pull.entry, stream, grid, NUM_THREADS, pull)
     if cached:
-        return recv_x, recv_scales, None, None, [], handle
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, [], handle
     # DeepEP's recv_gbl_rank_prefix_sum: the plan's row prefix over source ranks, without its leading 0.
     recv_gbl_rank_prefix_sum = front.view(plan.data, (R,), np.int32, (plan_layout.recv_prefix + 1) * 4)
     handle = Handle(num_tokens=num_tokens, num_rows=num_rows, num_recv_tokens=num_recv,
@@ -518,11 +520,15 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle
 
 
-def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int, chunk_tokens: int):
+def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1, num_sms: int, chunk_tokens: int,
+            order: tuple[Any, Any, int] | None = None):
     """Enqueue an internode combine on ``stream`` (outputs are allocated on the current stream), in its
     dispatch's rounds.
 
-    Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (see :func:`dispatch`).
+    Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (see :func:`dispatch`) and
+    ``order``: ``None`` for DeepEP V1's sums, or ``(recv_topk_idx, topk_idx, experts_per_rank)`` for
+    DeepEP V2's hybrid order (the dispatch's received local ids `[num_rows, num_topk]` and sent global ids
+    `[num_tokens, num_topk]`, both `int64`; the order of the sums is described in ``internode.cu``).
 
     Returns:
         ``(combined_x, combined_topk_weights)``.
@@ -531,6 +537,9 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     L, N, R = t.ranks_per_node, t.num_nodes, t.num_ranks
     hidden = x.shape[1]
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+    order_recv_topk_idx, order_topk_idx, experts_per_rank = order if order is not None else (None, None, 0)
+    if order is not None:
+        num_topk = order_topk_idx.shape[1]  # the rows carry a weight per lane, and their tag after them
     row_bytes = combine_row_bytes(hidden, num_topk)
     round_tokens = handle.round_tokens
     if (ctx.partition_rows(row_bytes) < round_tokens
@@ -542,26 +551,28 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
-    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if num_topk else None
+    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if topk_weights is not None else None
 
     ctx.barrier(stream)
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
                             plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(),
                             recv_src_idx=handle.recv_src_idx.data.ptr, num_rows=handle.num_rows, x=x.data.ptr,
                             hidden_bytes=hidden * x.itemsize,
-                            topk_weights=_ptr(topk_weights), num_topk=num_topk, landing_row_bytes=row_bytes,
+                            topk_weights=_ptr(topk_weights), num_topk=num_topk,
+                            order_topk_idx=_ptr(order_recv_topk_idx), landing_row_bytes=row_bytes,
                             state=state, status=status, timeout_ns=ctx.timeout_ns)
     forward = kernels.ForwardArgs(
         nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
         forward_src=handle.forward_src.data.ptr, hidden_bytes=hidden * x.itemsize, num_topk=num_topk,
-        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr,
+        ordered=int(order is not None), landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr,
         status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
         rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,
         prefix=kernels.UnitPrefix(counts=handle.unit_prefix.data.ptr, units=handle.unit_prefix.shape[0] - 1),
         num_tokens=handle.num_tokens, hidden_bytes=hidden * x.itemsize, num_topk=num_topk, row_bytes=row_bytes,
-        chunk_rows=chunk, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data.ptr,
+        chunk_rows=chunk, bias0=_ptr(bias0), bias1=_ptr(bias1), order_topk_idx=_ptr(order_topk_idx),
+        experts_per_node=experts_per_rank * L, combined_x=combined_x.data.ptr,
         combined_topk_weights=_ptr(combined_weights), state=state, status=status, timeout_ns=ctx.timeout_ns)
     for index in range(handle.num_rounds):
         push.round = forward.round = reduce.round = kernels.Round(index=index, count=handle.num_rounds,

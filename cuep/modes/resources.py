@@ -71,7 +71,7 @@ class Resources:
         self.status = StatusWords()
         self.layout = layout_kernel.LayoutLaunches(libraries["layout"], self.num_ranks, self.topology.num_nodes,
                                                    self.status)
-        self.elastic_library = libraries.get("elastic")  # an ElasticBuffer's: DeepEP V2's layouts, on one node
+        self.elastic_library = libraries.get("elastic")  # an ElasticBuffer's: DeepEP V2's layouts
         self._barrier_epoch = cupy.zeros(1, dtype=cupy.uint64)
         self._barrier_launches: dict[float, Launch] = {}
         self.memory = SymmetricMemory(self.regions)

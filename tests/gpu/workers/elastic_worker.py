@@ -1,8 +1,10 @@
-"""GPU worker for ``cuep.ElasticBuffer`` (DeepEP V2's API) against cuep.reference, under mpirun on one node.
+"""GPU worker for ``cuep.ElasticBuffer`` (DeepEP V2's API) against cuep.reference, under mpirun: on one node,
+or across nodes (``CUEP_RANKS_PER_NODE`` makes virtual ones on one host).
 
 Every rank rebuilds every rank's inputs from one seed (``common.SeededInputs``), so it knows what it must
 receive and what its tokens must combine to. Moved data, metadata and prefix sums are compared exactly;
-combined sums bit for bit against ``reference.elastic_combine`` (V2's summation order).
+combined sums bit for bit against ``reference.elastic_combine`` (V2's summation order; across nodes, its
+hybrid order).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ EXPERTS = 16 * num_ranks
 LOCAL_EXPERTS = EXPERTS // num_ranks
 MAX_TOKENS = 600
 all_inputs = SeededInputs(SEED, num_ranks)
+RANKS_PER_NODE = num_ranks  # set in main() from the buffer's topology
 
 
 def odd_tokens(s: int) -> int:
@@ -62,7 +65,9 @@ def check_layouts(inputs, alignment: int, compact, expanded, exact: bool = True)
     metadata = handle.recv_src_metadata.get()[:n]
     np.testing.assert_array_equal(metadata[:, 0], layout.src_global)
     np.testing.assert_array_equal(metadata[:, 2:], -1)
-    np.testing.assert_array_equal(handle.psum_num_recv_tokens_per_scaleup_rank.get()[-1], n)
+    # Rows from the ranks of each local index (on every node), prefix-summed.
+    from_rank = np.bincount(want.recv_src[:, 0], minlength=num_ranks).reshape(-1, RANKS_PER_NODE)
+    np.testing.assert_array_equal(handle.psum_num_recv_tokens_per_scaleup_rank.get(), np.cumsum(from_rank.sum(0)))
     np.testing.assert_array_equal(handle.psum_num_recv_tokens_per_expert.get(), layout.psum_per_expert_compact)
     if exact:
         assert handle.num_recv_tokens_per_expert_list == want.num_recv_tokens_per_expert
@@ -111,13 +116,13 @@ def combine_and_check(buffer, inputs, want, layout, handle, ex_handle, key: int,
     y[:n] = expert_rows(key, n, hidden, rank)
     recv_w = cupy.asarray(np.pad(want.recv_topk_weights, ((0, handle.num_rows - n), (0, 0))))
     combined, weights, _ = buffer.combine(cupy.asarray(y), handle, topk_weights=recv_w, bias=bias)
-    want_compact = reference.elastic_combine(compact_from, inputs.topk_idxs, EXPERTS, own_biases)[rank]
+    want_compact = reference.elastic_combine(compact_from, inputs.topk_idxs, EXPERTS, own_biases, RANKS_PER_NODE)[rank]
     np.testing.assert_array_equal(bits(combined.get()), bits(want_compact))
     np.testing.assert_array_equal(weights.get(), np.where(topk >= 0, mine.topk_weights, 0))
     ey = expert_rows(key + 1, ex_handle.num_rows, hidden, rank)
     ex_w = np.random.default_rng([SEED, key, rank]).random(ex_handle.num_rows, dtype=np.float32)
     combined, weights, _ = buffer.combine(cupy.asarray(ey), ex_handle, topk_weights=cupy.asarray(ex_w), bias=bias)
-    want_expand = reference.elastic_combine(expand_from, inputs.topk_idxs, EXPERTS, own_biases)[rank]
+    want_expand = reference.elastic_combine(expand_from, inputs.topk_idxs, EXPERTS, own_biases, RANKS_PER_NODE)[rank]
     np.testing.assert_array_equal(bits(combined.get()), bits(want_expand))
     np.testing.assert_array_equal(weights.get(), want_weights)
 
@@ -174,6 +179,9 @@ def dst_buffer_slots_name_the_rows_received(buffer):
     inputs = all_inputs(odd_tokens, 512, EXPERTS, 8, masked=0.2)
     _, _, _, handle, _ = dispatch(buffer, inputs, False)
     everyone = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS)
+    if RANKS_PER_NODE < num_ranks:
+        forwarded_rows_name_their_places(handle, inputs, everyone)
+        return
     slots = handle.dst_buffer_slot_idx.get()
     topk = inputs[rank].topk_idx
     for t, k in zip(*np.nonzero(topk >= 0)):
@@ -182,6 +190,23 @@ def dst_buffer_slots_name_the_rows_received(buffer):
         row = np.nonzero((source_rows[:, 0] == rank) & (source_rows[:, 1] == t))[0]
         assert slots[t, k] == row[0], (t, k, slots[t, k], row)
     assert (slots[topk < 0] == -1).all()
+
+
+def forwarded_rows_name_their_places(handle, inputs, everyone):
+    """Across nodes (V2's hybrid mode) dst_buffer_slot_idx is the forwarders' record: for each row this rank
+    forwarded to its node (by source node, then token; every source on this rank's rail), the row's place
+    among the rows each local rank received from its source, -1 where it received none."""
+    node, local = divmod(rank, RANKS_PER_NODE)
+    node_ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
+    want_src, want_places = [], []
+    for source in range(local, num_ranks, RANKS_PER_NODE):
+        received = [everyone[q].recv_src for q in node_ranks]
+        sent = [r[r[:, 0] == source, 1] for r in received]  # the tokens each local rank got from this source
+        for t in np.unique(np.concatenate(sent)).tolist():
+            want_src.append(t)
+            want_places.append([int(np.searchsorted(tokens, t)) if t in tokens else -1 for tokens in sent])
+    np.testing.assert_array_equal(handle.token_metadata_at_forward.get(), want_src)
+    np.testing.assert_array_equal(handle.dst_buffer_slot_idx.get(), np.array(want_places).reshape(-1, RANKS_PER_NODE))
 
 
 def bad_arguments_raise_before_any_kernel(buffer):
@@ -198,8 +223,11 @@ def bad_arguments_raise_before_any_kernel(buffer):
 
 
 def main() -> None:
+    global RANKS_PER_NODE
     buffer = cuep.ElasticBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=7168, explicitly_destroy=True)
     assert buffer.num_bytes == cuep.ElasticBuffer.get_buffer_size_hint(comm, MAX_TOKENS, 7168)
+    RANKS_PER_NODE = buffer.num_scaleup_ranks
+    assert buffer.get_logical_domain_size() == (num_ranks // RANKS_PER_NODE, RANKS_PER_NODE)
     cases = [
         ("BF16 compact and expanded layouts, combines bit for bit with 0, 1 and 2 biases", bf16_layouts_and_combines),
         ("FP8, column-major scales, cached dispatches, zero padding",
@@ -212,7 +240,8 @@ def main() -> None:
                                    lambda named: named[1].func.__name__))
     buffer.destroy()
     if rank == 0:
-        print(f"elastic worker passed on {num_ranks} ranks", flush=True)
+        nodes = "one node" if RANKS_PER_NODE == num_ranks else f"{num_ranks // RANKS_PER_NODE} nodes"
+        print(f"elastic worker passed on {num_ranks} ranks ({nodes})", flush=True)
 
 
 if __name__ == "__main__":
