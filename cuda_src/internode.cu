@@ -780,10 +780,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
     if (args.round.index == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
         if (num_recv > num_rows)
             args.status.record(kStatusOverflow, num_recv);
-        // Every rank sees the same largest batch: a one-round dispatch (num_worst_tokens) that it does not fit
-        // is reported on every rank, and every rank's call still ends, so their calls stay numbered alike.
+        // Every rank sees the same largest batch: a dispatch whose rounds were set without it (num_worst_tokens)
+        // and do not fit it is reported on every rank, and every rank's call still ends, so their calls stay
+        // numbered alike.
         const int max_tokens = args.plan[kPlanMaxTokens];
-        if (args.round.count == 1 && max_tokens > args.round.tokens)
+        if (max_tokens > static_cast<int64_t>(args.round.count) * args.round.tokens)
             args.status.record(kStatusRoundTokens, max_tokens);
     }
     const RowShape shape(args.hidden_bytes, args.num_scales, args.num_topk, L);

@@ -47,6 +47,8 @@ NVLINK_GBS = {70: 150.0 * 0.9, 80: 300.0 * 0.9, 90: 478.125 * 0.9, 100: 900.0 * 
 #: The minimum SM count V2 takes when the calls are not overlapped with computation.
 NO_OVERLAP_MIN_SMS = 64
 MAX_ALLOCATED_QPS = {True: 129, False: 17}  # V2's default QP allocation, hybrid mode or not
+#: The hidden size whose rows split a buffer across nodes when the constructor is not given one.
+SPLIT_HIDDEN = 7168
 
 _OUT_OF_SCOPE = ("engram_write", "engram_fetch", "get_engram_storage_size_hint", "pp_set_config", "pp_send",
                  "pp_recv", "get_pp_buffer_size_hint", "create_agrs_session", "destroy_agrs_session",
@@ -130,15 +132,15 @@ class ElasticBuffer:
     Requirements:
         every rank calls each dispatch and combine, in the same order. Across nodes (the internode mode):
         ``allow_hybrid_mode`` and ``allow_multiple_reduction`` stay ``True`` (V2's direct order, each rank's
-        row crossing between nodes alone, is not built), and a dispatch with ``do_cpu_sync=False`` moves one
-        round of the buffer's tokens (a larger batch on any rank is reported by every rank's next call, as
-        :meth:`cuep.Buffer.dispatch` with ``num_worst_tokens``).
+        row crossing between nodes alone, is not built). A dispatch with ``do_cpu_sync=False`` runs the
+        rounds of ``num_max_tokens_per_rank`` tokens (rounds of the tokens the buffer holds), empty ones
+        included, since no rank knows the others' batches.
 
     Arguments:
         group: an ``mpi4py`` communicator or a ``torch.distributed`` process group.
         num_bytes: the buffer's bytes; default :meth:`get_buffer_size_hint` of the MoE settings below. Across
-            nodes they are split between the NVLink landing rows and the network partitions as a round needs
-            them (``ranks_per_node`` to 2).
+            nodes they are split between the network partitions and the NVLink landing rows as a round of
+            ``hidden`` needs them (:func:`split_bytes`).
         num_cpu_bytes: host memory for V2's Engram storage: must be 0 (Engram is out of scope).
         num_max_tokens_per_rank: the most tokens a rank dispatches (a call may pass its own).
         hidden: the hidden size, for the default size.
@@ -345,7 +347,7 @@ class ElasticBuffer:
             cumulative_local_expert_recv_stats: `[num_local_experts]` `int32`, incremented by the entries each
                 local expert receives (not in cached dispatch).
             num_experts: all ranks' experts (a multiple of the ranks; from ``handle`` if given).
-            num_max_tokens_per_rank: at least every rank's token count (default the Buffer's).
+            num_max_tokens_per_rank: at least every rank's token count, the same on every rank (default the Buffer's).
             expert_alignment: each local expert's received count is rounded up to it (default 1).
             num_sms: SMs of the kernels (0: :meth:`get_theoretical_num_sms`).
             num_qps: queue pairs (at most ``num_allocated_qps``; none are used on one node).
@@ -456,7 +458,7 @@ class ElasticBuffer:
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = internode.dispatch(
                     ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts,
                     handle._dispatch if cached else None, expert_alignment, num_worst, num_sms,
-                    self._dispatch_chunk_tokens)
+                    self._dispatch_chunk_tokens, max_tokens_per_rank=num_max_tokens_per_rank)
             else:
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, dispatch = intranode.dispatch(
                     ctx, stream, xs, scales, topk_idx, topk_weights, in_rank, per_expert, num_experts, None,
@@ -677,23 +679,26 @@ class ElasticBuffer:
 
 def split_bytes(num_bytes: int, ranks_per_node: int, num_nodes: int, hidden: int = 0,
                 num_topk: int = MAX_TOPK_HINT) -> tuple[int, int]:
-    """``(num_nvl_bytes, num_rdma_bytes)`` of an ElasticBuffer of ``num_bytes``: all NVLink on one node; across
-    nodes, in the proportion a round of tokens needs: the combine's copies from every rank of the node for each
-    source node in the NVL buffer, a send and a receive partition per node in the RDMA buffer (rows of
-    ``hidden``, or ``ranks_per_node`` to 2 when it is 0)."""
+    """``(num_nvl_bytes, num_rdma_bytes)`` of an ElasticBuffer of ``num_bytes``: all NVLink on one node. Across
+    nodes, the RDMA buffer of the largest round of ``hidden``-element rows (0: DeepSeek's 7168) that both buffers
+    then hold (a send and a receive partition per node; the combine's copies from every rank of the node for each
+    source node), the NVL buffer the rest; ``ranks_per_node`` to 2 when not one round fits."""
     if num_nodes <= 1:
         return num_bytes, 0
-    nvl_share, rdma_share = ranks_per_node, 2
-    if hidden:
-        combine_row = internode.combine_row_bytes(hidden, num_topk)
-        nvl_share = ranks_per_node * combine_row
-        rdma_share = 2 * max(internode.dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
-    # Each buffer's fixed part first (flags and count messages; partitions are page-aligned), then the rows.
     num_ranks = ranks_per_node * num_nodes
-    rdma_fixed = internode.rdma_bytes_for(0, num_ranks, num_nodes) + 2 * num_nodes * REGION_ALIGN
-    nvl_fixed = internode.nvl_bytes_for(0, 0)
-    rows = max(0, num_bytes - rdma_fixed - nvl_fixed)
-    rdma = min(num_bytes, align_up(rdma_fixed + rows * rdma_share // (nvl_share + rdma_share), REGION_ALIGN))
+    hidden = hidden or SPLIT_HIDDEN
+    combine_row = internode.combine_row_bytes(hidden, num_topk)
+    rdma_row = max(internode.dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
+
+    def needs(tokens: int) -> tuple[int, int]:
+        return (internode.nvl_bytes_for(num_ranks * tokens, combine_row),
+                internode.rdma_bytes_for(tokens * rdma_row, num_ranks, num_nodes))
+
+    unit = internode.ROUND_UNIT_TOKENS
+    units = num_bytes // (unit * (num_ranks * combine_row + 2 * num_nodes * rdma_row))
+    while units > 0 and sum(needs(units * unit)) > num_bytes:
+        units -= 1
+    rdma = needs(units * unit)[1] if units else num_bytes * 2 // (ranks_per_node + 2) // REGION_ALIGN * REGION_ALIGN
     return num_bytes - rdma, rdma
 
 

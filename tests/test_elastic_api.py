@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cuep import Buffer
-from cuep.elastic import BUFFER_ALIGNMENT, EPHandle, ElasticBuffer
+from cuep.elastic import BUFFER_ALIGNMENT, EPHandle, ElasticBuffer, split_bytes
 
 _ = inspect.Parameter.empty
 DEEPEP_V2 = {
@@ -84,6 +84,31 @@ def test_size_hint_is_v1s_and_needs_no_token_count(num_ranks, hidden):
              Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks))
     assert hint % BUFFER_ALIGNMENT == 0 and v1 <= hint < v1 + BUFFER_ALIGNMENT
     assert ElasticBuffer.get_buffer_size_hint(_Ranks(num_ranks), 65536, hidden) == hint
+
+
+@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (2, 8), (3, 2), (4, 8), (16, 8)])
+@pytest.mark.parametrize("hidden", [0, 2048, 7168])
+def test_across_nodes_the_hint_is_v1s_two_buffers_and_splits_back_into_them(monkeypatch, nodes, ranks_per_node,
+                                                                             hidden):
+    monkeypatch.setenv("CUEP_RANKS_PER_NODE", str(ranks_per_node))
+    num_ranks = nodes * ranks_per_node
+    row_hidden = hidden or 7168
+    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+
+    def v1(num_tokens=None):
+        return [max(getattr(c, f"get_{kind}_buffer_size_hint")(row_hidden * 2, num_ranks, num_tokens) for c in configs)
+                for kind in ("nvl", "rdma")]
+
+    hint = ElasticBuffer.get_buffer_size_hint(_Ranks(num_ranks), 4096, row_hidden)
+    assert hint % BUFFER_ALIGNMENT == 0 and sum(v1()) <= hint < sum(v1()) + BUFFER_ALIGNMENT
+    # Split back (the hidden given or not), each buffer holds at least the round V1's hints were sized for.
+    for total, (nvl_want, rdma_want) in ((hint, v1()), (sum(v1(128)), v1(128))):
+        nvl, rdma = split_bytes(total, ranks_per_node, nodes, hidden)
+        assert nvl + rdma == total and nvl >= nvl_want and rdma >= rdma_want, (nvl, nvl_want, rdma, rdma_want)
+
+
+def test_one_node_keeps_every_byte_for_nvlink():
+    assert split_bytes(123 << 20, 8, 1, 7168) == (123 << 20, 0)
 
 
 def _unmade(num_ranks: int, prefer_overlap: bool = True, hybrid: bool = True) -> ElasticBuffer:

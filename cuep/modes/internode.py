@@ -17,8 +17,9 @@ Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` sour
 receive region of one partition per node (:class:`RdmaLayout`), each holding one round of one rank's rows;
 the NVL buffer holds the combine's landing rows of one round (:class:`NvlLayout`). A dispatch with
 ``num_worst_tokens`` waits for no count on the CPU, so it cannot learn how many rounds the largest batch
-needs: it moves one round, and every rank reports a batch larger than that (a status word, raised by the
-next call) while every rank's call still ends alike.
+needs: it moves the rounds of a bound the caller gives (``max_tokens_per_rank``; one round without), and
+every rank reports a larger batch (a status word, raised by the next call) while every rank's call still
+ends alike.
 """
 
 from __future__ import annotations
@@ -399,15 +400,17 @@ def _grid(ctx: Context, num_sms: int) -> int:
 
 def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
              num_experts: int, handle: Handle | None, expert_alignment: int, num_worst_tokens: int, num_sms: int,
-             chunk_tokens: int):
+             chunk_tokens: int, max_tokens_per_rank: int | None = None):
     """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
 
     Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: rows per signalled put
-    (the Config's ``num_max_rdma_chunked_send_tokens``).
+    (the Config's ``num_max_rdma_chunked_send_tokens``), and ``max_tokens_per_rank``: with
+    ``num_worst_tokens``, a bound on every rank's token count, the same on every rank, that sets the rounds
+    (``None``: one round).
 
     Returns:
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``;
-        a cached dispatch returns ``None`` for the top-k arrays and ``[]`` for the list.
+        a cached dispatch returns ``[]`` for the list, and top-k arrays only where it was given top-k ids.
     """
     front = ctx.front
     t = ctx.topology
@@ -469,11 +472,13 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
                                     timeout_ns=ctx.timeout_ns)
         launch(ctx.library, notify.entry, stream, 1, NUM_THREADS, notify)
         if num_worst_tokens > 0:
-            # One round, whatever the batches (the count of rounds needs the CPU wait this call does not make):
-            # a batch past it is reported by every rank (the pull records it), not sent.
-            num_rows, num_rounds = num_worst_tokens, 1
-            # Each source on this rank's rail sends it at most one round's tokens.
-            forward_capacity = N * round_tokens
+            # The rounds of the caller's bound, whatever the batches (the count of rounds from the batches needs
+            # the CPU wait this call does not make): a batch past them is reported by every rank (the pull records
+            # it), not sent.
+            num_rows = num_worst_tokens
+            num_rounds = _rounds(max_tokens_per_rank, round_tokens) if max_tokens_per_rank else 1
+            # Each source on this rank's rail sends it at most its rounds' tokens.
+            forward_capacity = N * round_tokens * num_rounds
         else:
             plan_host = _interop.read_on_host(plan, stream)  # the one CPU wait of a non-cached dispatch: sizes the outputs
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing

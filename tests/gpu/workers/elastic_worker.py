@@ -175,6 +175,25 @@ def without_cpu_sync_and_stats(buffer):
     combine_and_check(buffer, inputs, want, layout, compact[3], expanded[3], 7)
 
 
+def rounds_without_cpu_sync(buffer):
+    """A buffer of one 128-token round for hidden 2048 (V1's hints for rounds of 128): batches of up to
+    600 tokens move in rounds without any CPU wait, across nodes too (the rounds of num_max_tokens_per_rank)."""
+    hidden, unit = 2048, 128
+    configs = (cuep.Buffer.get_dispatch_config(num_ranks), cuep.Buffer.get_combine_config(num_ranks))
+    num_bytes = max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks, unit) for c in configs) + max(
+        c.get_rdma_buffer_size_hint(2 * hidden, num_ranks, unit) for c in configs)
+    small = cuep.ElasticBuffer(comm, num_bytes, num_max_tokens_per_rank=MAX_TOKENS, hidden=hidden,
+                               explicitly_destroy=True)
+    try:
+        inputs = all_inputs(odd_tokens, hidden, EXPERTS, 8, masked=0.1)
+        compact = dispatch(small, inputs, False, 2, do_cpu_sync=False)
+        expanded = dispatch(small, inputs, True, 2, do_cpu_sync=False)
+        want, layout = check_layouts(inputs, 2, compact, expanded, exact=False)
+        combine_and_check(small, inputs, want, layout, compact[3], expanded[3], 9, None)
+    finally:
+        small.destroy()
+
+
 def dst_buffer_slots_name_the_rows_received(buffer):
     inputs = all_inputs(odd_tokens, 512, EXPERTS, 8, masked=0.2)
     _, _, _, handle, _ = dispatch(buffer, inputs, False)
@@ -233,6 +252,7 @@ def main() -> None:
         ("FP8, column-major scales, cached dispatches, zero padding",
          fp8_column_major_scales_cached_with_zero_padding),
         ("no CPU sync, cumulative stats", without_cpu_sync_and_stats),
+        ("no CPU sync, batches of several rounds", rounds_without_cpu_sync),
         ("dst_buffer_slot_idx names the rows received", dst_buffer_slots_name_the_rows_received),
         ("bad arguments raise before any kernel", bad_arguments_raise_before_any_kernel),
     ]
