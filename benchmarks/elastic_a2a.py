@@ -9,9 +9,11 @@
 
 Each is timed over ``--iters`` calls with CUDA events after a barrier (median over calls of the slowest rank);
 GB/s is DeepEP's convention: the bytes of the rows a rank receives (dispatch) or sends back (combine) over the
-time. One process per rank (``torch.multiprocessing``), one GPU each, an NCCL group::
+time. One process per rank (``torch.multiprocessing``), one GPU each, an NCCL group; across nodes, virtual ones
+with ``CUEP_RANKS_PER_NODE`` (both cuep paths then run the internode mode)::
 
     python benchmarks/elastic_a2a.py --num-ranks 4 --tokens 4096
+    CUEP_RANKS_PER_NODE=1 python benchmarks/elastic_a2a.py --num-ranks 2 --tokens 4096
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ def run_rank(rank: int, args, port: int) -> None:
         results[name] = run_elastic(expand)
     elastic.destroy()
 
-    v1 = deep_ep.Buffer(group, deep_ep.Buffer.get_dispatch_config(args.num_ranks).get_nvl_buffer_size_hint(
-        H * 2, args.num_ranks), explicitly_destroy=True)
+    hints = deep_ep.Buffer.get_dispatch_config(args.num_ranks)  # V1's buffers, as its users size them
+    v1 = deep_ep.Buffer(group, hints.get_nvl_buffer_size_hint(H * 2, args.num_ranks),
+                        hints.get_rdma_buffer_size_hint(H * 2, args.num_ranks), explicitly_destroy=True)
     dispatch_config, combine_config = (deep_ep.Config(args.v1_sms, 8, 256, 8, 128) for _ in range(2))
 
     def v1_dispatch():
