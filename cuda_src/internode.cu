@@ -313,6 +313,7 @@ struct ForwardArgs {
     PlanLayout plan_layout;
     const int32_t* forward_pos;
     const int32_t* forward_src;
+    int forward_rows;           // rows of forward_pos and forward_src
     int64_t hidden_bytes;
     int num_topk;
     int ordered;                // sum a row's copies in the order of their tags (CombineOrder), else by local rank
@@ -828,14 +829,25 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
                 copy_out(args, shape, row, k, lane);
         }
     }
-    // Rows past the received ones (num_worst_tokens) name no expert.
+    // Rows past the received ones (num_worst_tokens) name no expert, and the forwarding record's rows past the
+    // forwarded ones no row.
     if (args.round.index == 0) {
-        for (int64_t e = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x + static_cast<int64_t>(num_recv) * args.num_topk;
-             e < static_cast<int64_t>(num_rows) * args.num_topk; e += static_cast<int64_t>(gridDim.x) * kNumThreads) {
+        const int64_t first_thread = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x;
+        const int64_t num_threads = static_cast<int64_t>(gridDim.x) * kNumThreads;
+        for (int64_t e = first_thread + static_cast<int64_t>(num_recv) * args.num_topk;
+             e < static_cast<int64_t>(num_rows) * args.num_topk; e += num_threads) {
             if (args.recv.topk_idx != nullptr)
                 args.recv.topk_idx[e] = -1;
             if (args.recv.topk_weights != nullptr)
                 args.recv.topk_weights[e] = 0.0f;
+        }
+        if (args.forward_pos != nullptr) {
+            const int64_t forwarded = min(args.plan[kPlanNumForward], args.forward_capacity);
+            for (int64_t e = first_thread + forwarded * L; e < static_cast<int64_t>(args.forward_capacity) * L;
+                 e += num_threads)
+                args.forward_pos[e] = -1;
+            for (int64_t f = first_thread + forwarded; f < args.forward_capacity; f += num_threads)
+                args.forward_src[f] = -1;
         }
     }
     // This rank is done with the round's rows at every forwarder of its node: each source may send the next
@@ -945,8 +957,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         ok = false;
     const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
     for (int m = threadIdx.x; m < N; m += kNumThreads) {
-        // Each source's forwarded rows come in its token order.
-        const int begin = args.plan[pl.forward_prefix + m], end = args.plan[pl.forward_prefix + m + 1];
+        // Each source's forwarded rows come in its token order. After a dispatch whose batch its rounds did not
+        // fit (recorded, raised by the next call) the plan may count more rows than were kept.
+        const int begin = min(args.plan[pl.forward_prefix + m], args.forward_rows);
+        const int end = min(args.plan[pl.forward_prefix + m + 1], args.forward_rows);
         const int first = lower_bound(args.forward_src, begin, end, first_token);
         round_first[m] = first;
         round_rows[m] = lower_bound(args.forward_src, first, end, first_token + args.round.tokens) - first;
@@ -1046,6 +1060,7 @@ static __device__ __forceinline__ const uint8_t* partial_row(const ReduceArgs& a
 
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
     __shared__ int32_t node_first[kMaxRanks];
+    __shared__ const uint8_t* ordered_partials[kWarpsPerBlock][kWarpSize];  // V2's order: a warp's token's partials
     const Topology& topo = args.topo;
     const int N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
@@ -1070,42 +1085,36 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
         }
         if (!__all_sync(kFullWarpMask, arrived))
             break;
-        // The partials in the order they are added: by node (V1), or by each node's highest lane (V2's order;
-        // lane k < num_topk names its expert's node, and represents it when no higher lane names the same).
-        const uint8_t* partials[kMaxRanks];
-        int num_partials = 0;
-        int node_of_lane = -1;
-        if (args.order_topk_idx == nullptr) {
-            for (int n = 0; n < N; ++n) {
-                const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                if (position >= 0)
-                    partials[num_partials++] = partial_row(args, n, position - node_first[n]);
-            }
-        } else {
+        // V2's order (order arrays given): the partials in the order of each node's highest lane (lane k < num_topk
+        // names its expert's node, and represents it when no higher lane names the same), at most num_topk of them,
+        // listed in this warp's slots; each lane's weight from its own node's partial. A node the dispatch never
+        // sent to (ids changed since) adds nothing.
+        const bool ordered = args.order_topk_idx != nullptr;
+        int num_ordered = 0;
+        if (ordered) {
+            int node_of_lane = -1;
             if (lane < args.num_topk) {
                 const int64_t id = args.order_topk_idx[static_cast<int64_t>(t) * args.num_topk + lane];
                 const int64_t node = id >= 0 ? id / args.experts_per_node : -1;
                 node_of_lane = node < N ? static_cast<int>(node) : -1;  // past the experts: flagged, no node
             }
             const uint32_t same_node = __match_any_sync(kFullWarpMask, node_of_lane);
-            const int position =
-                node_of_lane >= 0 ? args.node_pos[static_cast<int64_t>(t) * N + node_of_lane] : -1;
-            // A node the dispatch never sent to (ids changed since) adds nothing.
-            const bool represents = position >= 0 && ((same_node >> lane) >> 1) == 0;
-            for (uint32_t lanes = __ballot_sync(kFullWarpMask, represents); lanes != 0; lanes &= lanes - 1) {
-                const int k = __ffs(lanes) - 1;
-                const int n = __shfl_sync(kFullWarpMask, node_of_lane, k);
-                partials[num_partials++] = partial_row(args, n, __shfl_sync(kFullWarpMask, position, k) - node_first[n]);
-            }
-            if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
-                const float weight = position >= 0 ? __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
-                                                         partial_row(args, node_of_lane, position - node_first[node_of_lane]) +
-                                                         args.hidden_bytes) + lane))
-                                                   : 0.0f;
-                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = weight;
-            }
+            const int position = node_of_lane >= 0 ? args.node_pos[static_cast<int64_t>(t) * N + node_of_lane] : -1;
+            const uint8_t* own = position >= 0 ? partial_row(args, node_of_lane, position - node_first[node_of_lane])
+                                               : nullptr;
+            const bool represents = own != nullptr && ((same_node >> lane) >> 1) == 0;
+            const uint32_t lanes = __ballot_sync(kFullWarpMask, represents);
+            __syncwarp();  // the warp's last token is done reading the slots
+            if (represents)
+                ordered_partials[warp][__popc(lanes & ((1u << lane) - 1))] = own;
+            num_ordered = __popc(lanes);
+            __syncwarp();
+            if (args.combined_topk_weights != nullptr && lane < args.num_topk)
+                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] =
+                    own != nullptr
+                        ? __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(own + args.hidden_bytes) + lane))
+                        : 0.0f;
         }
-        const bool biases_first = args.order_topk_idx != nullptr;
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
         for (int v = lane; v < num_vectors; v += kWarpSize) {
             float acc[kBf16PerVector] = {};
@@ -1115,20 +1124,30 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
                 if (args.bias1 != nullptr)
                     accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
             };
-            if (biases_first)
+            if (ordered) {
                 add_biases();
-            for (int p = 0; p < num_partials; ++p)
-                accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partials[p]) + v));
-            if (!biases_first)
+                for (int p = 0; p < num_ordered; ++p)
+                    accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(ordered_partials[warp][p]) + v));
+            } else {
+                for (int n = 0; n < N; ++n) {
+                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+                    if (position >= 0)
+                        accumulate_bf16x8(acc, ld_volatile_global(
+                                                   reinterpret_cast<const int4*>(partial_row(args, n, position - node_first[n])) + v));
+                }
                 add_biases();
+            }
             reinterpret_cast<int4*>(args.combined_x)[token_vectors + v] = floats_to_bf16x8(acc);
         }
-        if (args.combined_topk_weights != nullptr && !biases_first) {
+        if (args.combined_topk_weights != nullptr && !ordered) {
             for (int k = lane; k < args.num_topk; k += kWarpSize) {
                 float sum = 0.0f;
-                for (int p = 0; p < num_partials; ++p)
-                    sum += __int_as_float(ld_volatile_global(
-                        reinterpret_cast<const int32_t*>(partials[p] + args.hidden_bytes) + k));
+                for (int n = 0; n < N; ++n) {
+                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
+                    if (position >= 0)
+                        sum += __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
+                            partial_row(args, n, position - node_first[n]) + args.hidden_bytes) + k));
+                }
                 args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + k] = sum;
             }
         }

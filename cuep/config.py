@@ -84,8 +84,8 @@ class Config:
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes > 1:
-            landing_rows = num_ranks * self._internode_round_tokens(num_tokens, num_nodes)
-            return internode.nvl_bytes_for(landing_rows, internode.combine_row_bytes(hidden, num_topk))
+            return internode.round_bytes(self._internode_round_tokens(num_tokens, num_nodes), hidden, num_topk,
+                                         ranks_per_node, num_nodes)[0]
         if num_tokens is None:
             ring_tokens = self.num_sms // 2 * self.num_max_nvl_chunked_recv_tokens // 2
             num_tokens = max(intranode.ROUND_UNIT_TOKENS,
@@ -116,10 +116,8 @@ class Config:
         num_nodes = num_ranks // ranks_per_node
         if num_nodes <= 1:
             return 0
-        row = max(internode.dispatch_row_bytes(hidden_bytes, 0, num_topk, ranks_per_node),
-                  internode.combine_row_bytes(hidden_bytes // 2, num_topk))
-        return internode.rdma_bytes_for(self._internode_round_tokens(num_tokens, num_nodes) * row, num_ranks,
-                                        num_nodes)
+        return internode.round_bytes(self._internode_round_tokens(num_tokens, num_nodes), hidden_bytes // 2, num_topk,
+                                     ranks_per_node, num_nodes)[1]
 
     def _internode_round_tokens(self, num_tokens: int | None, num_nodes: int) -> int:
         """The tokens of an internode round the hints size the buffers for (see :meth:`get_rdma_buffer_size_hint`)."""

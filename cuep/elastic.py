@@ -70,7 +70,8 @@ class EPHandle:
             ``expert_alignment`` (empty without ``do_cpu_sync``).
         psum_num_recv_tokens_per_scaleup_rank: `[num_scaleup_ranks]` `int32`, inclusive prefix sum of the rows
             received from the ranks of each local index (on one node, from each rank); the last is the
-            received count.
+            received count. Rows are ordered by global source rank, so across nodes these count rows but do
+            not bound ranges of them.
         psum_num_recv_tokens_per_expert: `[num_local_experts]` `int32`: compact layout, the inclusive
             prefix sum of the aligned counts; expanded, expert ``e``'s first row plus its count, so
             ``align(psum[e], expert_alignment)`` is expert ``e + 1``'s first row.
@@ -80,7 +81,7 @@ class EPHandle:
             this rank holds, then per lane its expanded row (-1 for other ranks' lanes, and everywhere in
             the compact layout).
         token_metadata_at_forward: across nodes, `[forwarded rows]` `int32`, the source token of each row this
-            rank forwarded to its node (``None`` on one node).
+            rank forwarded to its node, -1 past them without ``do_cpu_sync`` (``None`` on one node).
         channel_linked_list: ``None`` (V2's hybrid-mode channels; cuep's forwarders need no list).
     """
 
@@ -107,8 +108,8 @@ class EPHandle:
         """On one node, `[num_tokens, num_topk]` `int32`: for each of this rank's (token, lane), its compact row on
         its expert's rank (-1 without an expert); made when first read, after the dispatch. Across nodes (as
         V2's hybrid mode, whose array is its forwarders' bookkeeping): `[forwarded rows, ranks_per_node]`, for
-        each row this rank forwarded, its place among the round's rows each local rank received from its
-        source (-1: none), written by the dispatch."""
+        each row this rank forwarded, its place among the rows of its round each local rank received from its
+        source (-1: none, and past the rows without ``do_cpu_sync``), written by the dispatch."""
         if isinstance(self._dispatch, internode.Handle):
             return self._dispatch.forward_pos
         if self._slots is None:
@@ -228,17 +229,19 @@ class ElasticBuffer:
             group: the ranks (a ``torch.distributed`` group, an ``mpi4py`` communicator, or ``None`` for
                 ``MPI.COMM_WORLD``); their nodes are as V1's hints assume (``CUEP_RANKS_PER_NODE``, else
                 up to 8 ranks a node).
-            num_max_tokens_per_rank, num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction:
-                accepted for V2's signature.
+            num_max_tokens_per_rank, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction: accepted for
+                V2's signature.
             hidden: the hidden size.
+            num_topk: the choices per token (0: 8), for the rows' top-k weights.
         """
         call = "get_buffer_size_hint()"
         _checks.check_positive_ints(call, hidden=hidden)
         num_ranks = _group_size(group)
         hidden_bytes = hidden * 2
         configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
-        hint = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for config in configs)
-        hint += max(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for config in configs)
+        topk = num_topk or MAX_TOPK_HINT
+        hint = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_topk=topk) for config in configs)
+        hint += max(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, num_topk=topk) for config in configs)
         return align_up(hint, BUFFER_ALIGNMENT)
 
     def destroy(self) -> None:
@@ -685,20 +688,16 @@ def split_bytes(num_bytes: int, ranks_per_node: int, num_nodes: int, hidden: int
     source node), the NVL buffer the rest; ``ranks_per_node`` to 2 when not one round fits."""
     if num_nodes <= 1:
         return num_bytes, 0
-    num_ranks = ranks_per_node * num_nodes
-    hidden = hidden or SPLIT_HIDDEN
-    combine_row = internode.combine_row_bytes(hidden, num_topk)
-    rdma_row = max(internode.dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
-
-    def needs(tokens: int) -> tuple[int, int]:
-        return (internode.nvl_bytes_for(num_ranks * tokens, combine_row),
-                internode.rdma_bytes_for(tokens * rdma_row, num_ranks, num_nodes))
-
     unit = internode.ROUND_UNIT_TOKENS
-    units = num_bytes // (unit * (num_ranks * combine_row + 2 * num_nodes * rdma_row))
-    while units > 0 and sum(needs(units * unit)) > num_bytes:
-        units -= 1
-    rdma = needs(units * unit)[1] if units else num_bytes * 2 // (ranks_per_node + 2) // REGION_ALIGN * REGION_ALIGN
+
+    def needs(units: int) -> tuple[int, int]:
+        return internode.round_bytes(units * unit, hidden or SPLIT_HIDDEN, num_topk, ranks_per_node, num_nodes)
+
+    low, high = 0, num_bytes // (unit * ranks_per_node * num_nodes) + 1  # the bytes grow with the units: bisect
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if sum(needs(middle)) <= num_bytes else (low, middle)
+    rdma = needs(low)[1] if low else num_bytes * 2 // (ranks_per_node + 2) // REGION_ALIGN * REGION_ALIGN
     return num_bytes - rdma, rdma
 
 

@@ -202,7 +202,8 @@ class ForwardArgs(KernelArgs):
     entry = "cuep::internode::forward"
     _fields_ = [("nvl", _ptr), ("node_nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
-                ("forward_src", _ptr), ("hidden_bytes", _i64), ("num_topk", _i32), ("ordered", _i32),
+                ("forward_src", _ptr), ("forward_rows", _i32), ("hidden_bytes", _i64), ("num_topk", _i32),
+                ("ordered", _i32),
                 ("landing_row_bytes", _i64),
                 ("row_bytes", _i64), ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
                 ("status", Status), ("timeout_ns", _u64)]

@@ -46,7 +46,7 @@ from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
-           "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_tokens_for"]
+           "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes", "round_tokens_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
@@ -67,6 +67,18 @@ def combine_row_bytes(hidden: int, num_topk: int) -> int:
     """One combine row (a pushed copy, or a node's partial on the wire): BF16 hidden, the top-k weights
     (float32), then a tag (int32: the pushing rank's highest top-k lane, for DeepEP V2's order)."""
     return align_up(2 * hidden + 4 * num_topk + 4, ROW_ALIGN)
+
+
+def round_bytes(round_tokens: int, hidden: int, num_topk: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` that rounds of ``round_tokens`` source tokens of ``hidden``-element rows
+    with ``num_topk`` choices need: the combine's landing rows of a round from every rank of the node for each
+    source node, and a send and a receive partition per node of a round's rows (a BF16 dispatch row or a
+    combine row, the larger)."""
+    num_ranks = ranks_per_node * num_nodes
+    combine_row = combine_row_bytes(hidden, num_topk)
+    rdma_row = max(dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
+    return (nvl_bytes_for(num_ranks * round_tokens, combine_row),
+            rdma_bytes_for(round_tokens * rdma_row, num_ranks, num_nodes))
 
 
 def _control_bytes(num_ranks: int, num_nodes: int) -> int:
@@ -191,7 +203,8 @@ class Handle(FlatHandle):
     ``node_list[n, p]`` its inverse; ``counts``: tokens to each rank, then to each node; ``unit_prefix[u]``:
     the same counts of the tokens before token ``u * ROUND_UNIT_TOKENS`` (a last row: every token).
     ``forward_pos[f, j]``: for row ``f`` this rank forwarded, its position among the rows of its round that
-    local rank ``j`` received from its source (-1: none); ``forward_src[f]``: its source token.
+    local rank ``j`` received from its source (-1: none); ``forward_src[f]``: its source token (both -1 past
+    the rows forwarded, with ``num_worst_tokens``).
     ``recv_gbl_rank_prefix_sum[r]``: the rows received from ranks ``0..r`` (a view of ``plan``; item -4 of
     the flat tuple, where DeepEP's users read it). ``recv_src_idx[i]``: source token of received row ``i``.
     ``round_tokens``, ``num_rounds``: the source tokens of each of the dispatch's rounds, and how many it
@@ -362,9 +375,7 @@ def round_tokens_for(ctx: Context, hidden: int, num_topk: int) -> int:
 def _round_refusal(call: str, ctx: Context, hidden: int, num_topk: int) -> ValueError:
     t = ctx.topology
     unit = ROUND_UNIT_TOKENS
-    row = max(dispatch_row_bytes(2 * hidden, 0, num_topk, t.ranks_per_node), combine_row_bytes(hidden, num_topk))
-    rdma = rdma_bytes_for(unit * row, t.num_ranks, t.num_nodes)
-    nvl = nvl_bytes_for(unit * t.ranks_per_node * t.num_nodes, combine_row_bytes(hidden, num_topk))
+    nvl, rdma = round_bytes(unit, hidden, num_topk, t.ranks_per_node, t.num_nodes)
     has_rdma = ctx.rdma_layout.recv + t.num_nodes * ctx.rdma_layout.partition_bytes
     has_nvl = ctx.nvl_layout.landing + ctx.nvl_layout.landing_bytes
     return ValueError(f"{call}: across nodes the tokens move in rounds of whole units of {unit}, and one unit of "
@@ -556,7 +567,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
-    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) if topk_weights is not None else None
+    combined_weights = ctx.front.empty((handle.num_tokens, num_topk), np.float32) \
+        if topk_weights is not None and topk_weights.shape[1] else None
 
     ctx.barrier(stream)
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
@@ -569,7 +581,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     forward = kernels.ForwardArgs(
         nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
-        forward_src=handle.forward_src.data.ptr, hidden_bytes=hidden * x.itemsize, num_topk=num_topk,
+        forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0],
+        hidden_bytes=hidden * x.itemsize, num_topk=num_topk,
         ordered=int(order is not None), landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr,
         status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(

@@ -12,7 +12,7 @@ from .front import TorchFront
 
 # The handle's tensors, exported from the core's arrays when the handle is made.
 _HANDLE_TENSORS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
-                   "num_unaligned_recv_tokens_per_expert", "recv_src_metadata")
+                   "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "token_metadata_at_forward")
 
 
 class EPHandle:
@@ -24,14 +24,14 @@ class EPHandle:
         self._core, self._front = core, front
         for name in ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms",
                      "num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list",
-                     "token_metadata_at_forward", "channel_linked_list"):
+                     "channel_linked_list"):
             setattr(self, name, getattr(core, name))
         for name in _HANDLE_TENSORS:
             setattr(self, name, front.export(getattr(core, name)))
 
     @property
     def dst_buffer_slot_idx(self):
-        """`[num_tokens, num_topk]` `int32`, as the core handle's."""
+        """`int32`, as the core handle's: `[num_tokens, num_topk]` on one node, the forwarders' record across nodes."""
         return self._front.export(self._core.dst_buffer_slot_idx)
 
 

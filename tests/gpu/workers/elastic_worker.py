@@ -190,6 +190,10 @@ def rounds_without_cpu_sync(buffer):
         expanded = dispatch(small, inputs, True, 2, do_cpu_sync=False)
         want, layout = check_layouts(inputs, 2, compact, expanded, exact=False)
         combine_and_check(small, inputs, want, layout, compact[3], expanded[3], 9, None)
+        if RANKS_PER_NODE < num_ranks:  # the forwarders' record, round by round
+            handle = dispatch(small, inputs, False)[3]
+            assert handle._dispatch.num_rounds > 1, handle._dispatch.num_rounds
+            forwarded_rows_name_their_places(handle, inputs, reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS))
     finally:
         small.destroy()
 
@@ -214,7 +218,8 @@ def dst_buffer_slots_name_the_rows_received(buffer):
 def forwarded_rows_name_their_places(handle, inputs, everyone):
     """Across nodes (V2's hybrid mode) dst_buffer_slot_idx is the forwarders' record: for each row this rank
     forwarded to its node (by source node, then token; every source on this rank's rail), the row's place
-    among the rows each local rank received from its source, -1 where it received none."""
+    among the rows of its round each local rank received from its source, -1 where it received none."""
+    round_tokens = handle._dispatch.round_tokens  # the rounds the dispatch ran in (cuep's, not V2's, notion)
     node, local = divmod(rank, RANKS_PER_NODE)
     node_ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
     want_src, want_places = [], []
@@ -222,8 +227,10 @@ def forwarded_rows_name_their_places(handle, inputs, everyone):
         received = [everyone[q].recv_src for q in node_ranks]
         sent = [r[r[:, 0] == source, 1] for r in received]  # the tokens each local rank got from this source
         for t in np.unique(np.concatenate(sent)).tolist():
+            first = t // round_tokens * round_tokens
             want_src.append(t)
-            want_places.append([int(np.searchsorted(tokens, t)) if t in tokens else -1 for tokens in sent])
+            want_places.append([int(np.searchsorted(tokens, t) - np.searchsorted(tokens, first)) if t in tokens
+                                else -1 for tokens in sent])
     np.testing.assert_array_equal(handle.token_metadata_at_forward.get(), want_src)
     np.testing.assert_array_equal(handle.dst_buffer_slot_idx.get(), np.array(want_places).reshape(-1, RANKS_PER_NODE))
 
