@@ -294,7 +294,7 @@ struct PushArgs {
     int64_t hidden_bytes;
     const float* topk_weights;
     int num_topk;
-    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids (-1: another rank's lane), or null (CombineOrder)
+    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids, -1 on others' lanes; null: V1's order
     int64_t landing_row_bytes;
     Round round;
     uint64_t* state;
@@ -316,7 +316,7 @@ struct ForwardArgs {
     int forward_rows;           // rows of forward_pos and forward_src
     int64_t hidden_bytes;
     int num_topk;
-    int ordered;                // sum a row's copies in the order of their tags (CombineOrder), else by local rank
+    int ordered;                // a row's copies summed by tag (V2's order), else by local rank
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
     Round round;
@@ -339,7 +339,7 @@ struct ReduceArgs {
     int chunk_rows;
     const __nv_bfloat16* bias0;
     const __nv_bfloat16* bias1;
-    const int64_t* order_topk_idx;  // [num_tokens, num_topk] the dispatch's global ids, or null (CombineOrder)
+    const int64_t* order_topk_idx;  // [num_tokens, num_topk] the dispatch's global ids; null: V1's order
     int experts_per_node;
     __nv_bfloat16* combined_x;
     float* combined_topk_weights;
@@ -1011,7 +1011,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                 }
                 for (int c = 0; c < __popc(holders); ++c) {
                     const int holder = __ffs(__ballot_sync(kFullWarpMask, position >= 0 && place == c)) - 1;
-                    copies[num_copies++] = landing + __shfl_sync(kFullWarpMask, copy_row, holder) * args.landing_row_bytes;
+                    const int64_t row = __shfl_sync(kFullWarpMask, copy_row, holder);
+                    copies[num_copies++] = landing + row * args.landing_row_bytes;
                 }
             }
             uint8_t* out = staged + r * args.row_bytes;
@@ -1109,11 +1110,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
                 ordered_partials[warp][__popc(lanes & ((1u << lane) - 1))] = own;
             num_ordered = __popc(lanes);
             __syncwarp();
-            if (args.combined_topk_weights != nullptr && lane < args.num_topk)
-                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] =
-                    own != nullptr
-                        ? __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(own + args.hidden_bytes) + lane))
-                        : 0.0f;
+            if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
+                float weight = 0.0f;
+                if (own != nullptr) {
+                    const auto* own_weights = reinterpret_cast<const int32_t*>(own + args.hidden_bytes);
+                    weight = __int_as_float(ld_volatile_global(own_weights + lane));
+                }
+                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = weight;
+            }
         }
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
         for (int v = lane; v < num_vectors; v += kWarpSize) {
@@ -1126,14 +1130,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
             };
             if (ordered) {
                 add_biases();
-                for (int p = 0; p < num_ordered; ++p)
-                    accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(ordered_partials[warp][p]) + v));
+                for (int p = 0; p < num_ordered; ++p) {
+                    const auto* partial = reinterpret_cast<const int4*>(ordered_partials[warp][p]);
+                    accumulate_bf16x8(acc, ld_volatile_global(partial + v));
+                }
             } else {
                 for (int n = 0; n < N; ++n) {
                     const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                    if (position >= 0)
-                        accumulate_bf16x8(acc, ld_volatile_global(
-                                                   reinterpret_cast<const int4*>(partial_row(args, n, position - node_first[n])) + v));
+                    if (position >= 0) {
+                        const uint8_t* partial = partial_row(args, n, position - node_first[n]);
+                        accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partial) + v));
+                    }
                 }
                 add_biases();
             }

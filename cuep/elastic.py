@@ -145,7 +145,8 @@ class ElasticBuffer:
         num_cpu_bytes: host memory for V2's Engram storage: must be 0 (Engram is out of scope).
         num_max_tokens_per_rank: the most tokens a rank dispatches (a call may pass its own).
         hidden: the hidden size, for the default size.
-        num_topk, use_fp8_dispatch: accepted for V2's signature (the size does not depend on them).
+        num_topk: the choices per token (0: 8), for the default size and, across nodes, its split.
+        use_fp8_dispatch: accepted for V2's signature (the size does not depend on it).
         deterministic: accepted; cuep's layouts are always deterministic (rows by source rank, then source
             token; expanded rows by expert, then received row).
         allow_hybrid_mode: across nodes it must stay ``True``: tokens cross once per node and their forwarders
