@@ -21,7 +21,7 @@ from .kernels import layout as layout_kernel
 from .kernels.status import SELF_MASKED
 from .modes import internode, intranode, low_latency
 from .modes.resources import Resources
-from .runtime import as_group
+from .runtime import Topology, as_group
 
 
 class Buffer:
@@ -60,6 +60,8 @@ class Buffer:
             current (:mod:`cuep._front`); default CuPy's.
         device_id: the GPU, chosen by such a front; default the host's local rank's.
         elastic: also load the kernels of DeepEP V2's layouts (:class:`cuep.ElasticBuffer` sets it).
+        topology: where the ranks sit, when the caller already found it over ``comm`` (:class:`cuep.ElasticBuffer`
+            does, to size the buffers), saving that collective.
 
     Differs from DeepEP: takes an mpi4py communicator as well as a torch process group (``cuep.torch``
     is DeepEP's own module, on torch tensors); intranode and internode memory are one NVSHMEM mechanism;
@@ -73,7 +75,7 @@ class Buffer:
     def __init__(self, comm=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, *, front: Front | None = None,
-                 device_id: int | None = None, elastic: bool = False):
+                 device_id: int | None = None, elastic: bool = False, topology: Topology | None = None):
         call = "Buffer()"
         self.num_nvl_bytes, self.num_rdma_bytes = _checks.buffer_sizes(call, num_nvl_bytes, num_rdma_bytes,
                                                                        num_qps_per_rank, intranode.META_BYTES)
@@ -91,7 +93,7 @@ class Buffer:
         self._resources = r = Resources(self.group, front, self.num_nvl_bytes, self.num_rdma_bytes,
                                         self.low_latency_mode, force_put=not self.allow_nvlink_for_low_latency_mode,
                                         shrink=self.enable_shrink, device_id=device_id,
-                                        num_qps_per_rank=self.num_qps_per_rank, elastic=elastic)
+                                        num_qps_per_rank=self.num_qps_per_rank, elastic=elastic, topology=topology)
         self.topology, self.rank, self.group_size, self.device_id = r.topology, r.rank, r.num_ranks, r.device_id
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()

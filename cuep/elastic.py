@@ -192,7 +192,7 @@ class ElasticBuffer:
         num_nvl_bytes, num_rdma_bytes = split_bytes(num_bytes, topology.ranks_per_node, topology.num_nodes, hidden,
                                                    num_topk or MAX_TOPK_HINT)
         self._buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes, False, 24, True, explicitly_destroy, front=front,
-                              device_id=device_id, elastic=True)
+                              device_id=device_id, elastic=True, topology=topology)
         core = self._buffer
         self.group, self.num_bytes = group, num_bytes
         self.rank_idx, self.num_ranks = core.rank, core.group_size

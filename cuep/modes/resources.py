@@ -15,7 +15,7 @@ from ..kernels import barrier as barrier_kernel
 from ..kernels import buffer_specs
 from ..kernels import layout as layout_kernel
 from ..kernels.launcher import Launch
-from ..runtime import Group, NodeGroup, discover_topology
+from ..runtime import Group, NodeGroup, Topology, discover_topology
 from ..runtime import world as nvshmem_world
 from ..runtime.regions import Regions, SymmetricMemory
 from . import internode, intranode, low_latency
@@ -36,9 +36,10 @@ class Resources:
 
     def __init__(self, group: Group, front: Front, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  force_put: bool, shrink: bool = False, device_id: int | None = None,
-                 num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK, elastic: bool = False):
+                 num_qps_per_rank: int = nvshmem_world.DEFAULT_QPS_PER_RANK, elastic: bool = False,
+                 topology: Topology | None = None):
         nvshmem_world.check_group(group)  # before anything else is collective over a group that cannot work
-        self.topology = discover_topology(group)
+        self.topology = topology or discover_topology(group)
         self.group = group
         self.rank, self.num_ranks = self.topology.rank, self.topology.num_ranks
         self.low_latency_mode = low_latency_mode
