@@ -592,7 +592,8 @@ namespace cuep::internode {
 
 __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
-    __shared__ int32_t node_first[kMaxRanks];
+    __shared__ int32_t node_first[kMaxRanks];  // the round's first node position of each destination node
+    __shared__ int32_t node_rows[kMaxRanks];   // and its rows to that node
     __shared__ int32_t round_first[kMaxRanks];
     const Topology& topo = args.topo;
     const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
@@ -613,8 +614,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         chunk_prefix[0] = 0;
         for (int n = 0; n < N; ++n) {
             node_first[n] = count_before(args.prefix, R + N, first_token, R + n);
-            const int rows = count_before(args.prefix, R + N, end_token, R + n) - node_first[n];
-            chunk_prefix[n + 1] = chunk_prefix[n] + chunks_of(rows, args.chunk_rows);
+            node_rows[n] = count_before(args.prefix, R + N, end_token, R + n) - node_first[n];
+            chunk_prefix[n + 1] = chunk_prefix[n] + chunks_of(node_rows[n], args.chunk_rows);
         }
     }
     __syncthreads();
@@ -623,8 +624,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         for (int n = warp; n < N; n += kWarpsPerBlock) {
             auto* staged = at<RoundHeader>(args.rdma, args.layout.header_staging) + n;
             if (lane == 0)
-                *staged = RoundHeader{node_first[n],
-                                      count_before(args.prefix, R + N, end_token, R + n) - node_first[n]};
+                *staged = RoundHeader{node_first[n], node_rows[n]};
             put_with_signal(at<RoundHeader>(args.rdma, args.layout.headers) + topo.node, staged, sizeof(RoundHeader),
                             at<uint64_t>(args.rdma, args.layout.round_signals) + topo.node, number,
                             n * L + topo.local);
@@ -636,9 +636,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
     for (int item = first_warp; item < num_chunks; item += num_warps) {
         const int n = find_range(chunk_prefix, N + 1, item);
         const int chunk = item - chunk_prefix[n];
-        const int rows_to_node = count_before(args.prefix, R + N, end_token, R + n) - node_first[n];
         const int first_slot = chunk * args.chunk_rows;
-        const int rows = min(args.chunk_rows, rows_to_node - first_slot);
+        const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
         uint8_t* staged = args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
