@@ -1089,14 +1089,30 @@ namespace cuep {
 // by NVLink and saturate it with far fewer warps than the eight left (the ceiling probe: 32 SMs), while
 // a reduction that trails the arrivals is the combine's tail (measured at EP2: 4 reducers 226 us,
 // 6 or 8 reducers 218-219 us; at EP4, with kTokenSlices = 4: 6 reducers 525.8 us, 8 512.2, 10 523.8).
-constexpr int kReducerWarps = 8;
+constexpr int kReducerWarps = CUEP_COMBINE_REDUCER_WARPS;
+constexpr int kPusherWarps = kWarpsPerBlock - kReducerWarps;
 
 // Each token's reduction is split into this many slices of its hidden vector, claimed one by one,
 // so the tokens whose copies arrive last are summed by several warps at once: the tail after the
 // last arrival shrinks. Measured at EP4 with 8 reducers (graph replay): 1 slice 522.8 us, 2 516.7,
 // 3 514.5, 4 512.2; 7 slices (one load step each) 540.7 with 6 reducers; again on v0.5.5: 4 slices
-// 482.8-483.0 us, 6 484.8, 8 483.1.
+// 482.8-483.0 us, 6 484.8, 8 483.1. A launch of few blocks (bulk pushes, below) takes
+// kBulkPushTokenSlices: there every claim on the one counter costs more than a shorter tail saves.
 constexpr int kTokenSlices = 4;
+constexpr int kBulkPushTokenSlices = 2;
+
+// A launch of at most kBulkPushMaxBlocks blocks, on the Hopper path, pushes through the bulk-copy unit
+// (the entry combine_bulk):
+// lane 0 of each pusher warp drives its rows through kBulkPushStages chunks of dynamic shared memory
+// (BulkRing; the host sizes it, combine_shared_bytes in cuep/kernels/intranode.py). On few SMs a
+// warp's copy is bound by the bytes its registers keep in flight (2 KB), which the reducers' registers
+// leave no room to raise; shared memory holds 24 KB a warp. On many SMs NVLink is the bound and the
+// warps' copies are as fast (docs/performance-log.md, v0.17.0).
+constexpr int kBulkPushMaxBlocks = CUEP_BULK_PUSH_MAX_BLOCKS;
+constexpr int kBulkPushStages = CUEP_BULK_PUSH_STAGES;
+constexpr int kBulkPushChunkBytes = CUEP_BULK_PUSH_CHUNK_BYTES;
+static_assert(kReducerWarps > 0 && kPusherWarps > 0 && kBulkPushStages >= 2 && kBulkPushStages <= kMaxBulkStages &&
+              kBulkPushChunkBytes % 16 == 0, "the combine's warps and bulk stages");
 
 // Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source
 // are counted together, in one release instead of one per row. Every lane holds the same state; the
@@ -1106,8 +1122,11 @@ constexpr int kTokenSlices = 4;
 struct PendingArrivals {
     uint32_t* counter = nullptr;
     uint32_t rows = 0;
+    BulkRing<kBulkPushStages>* ring = nullptr;  // lane 0's bulk copies of the rows, when it makes them
 
     __device__ __forceinline__ void flush(int lane) {
+        if (ring != nullptr && lane == 0)
+            ring->complete();
         __syncwarp();
         if (lane == 0 && rows > 0)
             red_release_sys_add(counter, rows);
@@ -1155,11 +1174,11 @@ struct LandedCopies {
     PushedCall pushed;
 };
 
-// One warp sums slice `slice` (of kTokenSlices) of the landed copies of `token` once each has
+// One warp sums slice `slice` (of `num_slices`) of the landed copies of `token` once each has
 // arrived; slice 0 also sums the top-k weights. Lane r < num_ranks looks up rank r's copy and waits
 // for its chunk (keeping the newest chunk it confirmed for rank r in `confirmed[r]`), so the checks
 // of all copies take one round trip. Returns false on a timeout.
-__device__ bool reduce_token(int token, int slice, const LandedCopies& landed, const int32_t* send_pos,
+__device__ bool reduce_token(int token, int slice, int num_slices, const LandedCopies& landed, const int32_t* send_pos,
                              int num_ranks, const CombineShape& shape, const ContributionOrder& order,
                              const __nv_bfloat16* bias0, const __nv_bfloat16* bias1, __nv_bfloat16* combined_x,
                              float* combined_topk_weights, int* confirmed, uint64_t deadline_ns, const Status& status,
@@ -1209,7 +1228,7 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
     const int num_vectors = static_cast<int>(shape.hidden_bytes / sizeof(int4));
     const int64_t token_vectors = static_cast<int64_t>(token) * num_vectors;
     auto* out = reinterpret_cast<int4*>(combined_x) + token_vectors;
-    const int slice_vectors = (num_vectors + kTokenSlices - 1) / kTokenSlices;
+    const int slice_vectors = (num_vectors + num_slices - 1) / num_slices;
     const uint64_t read_once = evict_first_policy();
     const int begin = slice * slice_vectors, end = min(num_vectors, begin + slice_vectors);
     for (int first = begin + lane; first < end; first += kReduceUnroll * kWarpSize) {
@@ -1276,6 +1295,100 @@ __device__ bool reduce_token(int token, int slice, const LandedCopies& landed, c
 
 namespace cuep::intranode {
 
+// The combine's rounds (the body of the entries combine and combine_bulk); kBulkPush: the pushers copy
+// through the bulk-copy unit. Two entries, not a run-time switch in one: measured on 2 x H200, one
+// kernel holding both lost a third of the bulk pushes' gain at 16-24 SMs and 2% above 32 SMs.
+template <bool kBulkPush>
+__device__ __forceinline__ void combine_rounds(const CombineArgs& args, int32_t* rank_prefix, RoundPlan& plan) {
+    const Status status = args.status;
+    const uint64_t* peer_bases = args.peer_bases;
+    const int rank = args.rank, num_ranks = args.num_ranks, num_topk = args.num_topk;
+    const int64_t hidden_bytes = args.hidden_bytes, landing_row_bytes = args.landing_row_bytes;
+    extern __shared__ __align__(128) uint8_t bulk_push_chunks[];  // [kPusherWarps][stages][chunk], mbarriers
+    const CallStart start = start_call(args.state, args.region_bytes);
+    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
+    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
+    auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
+    constexpr int token_slices = kBulkPush ? kBulkPushTokenSlices : kTokenSlices;
+    const int pusher = max(warp_in_block - kReducerWarps, 0);
+    constexpr int64_t kRingBytes = static_cast<int64_t>(kBulkPushStages) * kBulkPushChunkBytes;
+    BulkRing<kBulkPushStages> ring{bulk_push_chunks + pusher * kRingBytes,
+                  reinterpret_cast<uint64_t*>(bulk_push_chunks + kPusherWarps * kRingBytes) + pusher * kBulkPushStages,
+                  kBulkPushChunkBytes, kBulkPushStages};
+    if (kBulkPush && warp_in_block >= kReducerWarps && lane == 0)
+        ring.init();
+    if (static_cast<int>(threadIdx.x) <= num_ranks)
+        rank_prefix[threadIdx.x] = args.recv_info[kRecvInfoRankPrefix + threadIdx.x];
+    const int max_tokens = args.recv_info[kRecvInfoMaxTokens];
+    const Rounds rounds = plan_rounds(args.round_tokens, max_tokens, num_ranks);
+    __syncthreads();
+
+    const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
+    const ContributionOrder order{args.order_topk_idx, args.order_num_topk, args.experts_per_rank};
+    const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
+    // A handle from a dispatch whose num_worst_tokens was too small holds fewer rows (x, recv_src_idx) than
+    // were sent: this rank pushes none back (its sources time out waiting for them) rather than read past them.
+    const bool rows_known = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
+    int received_through = 0;
+    uint64_t call = start.call;
+    for (int round = 0; round < rounds.count; ++round, ++call) {
+        const int64_t region = region_offset(call, args.region_bytes);
+        const int64_t first_token = static_cast<int64_t>(round) * rounds.tokens;
+        plan_round(plan, args.recv_src_idx, rank_prefix, args.send_prefix, args.num_tokens, num_ranks, max_tokens,
+                   first_token, first_token + rounds.tokens, rows_known, received_through);
+        if (blockIdx.x == 0)
+            announce_call(control_of(own), peer_bases, rank, num_ranks, call);
+        if (warp_in_block >= kReducerWarps) {
+            PendingArrivals pending;
+            if (kBulkPush)
+                pending.ring = &ring;
+            const auto publish_previous_claim = [&](int lane) { pending.flush(lane); };
+            const int section_first = rank * rounds.tokens;
+            for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, plan.rows_prefix, rank, num_ranks,
+                                                             [&](int source, int, int j, int lane) {
+                const int64_t row = rank_prefix[source] + plan.rows_first[source] + j;
+                const int slot = section_first + j;
+                auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
+                uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
+                if constexpr (kBulkPush) {
+                    if (lane == 0)
+                        ring.copy_row(landing, args.x + row * hidden_bytes, hidden_bytes);
+                } else {
+                    warp_copy(landing, args.x + row * hidden_bytes, hidden_bytes, lane);
+                }
+                if (args.topk_weights != nullptr && lane < num_topk)
+                    reinterpret_cast<float*>(landing + hidden_bytes)[lane] = args.topk_weights[row * num_topk + lane];
+                pending.add(control_of(base)->arrivals[call % 2] + slot / rounds.chunk_rows, lane);
+                return true;
+            }, -1, pushing_warps, publish_previous_claim);
+            pending.flush(lane);
+        }
+        const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rounds.tokens, rounds.chunk_rows,
+                                  &plan, PushedCall{control_of(own), call, num_ranks}};
+        const int64_t round_tokens = max(int64_t{0}, min(first_token + rounds.tokens,
+                                                         static_cast<int64_t>(args.num_tokens)) - first_token);
+        while (true) {
+            int item = 0;
+            if (lane == 0)
+                item = atomicAdd(args.next_row + num_ranks, 1);
+            item = __shfl_sync(kFullWarpMask, item, 0);
+            if (item / token_slices >= round_tokens)
+                break;
+            if (!reduce_token(static_cast<int>(first_token + item / token_slices), item % token_slices, token_slices,
+                              landed, args.send_pos, num_ranks, shape, order, args.bias0, args.bias1,
+                              args.combined_x, args.combined_topk_weights, plan.confirmed[warp_in_block], deadline_ns,
+                              status, lane))
+                break;
+        }
+        if (round + 1 < rounds.count)
+            end_round(args.state, args.next_row, control_of(own), num_ranks, call, round, deadline_ns, status);
+    }
+    if (last_block_finished(args.state, args.next_row, num_ranks)) {
+        every_peer_started(control_of(own), num_ranks, call - 1, deadline_ns, status);
+        finish_rounds(args.state, call - 1);
+    }
+}
+
 // next_row[0, num_ranks): the pushers' per-source row counters; next_row[num_ranks]: the reducers'
 // counter of token slices (both per round). send_pos, send_prefix, recv_src_idx: the handle's; num_rows:
 // the rows of x and recv_src_idx (the dispatch's received arrays); x: `[num_rows, hidden]` bf16;
@@ -1303,78 +1416,37 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
                            args_bias1, args_order_topk_idx, args_order_num_topk, args_experts_per_rank,
                            args_combined_x, args_combined_topk_weights, args_state,
                            {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
-    const Status status = args.status;
-    const uint64_t* peer_bases = args.peer_bases;
-    const int rank = args.rank, num_ranks = args.num_ranks, num_topk = args.num_topk;
-    const int64_t hidden_bytes = args.hidden_bytes, landing_row_bytes = args.landing_row_bytes;
     __shared__ int32_t rank_prefix[kMaxRanks + 1];
     __shared__ RoundPlan plan;
-    const CallStart start = start_call(args.state, args.region_bytes);
-    const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
-    const int lane = threadIdx.x % kWarpSize, warp_in_block = threadIdx.x / kWarpSize;
-    auto* own = reinterpret_cast<uint8_t*>(peer_bases[rank]);
-    if (static_cast<int>(threadIdx.x) <= num_ranks)
-        rank_prefix[threadIdx.x] = args.recv_info[kRecvInfoRankPrefix + threadIdx.x];
-    const int max_tokens = args.recv_info[kRecvInfoMaxTokens];
-    const Rounds rounds = plan_rounds(args.round_tokens, max_tokens, num_ranks);
-    __syncthreads();
-
-    const CombineShape shape{hidden_bytes, num_topk, landing_row_bytes};
-    const ContributionOrder order{args.order_topk_idx, args.order_num_topk, args.experts_per_rank};
-    const int pushing_warps = static_cast<int>(gridDim.x) * (kWarpsPerBlock - kReducerWarps);
-    // A handle from a dispatch whose num_worst_tokens was too small holds fewer rows (x, recv_src_idx) than
-    // were sent: this rank pushes none back (its sources time out waiting for them) rather than read past them.
-    const bool rows_known = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
-    int received_through = 0;
-    uint64_t call = start.call;
-    for (int round = 0; round < rounds.count; ++round, ++call) {
-        const int64_t region = region_offset(call, args.region_bytes);
-        const int64_t first_token = static_cast<int64_t>(round) * rounds.tokens;
-        plan_round(plan, args.recv_src_idx, rank_prefix, args.send_prefix, args.num_tokens, num_ranks, max_tokens,
-                   first_token, first_token + rounds.tokens, rows_known, received_through);
-        if (blockIdx.x == 0)
-            announce_call(control_of(own), peer_bases, rank, num_ranks, call);
-        if (warp_in_block >= kReducerWarps) {
-            PendingArrivals pending;
-            const auto publish_previous_claim = [&](int lane) { pending.flush(lane); };
-            const int section_first = rank * rounds.tokens;
-            for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, plan.rows_prefix, rank, num_ranks,
-                                                             [&](int source, int, int j, int lane) {
-                const int64_t row = rank_prefix[source] + plan.rows_first[source] + j;
-                const int slot = section_first + j;
-                auto* base = reinterpret_cast<uint8_t*>(peer_bases[source]);
-                uint8_t* landing = base + region + static_cast<int64_t>(slot) * landing_row_bytes;
-                warp_copy(landing, args.x + row * hidden_bytes, hidden_bytes, lane);
-                if (args.topk_weights != nullptr && lane < num_topk)
-                    reinterpret_cast<float*>(landing + hidden_bytes)[lane] = args.topk_weights[row * num_topk + lane];
-                pending.add(control_of(base)->arrivals[call % 2] + slot / rounds.chunk_rows, lane);
-                return true;
-            }, -1, pushing_warps, publish_previous_claim);
-            pending.flush(lane);
-        }
-        const LandedCopies landed{own + region, control_of(own)->arrivals[call % 2], rounds.tokens, rounds.chunk_rows,
-                                  &plan, PushedCall{control_of(own), call, num_ranks}};
-        const int64_t round_tokens = max(int64_t{0}, min(first_token + rounds.tokens,
-                                                         static_cast<int64_t>(args.num_tokens)) - first_token);
-        while (true) {
-            int item = 0;
-            if (lane == 0)
-                item = atomicAdd(args.next_row + num_ranks, 1);
-            item = __shfl_sync(kFullWarpMask, item, 0);
-            if (item / kTokenSlices >= round_tokens)
-                break;
-            if (!reduce_token(static_cast<int>(first_token + item / kTokenSlices), item % kTokenSlices, landed,
-                              args.send_pos, num_ranks, shape, order, args.bias0, args.bias1, args.combined_x,
-                              args.combined_topk_weights, plan.confirmed[warp_in_block], deadline_ns, status, lane))
-                break;
-        }
-        if (round + 1 < rounds.count)
-            end_round(args.state, args.next_row, control_of(own), num_ranks, call, round, deadline_ns, status);
-    }
-    if (last_block_finished(args.state, args.next_row, num_ranks)) {
-        every_peer_started(control_of(own), num_ranks, call - 1, deadline_ns, status);
-        finish_rounds(args.state, call - 1);
-    }
+    combine_rounds<false>(args, rank_prefix, plan);
 }
+
+#if CUEP_ENABLE_SM90_FEATURES
+// The same combine, its pushers copying through the bulk-copy unit (combine_rounds<true>), launched with
+// combine_shared_bytes (cuep/kernels/intranode.py) of dynamic shared memory on at most
+// kBulkPushMaxBlocks blocks. Hopper builds only.
+__global__ void __launch_bounds__(kNumThreads, 1)
+combine_bulk(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const int32_t* args_send_pos,
+        const int32_t* args_send_prefix, const int32_t* args_recv_src_idx, int args_rank, int args_num_ranks,
+        int args_num_tokens, int args_round_tokens, int args_num_rows, const uint8_t* args_x,
+        int64_t args_hidden_bytes,
+        const float* args_topk_weights, int args_num_topk, int64_t args_landing_row_bytes,
+        int64_t args_region_bytes, const __nv_bfloat16* args_bias0, const __nv_bfloat16* args_bias1,
+        const int64_t* args_order_topk_idx, int args_order_num_topk, int args_experts_per_rank,
+        __nv_bfloat16* args_combined_x, float* args_combined_topk_weights, uint64_t* args_state,
+        int32_t* args_status_device, int32_t* args_status_host, int32_t* args_next_row,
+        uint64_t args_timeout_ns) {
+    const CombineArgs args{args_peer_bases, args_recv_info, args_send_pos, args_send_prefix, args_recv_src_idx,
+                           args_rank, args_num_ranks, args_num_tokens, args_round_tokens, args_num_rows, args_x,
+                           args_hidden_bytes,
+                           args_topk_weights, args_num_topk, args_landing_row_bytes, args_region_bytes, args_bias0,
+                           args_bias1, args_order_topk_idx, args_order_num_topk, args_experts_per_rank,
+                           args_combined_x, args_combined_topk_weights, args_state,
+                           {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
+    __shared__ int32_t rank_prefix[kMaxRanks + 1];
+    __shared__ RoundPlan plan;
+    combine_rounds<true>(args, rank_prefix, plan);
+}
+#endif
 
 }  // namespace cuep::intranode

@@ -62,6 +62,10 @@ struct ProbeArgs {
     int max_rows;                 // rows per peer in each region
     int pull;                     // 1: copy peers' rows here (dispatch); 0: push rows to peers (combine)
     int awaited;                  // push only: end once every peer's rows have landed here
+    int copy_warps;               // warps of each block that copy (the rest idle), 1 to kWarpsPerBlock
+    int copy_batch;               // warp copies: 16-byte vectors a lane has in flight (kProbeBatches)
+    int bulk_chunk_bytes;         // bulk copies: bytes of one bulk load and store, a multiple of 16
+    int bulk_stages;              // bulk copies: chunks of shared memory each copying warp cycles through
     uint64_t* state;              // [kStateWords] this rank's
     int32_t* next_row;            // [num_ranks + 1] work counters, zero between launches
     Status status;                // where an awaited launch records a timed-out wait
@@ -72,14 +76,17 @@ __device__ __forceinline__ ProbeFlags* flags_of_rank(const uint64_t* peer_bases,
     return reinterpret_cast<ProbeFlags*>(peer_bases[r]);
 }
 
-// Both probes: `copy_row(dst, src, lane)` for each row this rank exchanges, warp by warp, in the walk of
-// the intranode pull dispatch (rows.cuh; no source left out, no tapered claims).
+// Both probes: `copy_row(dst, src, lane)` for each row this rank exchanges, warp by warp over the
+// first copy_warps warps of each block, in the walk of the intranode pull dispatch (rows.cuh; no source
+// left out, no tapered claims). Every thread calls it; the other warps return at once.
 template <typename CopyRow>
 __device__ __forceinline__ void probe_rows(const ProbeArgs& args, CopyRow copy_row) {
     __shared__ int32_t prefix[kMaxRanks + 1];
     if (static_cast<int>(threadIdx.x) <= args.num_ranks)
         prefix[threadIdx.x] = args.rank_prefix[threadIdx.x];
     __syncthreads();
+    if (static_cast<int>(threadIdx.x / kWarpSize) >= args.copy_warps)
+        return;
     const int64_t landing_rows = static_cast<int64_t>(args.num_ranks) * args.max_rows;
     const auto row_at = [&](int owner, int64_t index) {
         return reinterpret_cast<uint8_t*>(args.peer_bases[owner]) + kHeaderBytes + index * args.row_bytes;
@@ -130,51 +137,29 @@ __device__ __forceinline__ void finish_launch(const ProbeArgs& args, uint64_t ep
     args.state[kStateEpoch] = epoch;
 }
 
-#if CUEP_ENABLE_SM90_FEATURES
-constexpr int kBulkChunkBytes = 1024;  // bulk probe: bytes per bulk copy
-constexpr int kBulkStages = 2;         // chunks a warp has in flight: 2 KB, as many bytes as warp_copy
-
-// One warp's shared stages for bulk copies; `parity` bit s is the phase of landed[s] to wait for next.
-struct BulkStages {
-    uint8_t (*chunk)[kBulkChunkBytes];
-    uint64_t* landed;
-    uint32_t parity;
-};
-
-// One thread copies a row through its warp's stages: each chunk is stored as soon as it has landed,
-// and a stage is reloaded once the store has read it.
-__device__ void bulk_copy_row(BulkStages& stages, uint8_t* dst, const uint8_t* src, int64_t bytes) {
-    const int num_chunks = static_cast<int>((bytes + kBulkChunkBytes - 1) / kBulkChunkBytes);
-    const auto chunk_bytes = [&](int c) {
-        const int64_t left = bytes - static_cast<int64_t>(c) * kBulkChunkBytes;
-        return static_cast<uint32_t>(left < kBulkChunkBytes ? left : kBulkChunkBytes);
-    };
-    for (int c = 0; c < min(kBulkStages, num_chunks); ++c)
-        bulk_load(stages.chunk[c], src + static_cast<int64_t>(c) * kBulkChunkBytes, chunk_bytes(c), stages.landed + c);
-    for (int c = 0; c < num_chunks; ++c) {
-        const int s = c % kBulkStages;
-        mbarrier_wait(stages.landed + s, (stages.parity >> s) & 1u);
-        stages.parity ^= 1u << s;
-        bulk_store(dst + static_cast<int64_t>(c) * kBulkChunkBytes, stages.chunk[s], chunk_bytes(c));
-        const int next = c + kBulkStages;
-        if (next < num_chunks) {
-            bulk_stores_read();
-            bulk_load(stages.chunk[s], src + static_cast<int64_t>(next) * kBulkChunkBytes, chunk_bytes(next),
-                      stages.landed + s);
-        }
-    }
-    bulk_stores_read();  // the next row reloads these stages
-}
-#endif
 
 }  // namespace cuep
 
 namespace cuep::probe {
 
-// The copies made by the warps' loads and stores (warp_copy, as the intranode kernels make them).
+// The warps' row copies with kBatch vectors a lane in flight.
+template <int kBatch>
+__device__ void copy_rows(const ProbeArgs& args) {
+    probe_rows(args, [&](uint8_t* dst, const uint8_t* src, int lane) {
+        warp_copy<true, kBatch>(dst, src, args.row_bytes, lane);
+    });
+}
+
+// The copies made by the warps' loads and stores (warp_copy, as the intranode kernels make them, with
+// copy_batch vectors a lane in flight: 4, theirs, 8 or 16).
 __global__ void __launch_bounds__(kNumThreads, 1) copy(const ProbeArgs args) {
     const uint64_t epoch = ld_volatile_global(args.state + kStateEpoch) + 1;
-    probe_rows(args, [&](uint8_t* dst, const uint8_t* src, int lane) { warp_copy(dst, src, args.row_bytes, lane); });
+    if (args.copy_batch == 16)
+        copy_rows<16>(args);
+    else if (args.copy_batch == 8)
+        copy_rows<8>(args);
+    else
+        copy_rows<4>(args);
     if (args.awaited) {
         __syncthreads();
         if (threadIdx.x == 0)
@@ -188,27 +173,27 @@ __global__ void __launch_bounds__(kNumThreads, 1) copy(const ProbeArgs args) {
 #if CUEP_ENABLE_SM90_FEATURES
 namespace cuep::probe {
 
-// The same copies made by the Hopper bulk-copy unit (TMA): one lane per warp drives each row through
-// 2 KB of shared memory. Hopper builds only (cuep/kernels/probe.py refuses it elsewhere); never awaited.
+// The same copies made by the Hopper bulk-copy unit (TMA): lane 0 of each copying warp drives its rows
+// through bulk_stages chunks of bulk_chunk_bytes of dynamic shared memory (BulkRing; the host sizes it,
+// cuep/kernels/probe.py). Hopper builds only (cuep/kernels/probe.py refuses it elsewhere); never awaited.
 __global__ void __launch_bounds__(kNumThreads, 1) bulk_copy(const ProbeArgs args) {
-    __shared__ alignas(128) uint8_t chunks[kWarpsPerBlock][kBulkStages][kBulkChunkBytes];
-    __shared__ uint64_t landed[kWarpsPerBlock][kBulkStages];
+    extern __shared__ __align__(128) uint8_t bulk_shared[];
     const uint64_t epoch = ld_volatile_global(args.state + kStateEpoch);  // not advanced: nothing waits on it
     const int warp = threadIdx.x / kWarpSize;
-    const bool driver = threadIdx.x % kWarpSize == 0;
-    if (driver) {
-        for (int s = 0; s < kBulkStages; ++s)
-            mbarrier_init(&landed[warp][s], 1);
-        fence_mbarrier_init();
-    }
+    const bool driver = threadIdx.x % kWarpSize == 0 && warp < args.copy_warps;
+    const int64_t warp_bytes = static_cast<int64_t>(args.bulk_stages) * args.bulk_chunk_bytes;
+    auto* landed = reinterpret_cast<uint64_t*>(bulk_shared + args.copy_warps * warp_bytes) +
+                   warp * args.bulk_stages;
+    BulkRing<> ring{bulk_shared + warp * warp_bytes, landed, args.bulk_chunk_bytes, args.bulk_stages};
+    if (driver)
+        ring.init();
     __syncwarp();
-    BulkStages stages{chunks[warp], landed[warp], 0};
     probe_rows(args, [&](uint8_t* dst, const uint8_t* src, int) {
         if (driver)
-            bulk_copy_row(stages, dst, src, args.row_bytes);
+            ring.copy_row(dst, src, args.row_bytes);
     });
     if (driver)
-        bulk_stores_done();
+        ring.complete();
     finish_launch(args, epoch);
 }
 

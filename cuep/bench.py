@@ -425,6 +425,7 @@ def bench_ceiling(args) -> None:
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
     cupy.cuda.Device(device_id).synchronize()  # the arrays above are zeroed (SymmetricMemory zeroed its own)
     remote_rows = sum(received) - received[rank]
+    copy_warps = args.copy_warps or probe_kernel.WARPS_PER_BLOCK
     results = {}
     stream = cupy.cuda.Stream(non_blocking=True)
     bulk_modes = (False, True) if probe_library.spec.sm90_features else (False,)
@@ -434,6 +435,8 @@ def bench_ceiling(args) -> None:
     # landed, which any call that pushes must wait for before its results can be used.
     kinds = [(pull, bulk, False, False) for pull in (True, False) for bulk in bulk_modes]
     kinds += [(True, False, True, False), (False, False, True, False), (False, False, False, True)]
+    if args.push_only:
+        kinds = [kind for kind in kinds if not kind[0]]
     copies = [(pull, row_bytes, bulk, synced, awaited) for row_bytes in (bf16_row, fp8_row)
               for pull, bulk, synced, awaited in kinds]
     for pull, row_bytes, bulk, synced, awaited in copies:
@@ -441,7 +444,9 @@ def bench_ceiling(args) -> None:
             (" awaited" if awaited else "")
         probe_args = probe_kernel.ProbeArgs(
             peer_bases=peer_bases.data.ptr, rank_prefix=prefix.data.ptr, rank=rank, num_ranks=num_ranks,
-            row_bytes=row_bytes, max_rows=max_rows, pull=pull, awaited=awaited, state=state.data.ptr,
+            row_bytes=row_bytes, max_rows=max_rows, pull=pull, awaited=awaited, copy_warps=copy_warps,
+            copy_batch=args.copy_batch, bulk_chunk_bytes=args.bulk_chunk_bytes, bulk_stages=args.bulk_stages,
+            state=state.data.ptr,
             next_row=next_row.data.ptr, status=Status(status.device.data.ptr, status.host_ptr),
             timeout_ns=int(timeout_s * 1e9))
 
@@ -466,7 +471,8 @@ def bench_ceiling(args) -> None:
         return
     print(f"cuep NVLink ceiling probe: {num_ranks} ranks, the routing of --mode normal ({args.tokens} tokens/rank, "
           f"top-{args.topk} of {args.experts}); rank 0 exchanges {sum(received)} rows ({remote_rows} over NVLink); "
-          f"per launch over {BACK_TO_BACK} back to back")
+          f"per launch over {BACK_TO_BACK} back to back; {copy_warps} copying warps a block, warp copies "
+          f"{args.copy_batch} vectors a lane, bulk copies {args.bulk_stages} x {args.bulk_chunk_bytes} bytes a warp")
     print(f"{'copy':18s} {'row bytes':>9s} {'SMs':>4s} {'us':>8s} {'GB/s':>8s} {'NVLink GB/s':>12s}")
     for key in results:
         us = float(np.mean([g[key] for g in gathered]))
@@ -697,6 +703,14 @@ def main(argv: list[str] | None = None) -> int:
                              "(no larger than DeepEP's), so that a call takes several rounds; by default the buffers "
                              "take --tokens in one round")
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
+    parser.add_argument("--copy-warps", type=int, default=None,
+                        help="ceiling: warps of each block that copy (default all 16; the combine's pushers: 8)")
+    parser.add_argument("--copy-batch", type=int, default=4, choices=(4, 8, 16),
+                        help="ceiling: 16-byte vectors each lane of a warp copy has in flight (the kernels': 4)")
+    parser.add_argument("--bulk-chunk-bytes", type=int, default=1024, help="ceiling: bytes of each bulk (TMA) copy")
+    parser.add_argument("--bulk-stages", type=int, default=2,
+                        help="ceiling: chunks of shared memory each warp's bulk copies cycle through")
+    parser.add_argument("--push-only", action="store_true", help="ceiling: the push copies only")
     parser.add_argument("--trace", action="store_true",
                         help="low latency: build the kernels with CUEP_TRACE and print when blocks reach each phase")
     args = parser.parse_args(argv)

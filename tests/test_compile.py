@@ -44,7 +44,7 @@ def test_aggressive_ptx_switch_changes_the_loads():
 
 def test_bulk_copies_only_on_the_hopper_path():
     """The probe's bulk (TMA) copy is built on the Hopper path only, with no stub entry elsewhere; the
-    production intranode kernels never use the bulk-copy unit."""
+    intranode combine's bulk pushes too, with no trap left in the other builds."""
     from cuep.kernels import probe  # a benchmark-only family, compiled here whether or not it is registered
 
     def build_probe(arch, variant):
@@ -60,7 +60,11 @@ def test_bulk_copies_only_on_the_hopper_path():
         assert list(other.symbols) == [probe.COPY_ENTRY], (arch, variant)
         assert entry_symbols(other.cubin) == {other.symbols[probe.COPY_ENTRY]}, (arch, variant)
     _, intranode = compiled("intranode", "sm_90", "default", keep_ptx=True)
-    assert "cp.async.bulk" not in intranode.ptx
+    assert "cp.async.bulk.global.shared::cta" in intranode.ptx and "mbarrier.try_wait" in intranode.ptx
+    for arch, variant in (("sm_90", "fallback"), ("sm_80", "default")):
+        _, other = compiled("intranode", arch, variant, keep_ptx=True)
+        assert "cp.async.bulk" not in other.ptx and "mbarrier" not in other.ptx and "trap;" not in other.ptx, \
+            (arch, variant)
 
 
 @pytest.mark.parametrize("arch", ["sm_70", "sm90", "gfx90a"])

@@ -106,18 +106,20 @@ def test_a_mirror_with_two_fields_swapped_is_caught():
     first, second = names.index("num_tokens"), names.index("x")
     fields[first], fields[second] = fields[second], fields[first]  # an int32 and a pointer, on the Python side
 
+    entry = combine_args.entries[0]
+
     class Drifted(KernelArgs):
         cxx_name = combine_args.cxx_name
-        entry = combine_args.entry
+        entries = combine_args.entries
         scalar_parameters = combine_args.scalar_parameters
         _fields_ = fields
 
     assert ctypes.sizeof(Drifted) == ctypes.sizeof(combine_args)  # the size cannot tell; the offsets do
-    params = compiled_params("intranode")[combine_args.entry]
-    check_mirror(combine_args.entry, params, combine_args)
+    params = compiled_params("intranode")[entry]
+    check_mirror(entry, params, combine_args)
     with pytest.raises(AssertionError, match=r"cuep::intranode::combine: its parameters .* \(first difference at "
                                              r"parameter 7\)"):
-        check_mirror(combine_args.entry, params, Drifted)
+        check_mirror(entry, params, Drifted)
 
 
 def test_a_mirror_passed_the_wrong_way_is_caught():

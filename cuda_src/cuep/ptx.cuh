@@ -201,10 +201,12 @@ __device__ __forceinline__ void bulk_store(void* global, const void* shared, uin
     }
 }
 
-// This thread's bulk stores have finished reading shared memory (it may be overwritten).
+// This thread's bulk stores, all but the kNewestPending newest, have finished reading shared memory
+// (it may be overwritten).
+template <int kNewestPending = 0>
 __device__ __forceinline__ void bulk_stores_read() {
     if constexpr (kEnableSM90Features)
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(kNewestPending) : "memory");
     else
         __trap();
 }

@@ -26,6 +26,7 @@ and a combine one with ``combine``.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from ..jit import KernelSpec
 from . import common
@@ -42,20 +43,40 @@ STATE_WORDS = 5                  # uint64 device state: dispatch epoch, blocks d
 ROUND_UNIT_TOKENS = common.ROUND_UNIT_TOKENS  # rounds take whole units of source tokens; send_prefix has a row per unit
 MAX_ROUND_ROWS = 1024 * ROUND_UNIT_TOKENS  # landing rows of a round: kMaxChunks counters of at most a unit each
 
+COMBINE_REDUCER_WARPS = 8        # warps of each combine block that reduce from the start; the rest push
+BULK_PUSH_MAX_BLOCKS = 32        # a combine of at most this many blocks pushes through the bulk-copy unit
+BULK_PUSH_STAGES = 6             # chunks of shared memory each of its pusher warps cycles through
+BULK_PUSH_CHUNK_BYTES = 4096     # bytes of each of its bulk copies
+
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
-             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS}
+             "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS,
+             "combine_reducer_warps": COMBINE_REDUCER_WARPS, "bulk_push_max_blocks": BULK_PUSH_MAX_BLOCKS,
+             "bulk_push_stages": BULK_PUSH_STAGES, "bulk_push_chunk_bytes": BULK_PUSH_CHUNK_BYTES}
 """What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones (its ``static_assert``\\ s
 check that they fit together)."""
 
 
 def spec(arch: str, **features) -> KernelSpec:
-    """The intranode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``."""
-    return KernelSpec.create("intranode", arch, constants=common.family_constants(CONSTANTS), entries=ENTRIES,
-                             **features)
+    """The intranode family for ``arch``; ``features``: ``force_fallback``, ``aggressive_ptx``. The bulk-push
+    combine (``COMBINE_BULK_ENTRY``) exists in Hopper-path builds only."""
+    built = KernelSpec.create("intranode", arch, constants=common.family_constants(CONSTANTS),
+                              entries=tuple(e for e in ENTRIES if e != COMBINE_BULK_ENTRY), **features)
+    return dataclasses.replace(built, entries=ENTRIES) if built.sm90_features else built
 
 
 # ------------------------------------------------------------------------------------------------
 # Launch shapes
+
+def combine_launch(sm90_features: bool, grid: int) -> tuple[str, int]:
+    """The combine entry for ``grid`` blocks and its dynamic shared memory: on the Hopper path, a combine of
+    at most :data:`BULK_PUSH_MAX_BLOCKS` blocks pushes through the bulk-copy unit (``combine_bulk``), each
+    pusher warp through :data:`BULK_PUSH_STAGES` chunks and as many mbarriers (``cuep::BulkRing``);
+    otherwise the warps copy (``combine``, no dynamic shared memory)."""
+    if not sm90_features or grid > BULK_PUSH_MAX_BLOCKS:
+        return COMBINE_ENTRY, 0
+    pusher_warps = NUM_THREADS // 32 - COMBINE_REDUCER_WARPS
+    return COMBINE_BULK_ENTRY, pusher_warps * BULK_PUSH_STAGES * (BULK_PUSH_CHUNK_BYTES + 8)
+
 
 def stage_grid(num_ranks: int, num_sms: int) -> int:
     """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` stage top-k ids
@@ -160,11 +181,15 @@ class PushArgs(KernelArgs):
                 ("timeout_ns", _u64)]
 
 
+COMBINE_ENTRY, COMBINE_BULK_ENTRY = "cuep::intranode::combine", "cuep::intranode::combine_bulk"
+
+
 class CombineArgs(KernelArgs):
-    """``cuep::intranode::combine``: push received rows back to their sources, which sum them, in rounds."""
+    """``cuep::intranode::combine``: push received rows back to their sources, which sum them, in rounds;
+    ``combine_bulk`` (Hopper builds only) the same, its pushers copying through the bulk-copy unit."""
 
     cxx_name = "CombineArgs"
-    entry = "cuep::intranode::combine"
+    entries = (COMBINE_ENTRY, COMBINE_BULK_ENTRY)
     scalar_parameters = True
     _fields_ = [("peer_bases", _ptr), ("recv_info", _ptr), ("send_pos", _ptr), ("send_prefix", _ptr),
                 ("recv_src_idx", _ptr), ("rank", _i32), ("num_ranks", _i32), ("num_tokens", _i32),

@@ -117,3 +117,32 @@ def launch(functions: Functions, entry: str, stream, grid: int, block: int, args
            shared_bytes: int = 0) -> None:
     """Launch once: ``Launch(...)(stream)``."""
     Launch(functions, entry, grid, block, args, shared_bytes)(stream)
+
+
+_DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch may take without opting in
+_allowed_shared: dict[tuple[int, int], int] = {}  # (kernel handle, device) -> the bytes it was allowed
+
+
+def allow_shared_bytes(functions: Functions, entry: str, shared_bytes: int) -> None:
+    """Let ``entry`` launch on the current device with ``shared_bytes`` of dynamic shared memory (past the
+    48 KiB a launch gets without opting in); once per kernel, device and size.
+
+    Raises:
+        ValueError: more than a block of this GPU may have; CuepError: the driver refused.
+    """
+    if shared_bytes <= _DEFAULT_SHARED_BYTES:
+        return
+    cupy, driver = _deps.cupy(), _deps.cuda_driver()
+    device = cupy.cuda.Device()
+    handle = functions.function(entry)
+    if _allowed_shared.get((handle, device.id), 0) >= shared_bytes:
+        return
+    limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+    if shared_bytes > limit:
+        raise ValueError(f"{entry}: {shared_bytes} bytes of shared memory a block exceed this GPU's {limit}")
+    # The library's handles are CUkernels, whose attributes are set per device.
+    (err,) = driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         shared_bytes, driver.CUkernel(handle), driver.CUdevice(device.id))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CuepError(f"cuep: could not allow {entry} {shared_bytes} bytes of shared memory ({err})")
+    _allowed_shared[(handle, device.id)] = shared_bytes

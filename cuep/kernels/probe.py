@@ -23,6 +23,9 @@ from .status import Status
 NUM_THREADS = intranode.NUM_THREADS  # the probe copies as the intranode kernels' blocks do
 MAX_RANKS = intranode.MAX_RANKS
 HEADER_BYTES = 4096   # the probe's flags (ProbeFlags) at the start of its buffer; rows start on a page
+WARPS_PER_BLOCK = NUM_THREADS // 32
+COPY_BATCHES = (4, 8, 16)  # vectors a lane of a warp copy has in flight (the intranode kernels': 4)
+MAX_BULK_STAGES = 16       # kMaxBulkStages
 STATE_WORDS = 2       # uint64 device state: finished launches, blocks done of the running one
 COPY_ENTRY, BULK_ENTRY = "cuep::probe::copy", "cuep::probe::bulk_copy"
 
@@ -52,13 +55,20 @@ class ProbeArgs(KernelArgs):
     entries = (COPY_ENTRY, BULK_ENTRY)
     _fields_ = [("peer_bases", ctypes.c_void_p), ("rank_prefix", ctypes.c_void_p), ("rank", ctypes.c_int32),
                 ("num_ranks", ctypes.c_int32), ("row_bytes", ctypes.c_int64), ("max_rows", ctypes.c_int32),
-                ("pull", ctypes.c_int32), ("awaited", ctypes.c_int32), ("state", ctypes.c_void_p),
+                ("pull", ctypes.c_int32), ("awaited", ctypes.c_int32), ("copy_warps", ctypes.c_int32),
+                ("copy_batch", ctypes.c_int32), ("bulk_chunk_bytes", ctypes.c_int32), ("bulk_stages", ctypes.c_int32),
+                ("state", ctypes.c_void_p),
                 ("next_row", ctypes.c_void_p), ("status", Status), ("timeout_ns", ctypes.c_uint64)]
 
 
 #: The structs this module mirrors (``tests/test_kernel_args.py`` checks their layouts).
 ARGUMENT_STRUCTS = (ProbeArgs,)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)
+
+
+def bulk_shared_bytes(copy_warps: int, chunk_bytes: int, stages: int) -> int:
+    """Dynamic shared memory of a bulk probe block: each copying warp's chunks, then their mbarriers."""
+    return copy_warps * stages * (chunk_bytes + 8)
 
 
 def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_per_rank: int,
@@ -71,14 +81,17 @@ def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_pe
     Arguments:
         library: the loaded probe family (:func:`spec`).
         args: the launch's arguments; ``args.row_bytes`` a multiple of 16, ``args.awaited`` only with a
-            push (``pull == 0``) by the warps.
+            push (``pull == 0``) by the warps; ``args.copy_warps`` from 1 to :data:`WARPS_PER_BLOCK`;
+            ``args.copy_batch`` one of :data:`COPY_BATCHES` (warp copies); ``args.bulk_chunk_bytes`` a
+            multiple of 16 and ``args.bulk_stages`` from 2 to :data:`MAX_BULK_STAGES` (bulk copies), whose
+            shared memory (:func:`bulk_shared_bytes`) must fit a block.
         grid: blocks of the launch.
         buffer_bytes_per_rank: the size of each rank's probe buffer (at least :func:`buffer_bytes`).
         bulk: copy with the Hopper bulk-copy unit (TMA) instead of the warps' loads and stores.
 
     Raises:
-        ValueError: ``bulk`` on a build without the Hopper path, ``awaited`` with a pull or ``bulk``, or
-            rows that do not fit the buffers; nothing is launched then.
+        ValueError: ``bulk`` on a build without the Hopper path, ``awaited`` with a pull or ``bulk``, a
+            copy shape out of range, or rows that do not fit the buffers; nothing is launched then.
     """
     if bulk and not library.spec.sm90_features:
         raise ValueError(f"probe: bulk copies need the Hopper (sm_90) path, but the probe was built as "
@@ -91,4 +104,16 @@ def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_pe
     if needed > buffer_bytes_per_rank:
         raise ValueError(f"probe: {args.max_rows} rows of {args.row_bytes} bytes a peer need a buffer of {needed} "
                          f"bytes, this one has {buffer_bytes_per_rank}")
-    launcher.launch(library, BULK_ENTRY if bulk else COPY_ENTRY, stream, grid, NUM_THREADS, args)
+    if not 1 <= args.copy_warps <= WARPS_PER_BLOCK:
+        raise ValueError(f"probe: copy_warps must be 1 to {WARPS_PER_BLOCK}, got {args.copy_warps}")
+    shared_bytes = 0
+    if bulk:
+        if args.bulk_chunk_bytes <= 0 or args.bulk_chunk_bytes % 16 or not 2 <= args.bulk_stages <= MAX_BULK_STAGES:
+            raise ValueError(f"probe: bulk_chunk_bytes must be a positive multiple of 16 and bulk_stages 2 to "
+                             f"{MAX_BULK_STAGES}, got {args.bulk_chunk_bytes} and {args.bulk_stages}")
+        shared_bytes = bulk_shared_bytes(args.copy_warps, args.bulk_chunk_bytes, args.bulk_stages)
+        launcher.allow_shared_bytes(library, BULK_ENTRY, shared_bytes)
+    elif args.copy_batch not in COPY_BATCHES:
+        raise ValueError(f"probe: copy_batch must be one of {COPY_BATCHES}, got {args.copy_batch}")
+    launcher.launch(library, BULK_ENTRY if bulk else COPY_ENTRY, stream, grid, NUM_THREADS, args, shared_bytes)
+

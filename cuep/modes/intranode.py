@@ -32,7 +32,7 @@ from ..jit import Library
 from ..kernels import intranode as kernels
 from ..kernels.intranode import (MAX_EXPERTS, MAX_RANKS, MAX_ROUND_ROWS, META_BYTES, ROUND_UNIT_TOKENS, STATE_WORDS,
                                  pusher_warps)
-from ..kernels.launcher import KernelArgs, launch
+from ..kernels.launcher import KernelArgs, allow_shared_bytes, launch
 from ..kernels.status import Status
 from ..runtime.regions import SymmetricMemory
 from .handles import FlatHandle
@@ -473,5 +473,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     args.order_num_topk = order_topk_idx.shape[1] if order_topk_idx is not None else 0
     args.experts_per_rank = experts_per_rank
     args.combined_x, args.combined_topk_weights = combined_x.data.ptr, _ptr(combined_weights)
-    launch(ctx.library, args.entry, stream, num_sms, kernels.NUM_THREADS, args)
+    entry, shared_bytes = kernels.combine_launch(ctx.library.spec.sm90_features, num_sms)
+    allow_shared_bytes(ctx.library, entry, shared_bytes)
+    launch(ctx.library, entry, stream, num_sms, kernels.NUM_THREADS, args, shared_bytes)
     return combined_x, combined_weights

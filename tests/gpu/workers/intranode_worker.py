@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
+from cuep.kernels.intranode import BULK_PUSH_MAX_BLOCKS
 from cuep.modes import internode, intranode
 
 comm = MPI.COMM_WORLD
@@ -92,9 +93,11 @@ def dispatch_and_check(buffer, inputs: AllInputs, num_experts, with_topk=True, a
     return recv_x, recv_weights, handle
 
 
-def combine_and_check(buffer, inputs: AllInputs, num_experts, recv_x, recv_weights, handle, biases=None):
+def combine_and_check(buffer, inputs: AllInputs, num_experts, recv_x, recv_weights, handle, biases=None,
+                      config=None):
     """Each rank scales what it received by (rank + 1) and sends it back; the sums (and the combined
-    weights) must match the reference's. ``biases``: one or two lists of every rank's bias."""
+    weights) must match the reference's. ``biases``: one or two lists of every rank's bias; ``config``:
+    the combine's (its SM count), or the default."""
     all_recv = reference.dispatch(inputs.xs, inputs.topk_idxs, num_experts, inputs.topk_weights)
     scaled = [(r.recv_x.astype(np.float32) * (k + 1)).astype(BF16) for k, r in enumerate(all_recv)]
     mine = cupy.asarray(scaled[rank])
@@ -105,7 +108,8 @@ def combine_and_check(buffer, inputs: AllInputs, num_experts, recv_x, recv_weigh
     if biases is not None:
         bias_arg = tuple(cupy.asarray(b[rank]) for b in biases)
         bias_arg = bias_arg[0] if len(bias_arg) == 1 else bias_arg
-    combined, combined_weights, _ = buffer.combine(mine, handle, topk_weights=recv_weights, bias=bias_arg)
+    combined, combined_weights, _ = buffer.combine(mine, handle, topk_weights=recv_weights, bias=bias_arg,
+                                                   config=config)
     want_x, want_w = reference.combine(scaled, [r.recv_src for r in all_recv], inputs.num_tokens,
                                        [r.recv_topk_weights for r in all_recv],
                                        [[b[s] for b in biases] for s in range(num_ranks)] if biases else None)
@@ -157,6 +161,16 @@ def bf16_topk8_masked_odd_tokens(buffer):
 def fp8_column_major_scales_hidden_7168(buffer):
     inputs = all_inputs(513, 7168, EXPERTS, 8, fp8=True)
     dispatch_and_check(buffer, inputs, EXPERTS, column_major_scales=True)
+
+
+def combine_on_few_and_many_sms(buffer):
+    """The combine pushes through the bulk-copy unit on at most BULK_PUSH_MAX_BLOCKS SMs (Hopper) and with
+    the warps' copies above: both must give the reference's sums, with two biases and weights."""
+    inputs = all_inputs(lambda s: 1500 + 77 * s, 7168, EXPERTS, 8)
+    biases = [[bf16_normals(key, inputs.num_tokens[s], 7168, s) for s in range(num_ranks)] for key in (5, 6)]
+    recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+    for sms in (1, 8, BULK_PUSH_MAX_BLOCKS, BULK_PUSH_MAX_BLOCKS + 1, 96):
+        combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle, biases, config=cuep.Config(sms))
 
 
 def without_topk(buffer):
@@ -615,6 +629,7 @@ def main() -> None:
         ("bf16 top-8, -1 entries, odd token counts, combine with weights", bf16_topk8_masked_odd_tokens),
         ("fp8 with column-major scales, hidden 7168", fp8_column_major_scales_hidden_7168),
         ("fp8 with packed UE8M0 (int32) scales, then cached", fp8_packed_ue8m0_scales_then_cached),
+        ("combine on 1 to 96 SMs: bulk pushes and the warps' copies", combine_on_few_and_many_sms),
         ("without top-k", without_topk),
         ("cached dispatch with new x", cached_dispatch_new_x),
         ("cached FP8 dispatches back to back, then a cached BF16 dispatch and combine",
