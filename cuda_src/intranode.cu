@@ -1101,18 +1101,21 @@ constexpr int kPusherWarps = kWarpsPerBlock - kReducerWarps;
 constexpr int kTokenSlices = 4;
 constexpr int kBulkPushTokenSlices = 2;
 
-// A launch of at most kBulkPushMaxBlocks blocks, on the Hopper path, pushes through the bulk-copy unit
-// (the entry combine_bulk):
+// A launch of at most BULK_PUSH_MAX_BLOCKS blocks (cuep/kernels/intranode.py), on the Hopper path, pushes
+// through the bulk-copy unit (the entry combine_bulk):
 // lane 0 of each pusher warp drives its rows through kBulkPushStages chunks of dynamic shared memory
-// (BulkRing; the host sizes it, combine_shared_bytes in cuep/kernels/intranode.py). On few SMs a
+// (BulkRing; the host sizes it, combine_launch in cuep/kernels/intranode.py). On few SMs a
 // warp's copy is bound by the bytes its registers keep in flight (2 KB), which the reducers' registers
 // leave no room to raise; shared memory holds 24 KB a warp. On many SMs NVLink is the bound and the
 // warps' copies are as fast (docs/performance-log.md, v0.17.0).
-constexpr int kBulkPushMaxBlocks = CUEP_BULK_PUSH_MAX_BLOCKS;
 constexpr int kBulkPushStages = CUEP_BULK_PUSH_STAGES;
 constexpr int kBulkPushChunkBytes = CUEP_BULK_PUSH_CHUNK_BYTES;
 static_assert(kReducerWarps > 0 && kPusherWarps > 0 && kBulkPushStages >= 2 && kBulkPushStages <= kMaxBulkStages &&
               kBulkPushChunkBytes % 16 == 0, "the combine's warps and bulk stages");
+// What the host launches combine_bulk with: each pusher warp's chunks, then their mbarriers.
+static_assert(CUEP_BULK_PUSH_SHARED_BYTES ==
+                  kPusherWarps * kBulkPushStages * (kBulkPushChunkBytes + static_cast<int>(sizeof(uint64_t))),
+              "combine_launch (cuep/kernels/intranode.py) sizes combine_bulk's shared memory otherwise");
 
 // Rows a pusher warp has landed but not yet counted: consecutive rows of one chunk of one source
 // are counted together, in one release instead of one per row. Every lane holds the same state; the
@@ -1423,8 +1426,8 @@ combine(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const in
 
 #if CUEP_ENABLE_SM90_FEATURES
 // The same combine, its pushers copying through the bulk-copy unit (combine_rounds<true>), launched with
-// combine_shared_bytes (cuep/kernels/intranode.py) of dynamic shared memory on at most
-// kBulkPushMaxBlocks blocks. Hopper builds only.
+// combine_launch's dynamic shared memory (cuep/kernels/intranode.py) on at most BULK_PUSH_MAX_BLOCKS
+// blocks. Hopper builds only.
 __global__ void __launch_bounds__(kNumThreads, 1)
 combine_bulk(const uint64_t* args_peer_bases, const int32_t* args_recv_info, const int32_t* args_send_pos,
         const int32_t* args_send_prefix, const int32_t* args_recv_src_idx, int args_rank, int args_num_ranks,

@@ -425,7 +425,7 @@ def bench_ceiling(args) -> None:
     prefix = cupy.asarray(np.concatenate([[0], np.cumsum(received)]).astype(np.int32))
     cupy.cuda.Device(device_id).synchronize()  # the arrays above are zeroed (SymmetricMemory zeroed its own)
     remote_rows = sum(received) - received[rank]
-    copy_warps = args.copy_warps or probe_kernel.WARPS_PER_BLOCK
+    copy_warps = probe_kernel.WARPS_PER_BLOCK if args.copy_warps is None else args.copy_warps
     results = {}
     stream = cupy.cuda.Stream(non_blocking=True)
     bulk_modes = (False, True) if probe_library.spec.sm90_features else (False,)

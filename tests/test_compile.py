@@ -108,3 +108,20 @@ def test_trace_switch_builds_the_stamping_variant(monkeypatch):
     stamps = [compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem, keep_ptx=True).ptx
               .count("%globaltimer") for spec in (plain, traced)]
     assert stamps[1] > stamps[0]  # the plain build reads the timer for deadlines only
+
+
+def test_combine_pushes_in_bulk_on_few_sms_of_the_hopper_path_only():
+    """combine_launch picks combine_bulk, with its shared memory, on at most BULK_PUSH_MAX_BLOCKS SMs of a Hopper
+    build (which has the entry), and the warps' combine otherwise; the size fits a Hopper block's opt-in
+    limit (227 KiB), and the compiled kernel's static_assert holds it to the device's layout."""
+    from cuep.kernels import intranode
+    most = intranode.BULK_PUSH_MAX_BLOCKS
+    for grid in (1, 20, most):
+        assert intranode.combine_launch(True, grid) == (intranode.COMBINE_BULK_ENTRY, intranode.BULK_PUSH_SHARED_BYTES)
+        assert intranode.combine_launch(False, grid) == (intranode.COMBINE_ENTRY, 0)
+    for grid in (most + 1, 132):
+        assert intranode.combine_launch(True, grid) == (intranode.COMBINE_ENTRY, 0)
+    assert 48 * 1024 < intranode.BULK_PUSH_SHARED_BYTES + 2048 <= 227 * 1024
+    assert intranode.COMBINE_BULK_ENTRY in intranode.spec("sm_90").entries
+    assert intranode.COMBINE_BULK_ENTRY not in intranode.spec("sm_80").entries
+    assert intranode.COMBINE_BULK_ENTRY not in intranode.spec("sm_90", force_fallback=True).entries

@@ -6,8 +6,9 @@ arguments, never part of a spec, so a new batch size never recompiles.
 
 Features by arch (what each build really uses):
   * ``sm_90``: the Hopper path: hardware FP8 conversion, ``aggressive_ptx`` available, and the
-    bulk-copy (TMA) wrappers of ``cuda_src/cuep/ptx.cuh`` compiled in; only the benchmark's NVLink
-    ceiling probe uses them, every communication kernel moves data with ordinary loads and stores.
+    bulk-copy (TMA) wrappers of ``cuda_src/cuep/ptx.cuh`` compiled in; the intranode combine on few
+    SMs (``combine_bulk``) and the benchmark's NVLink ceiling probe use them, every other kernel moves
+    data with ordinary loads and stores.
     No kernel uses cluster launch.
   * ``sm_80``/``sm_86``/``sm_87``: the fallback path, FP8 conversion in software.
   * ``sm_89`` and archs other than ``sm_90``: the fallback path with hardware FP8.

@@ -9,6 +9,8 @@ buffer layout they assume are :mod:`cuep.modes.intranode`'s. Each entry has an a
     cuep::intranode::receive_routing(RoutingArgs)   grid num_sms (every block resident at once)
     cuep::intranode::dispatch_push(PushArgs)    grid num_sms (every block resident at once)
     cuep::intranode::combine(CombineArgs)       grid num_sms (every block resident at once)
+    cuep::intranode::combine_bulk(CombineArgs)  the same on at most BULK_PUSH_MAX_BLOCKS SMs (Hopper builds),
+                                                with combine_launch's dynamic shared memory
 
 all with :data:`NUM_THREADS` threads a block. An entry takes its struct's fields, nested ones
 included, as scalar parameters in order (a struct parameter changed the code NVRTC made of the hot
@@ -48,10 +50,13 @@ BULK_PUSH_MAX_BLOCKS = 32        # a combine of at most this many blocks pushes 
 BULK_PUSH_STAGES = 6             # chunks of shared memory each of its pusher warps cycles through
 BULK_PUSH_CHUNK_BYTES = 4096     # bytes of each of its bulk copies
 
+# combine_bulk's dynamic shared memory: each pusher warp's chunks, then their mbarriers (8 bytes each)
+BULK_PUSH_SHARED_BYTES = (NUM_THREADS // 32 - COMBINE_REDUCER_WARPS) * BULK_PUSH_STAGES * (BULK_PUSH_CHUNK_BYTES + 8)
+
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
              "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS,
-             "combine_reducer_warps": COMBINE_REDUCER_WARPS, "bulk_push_max_blocks": BULK_PUSH_MAX_BLOCKS,
-             "bulk_push_stages": BULK_PUSH_STAGES, "bulk_push_chunk_bytes": BULK_PUSH_CHUNK_BYTES}
+             "combine_reducer_warps": COMBINE_REDUCER_WARPS, "bulk_push_stages": BULK_PUSH_STAGES,
+             "bulk_push_chunk_bytes": BULK_PUSH_CHUNK_BYTES, "bulk_push_shared_bytes": BULK_PUSH_SHARED_BYTES}
 """What ``intranode.cu`` reads as ``CUEP_<NAME>`` macros besides the shared ones (its ``static_assert``\\ s
 check that they fit together)."""
 
@@ -74,8 +79,7 @@ def combine_launch(sm90_features: bool, grid: int) -> tuple[str, int]:
     otherwise the warps copy (``combine``, no dynamic shared memory)."""
     if not sm90_features or grid > BULK_PUSH_MAX_BLOCKS:
         return COMBINE_ENTRY, 0
-    pusher_warps = NUM_THREADS // 32 - COMBINE_REDUCER_WARPS
-    return COMBINE_BULK_ENTRY, pusher_warps * BULK_PUSH_STAGES * (BULK_PUSH_CHUNK_BYTES + 8)
+    return COMBINE_BULK_ENTRY, BULK_PUSH_SHARED_BYTES
 
 
 def stage_grid(num_ranks: int, num_sms: int) -> int:
