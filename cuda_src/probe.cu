@@ -63,7 +63,7 @@ struct ProbeArgs {
     int pull;                     // 1: copy peers' rows here (dispatch); 0: push rows to peers (combine)
     int awaited;                  // push only: end once every peer's rows have landed here
     int copy_warps;               // warps of each block that copy (the rest idle), 1 to kWarpsPerBlock
-    int copy_batch;               // warp copies: 16-byte vectors a lane has in flight (kProbeBatches)
+    int copy_batch;               // warp copies: 16-byte vectors a lane has in flight (COPY_BATCHES in cuep/kernels/probe.py)
     int bulk_chunk_bytes;         // bulk copies: bytes of one bulk load and store, a multiple of 16
     int bulk_stages;              // bulk copies: chunks of shared memory each copying warp cycles through
     uint64_t* state;              // [kStateWords] this rank's

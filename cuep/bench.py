@@ -19,6 +19,7 @@ import numpy as np
 from . import _deps
 from .kernels.common import SCALE_BLOCK
 from .kernels import low_latency as low_latency_kernels
+from .kernels.probe import COPY_BATCHES
 
 TUNE_SMS = [16, 24, 32, 48, 64, 96, 128]
 BACK_TO_BACK = 20  # low-latency graph replays timed as one run
@@ -705,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
     parser.add_argument("--copy-warps", type=int, default=None,
                         help="ceiling: warps of each block that copy (default all 16; the combine's pushers: 8)")
-    parser.add_argument("--copy-batch", type=int, default=4, choices=(4, 8, 16),
+    parser.add_argument("--copy-batch", type=int, default=4, choices=COPY_BATCHES,
                         help="ceiling: 16-byte vectors each lane of a warp copy has in flight (the kernels': 4)")
     parser.add_argument("--bulk-chunk-bytes", type=int, default=1024, help="ceiling: bytes of each bulk (TMA) copy")
     parser.add_argument("--bulk-stages", type=int, default=2,

@@ -31,8 +31,8 @@ using cuda::std::uint32_t;
 using cuda::std::uint64_t;
 
 // Hopper (sm_90) path: the bulk-copy (TMA) wrappers of ptx.cuh are compiled in (the intranode
-// combine_bulk and the benchmark's NVLink ceiling probe use them) and aggressive_ptx may be set. No kernel uses cluster launch. Off
-// on other archs and when the fallback is forced.
+// combine_bulk and the benchmark's NVLink ceiling probe use them) and aggressive_ptx may be set. No
+// kernel uses cluster launch. Off on other archs and when the fallback is forced.
 constexpr bool kEnableSM90Features = CUEP_ENABLE_SM90_FEATURES != 0;
 // Read-once data through the non-coherent L1-bypassing path (see ld_nc_global in ptx.cuh).
 constexpr bool kAggressivePtx = CUEP_AGGRESSIVE_PTX != 0;

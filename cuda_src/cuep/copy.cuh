@@ -64,10 +64,10 @@ constexpr int kMaxBulkStages = 16;
 // One thread's pipeline of bulk (TMA) copies through `stages` chunks of shared memory, kept full across
 // rows: a chunk is loaded as soon as a stage is free; once stages - 1 loads are in flight the oldest is
 // stored (after it has landed) before the next load, which takes the stage stored one step earlier, once
-// that store has read it (bulk_stores_read<1>). Unlike a warp's copy, the
-// bytes in flight take no registers. Hopper path only (the bulk instructions trap elsewhere); the
-// thread initialises `landed` (init) before its first copy and calls complete() before it releases
-// what it copied. kMaxStages bounds `stages` (it sizes the per-stage destinations the thread keeps).
+// that store has read it (bulk_stores_read<1>). Unlike a warp's copy, the bytes in flight take no
+// registers. Hopper path only (the bulk instructions trap elsewhere); the thread initialises `landed`
+// (init) before its first copy and calls complete() before it releases what it copied. kMaxStages
+// bounds `stages` (it sizes the per-stage destinations the thread keeps).
 template <int kMaxStages = kMaxBulkStages>
 struct BulkRing {
     uint8_t* chunks;      // [stages][chunk_bytes]

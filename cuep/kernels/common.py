@@ -30,6 +30,12 @@ def network_defines(across_hosts: bool) -> dict[str, int]:
     return {NETWORK_DEFINE: 1} if across_hosts else {}
 
 
+def bulk_ring_shared_bytes(warps: int, stages: int, chunk_bytes: int) -> int:
+    """Shared memory of ``warps`` warps' ``cuep::BulkRing``\\ s (``cuda_src/cuep/copy.cuh``) of ``stages`` chunks of
+    ``chunk_bytes``: every warp's chunks, then their mbarriers (8 bytes each)."""
+    return warps * stages * (chunk_bytes + 8)
+
+
 def family_constants(own: dict[str, int] | None = None) -> dict[str, int]:
     """:data:`CONSTANTS` with a family's own (``spec()`` of each launch module passes this)."""
     clash = set(CONSTANTS) & set(own or {})

@@ -50,8 +50,8 @@ BULK_PUSH_MAX_BLOCKS = 32        # a combine of at most this many blocks pushes 
 BULK_PUSH_STAGES = 6             # chunks of shared memory each of its pusher warps cycles through
 BULK_PUSH_CHUNK_BYTES = 4096     # bytes of each of its bulk copies
 
-# combine_bulk's dynamic shared memory: each pusher warp's chunks, then their mbarriers (8 bytes each)
-BULK_PUSH_SHARED_BYTES = (NUM_THREADS // 32 - COMBINE_REDUCER_WARPS) * BULK_PUSH_STAGES * (BULK_PUSH_CHUNK_BYTES + 8)
+BULK_PUSH_SHARED_BYTES = common.bulk_ring_shared_bytes(NUM_THREADS // 32 - COMBINE_REDUCER_WARPS, BULK_PUSH_STAGES,
+                                                       BULK_PUSH_CHUNK_BYTES)  # combine_bulk's dynamic shared memory
 
 CONSTANTS = {"num_threads": NUM_THREADS, "max_ranks": MAX_RANKS, "meta_bytes": META_BYTES,
              "control_bytes": CONTROL_BYTES, "max_experts": MAX_EXPERTS, "state_words": STATE_WORDS,

@@ -66,11 +66,6 @@ ARGUMENT_STRUCTS = (ProbeArgs,)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)
 
 
-def bulk_shared_bytes(copy_warps: int, chunk_bytes: int, stages: int) -> int:
-    """Dynamic shared memory of a bulk probe block: each copying warp's chunks, then their mbarriers."""
-    return copy_warps * stages * (chunk_bytes + 8)
-
-
 def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_per_rank: int,
            bulk: bool = False) -> None:
     """Enqueue one probe launch on ``stream`` (a CuPy stream).
@@ -84,7 +79,7 @@ def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_pe
             push (``pull == 0``) by the warps; ``args.copy_warps`` from 1 to :data:`WARPS_PER_BLOCK`;
             ``args.copy_batch`` one of :data:`COPY_BATCHES` (warp copies); ``args.bulk_chunk_bytes`` a
             multiple of 16 and ``args.bulk_stages`` from 2 to :data:`MAX_BULK_STAGES` (bulk copies), whose
-            shared memory (:func:`bulk_shared_bytes`) must fit a block.
+            shared memory (:func:`cuep.kernels.common.bulk_ring_shared_bytes`) must fit a block.
         grid: blocks of the launch.
         buffer_bytes_per_rank: the size of each rank's probe buffer (at least :func:`buffer_bytes`).
         bulk: copy with the Hopper bulk-copy unit (TMA) instead of the warps' loads and stores.
@@ -111,7 +106,7 @@ def launch(library: Library, stream, args: ProbeArgs, grid: int, buffer_bytes_pe
         if args.bulk_chunk_bytes <= 0 or args.bulk_chunk_bytes % 16 or not 2 <= args.bulk_stages <= MAX_BULK_STAGES:
             raise ValueError(f"probe: bulk_chunk_bytes must be a positive multiple of 16 and bulk_stages 2 to "
                              f"{MAX_BULK_STAGES}, got {args.bulk_chunk_bytes} and {args.bulk_stages}")
-        shared_bytes = bulk_shared_bytes(args.copy_warps, args.bulk_chunk_bytes, args.bulk_stages)
+        shared_bytes = common.bulk_ring_shared_bytes(args.copy_warps, args.bulk_stages, args.bulk_chunk_bytes)
         launcher.allow_shared_bytes(library, BULK_ENTRY, shared_bytes)
     elif args.copy_batch not in COPY_BATCHES:
         raise ValueError(f"probe: copy_batch must be one of {COPY_BATCHES}, got {args.copy_batch}")
