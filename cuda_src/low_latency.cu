@@ -111,10 +111,10 @@ constexpr int kTraceTablePublished = CUEP_TRACE_TABLE_PUBLISHED;  // routing row
 constexpr int kTraceTokensStored = CUEP_TRACE_TOKENS_STORED;      // token stores issued (before their flags)
 constexpr int kTraceSendDone = CUEP_TRACE_SEND_DONE;
 constexpr int kTraceTablesRead = CUEP_TRACE_TABLES_READ;          // every source's routing table arrived
-constexpr int kTraceIdsRead = CUEP_TRACE_IDS_READ;                // the (last) unit read its routed ids
-constexpr int kTraceLaidOut = CUEP_TRACE_LAID_OUT;                // the block's (last) unit laid out
+constexpr int kTraceIdsRead = CUEP_TRACE_IDS_READ;                // every routed id read into the layout
+constexpr int kTraceLaidOut = CUEP_TRACE_LAID_OUT;                // the call laid out
 constexpr int kTraceFlagsReleased = CUEP_TRACE_FLAGS_RELEASED;    // latest token flag release that returned
-constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest token flag a row waited for
+constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest token flag a receive waited for
 constexpr int kTraceRowsCopied = CUEP_TRACE_ROWS_COPIED;
 constexpr int kTraceEnd = CUEP_TRACE_END;
 // Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
@@ -646,7 +646,6 @@ struct DispatchArgs {
     int32_t* cumulative_stats;     // [L] or nullptr
     uint64_t* source_decisions;    // shrink mode: [kNumBuffers][num_ranks], see agree_on_source; else nullptr
     int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each source, added
-    int num_parts;                 // blocks that share one local expert's rows
     uint64_t* seq_state;
     uint64_t timeout_ns;
     MaskedStatus status;
@@ -970,75 +969,31 @@ __device__ __forceinline__ int routed_id(const DispatchArgs& a, int s, int t, in
     return static_cast<int>(__ldcg(reinterpret_cast<const unsigned long long*>(routed_ids(a, s, t) + k)));
 }
 
-// Copy the arrived token (s, t) into row `row` of local expert e (global id `expert`).
-static __device__ void receive_row(const DispatchArgs& a, int e, int expert, int row, int s, int t, uint64_t seq,
-                            uint64_t deadline_ns) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
-    const int64_t flat_row = e * rows_per_expert + row;
-    const bool chooses_expert = lane < a.num_topk && routed_id(a, s, t, lane) == expert;  // loaded before the copy
-    const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
-    const bool arrived = wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride + t, seq, deadline_ns,
-                                       a.status, s, kPhaseLowLatencyToken);
-    if (lane == 0)
-        add_wait(a.wait_stats, s, started);
-    if (!arrived)  // the call is void, or (shrink mode) s was masked during it: the row keeps no data
-        return;
-    if (lane == 0)
-        trace_latest(a.trace, kTraceLastRowFlag);
-    const uint8_t* message = message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
-    const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
-    const int num_vectors = static_cast<int>(data_bytes / kBytesPerVector);
-    const int4* src = reinterpret_cast<const int4*>(message);
-    int4* dst = reinterpret_cast<int4*>(a.recv_x + flat_row * data_bytes);
-    batched_copy<int4, kCopyBatch>(lane, kWarpSize, num_vectors, [&](int v) { return ld_cg_global(src + v); },
-                                   [&](int v, const int4& value) { st_na_global(dst + v, value); });
-    if (a.use_fp8) {
-        const float* scales = reinterpret_cast<const float*>(message + a.hidden);
-        const int num_scales = a.hidden / kScaleBlock;
-        if (a.use_ue8m0) {
-            const int num_words = num_scales / kScalesPerUe8m0Word;
-            int32_t* out = static_cast<int32_t*>(a.recv_scales) + e * num_words * rows_per_expert + row;
-            auto packed_word = [&](int w) {
-                uint32_t word = 0;
-#pragma unroll
-                for (int i = 0; i < kScalesPerUe8m0Word; ++i)
-                    word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
-                return static_cast<int32_t>(word);
-            };
-            batched_copy<int32_t, kCopyBatch>(lane, kWarpSize, num_words, packed_word,
-                                              [&](int w, int32_t word) { out[w * rows_per_expert] = word; });
-        } else {
-            float* out = static_cast<float*>(a.recv_scales) + e * num_scales * rows_per_expert + row;
-            batched_copy<float, kCopyBatch>(lane, kWarpSize, num_scales, [&](int g) { return __ldcg(scales + g); },
-                                            [&](int g, float scale) { out[g * rows_per_expert] = scale; });
-        }
-    }
-    if (lane == 0)
-        a.recv_src_info[flat_row] = t;
-    if (chooses_expert)
-        a.combine_rows[(static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk + lane] =
-            static_cast<int32_t>(flat_row);
-}
-
-// The receive's shared state (dynamic shared memory): each source's token count, and one unit's
-// layout: a bit per (source, token) naming the unit's expert, and the first row of each bitmap word.
+// The receive's shared state (dynamic shared memory; dispatch_shared_bytes in cuep/kernels/low_latency.py
+// sizes it): each source's token count, then the whole call's layout, which every block builds alone
+// from the routing tables: a bit per (local expert, source, token) naming the expert, and the first row
+// of each (expert, source) range, in (source, token) order within each expert.
 struct ReceiveState {
     int32_t* source_tokens;  // [R]
-    uint32_t* bits;          // [R][words_per_source]
-    int32_t* word_base;      // [R][words_per_source]
-    int words_per_source, num_words;
+    int32_t* source_first;   // [L][R + 1]: an expert's first row from each source; entry R: its row count
+    uint32_t* bits;          // [L][R][words_per_source]
+    int words_per_source;
 };
 
 static __device__ ReceiveState receive_state(const DispatchArgs& a) {
     extern __shared__ int32_t shared[];
+    const int L = a.num_experts / a.num_ranks;
     ReceiveState r;
     r.words_per_source = (a.max_tokens + kWarpSize - 1) / kWarpSize;
-    r.num_words = a.num_ranks * r.words_per_source;
     r.source_tokens = shared;
-    r.bits = reinterpret_cast<uint32_t*>(shared + a.num_ranks);
-    r.word_base = shared + a.num_ranks + r.num_words;
+    r.source_first = shared + a.num_ranks;
+    r.bits = reinterpret_cast<uint32_t*>(r.source_first + L * (a.num_ranks + 1));
     return r;
+}
+
+// Bitmap word w of (local expert e, source s).
+__device__ __forceinline__ uint32_t* expert_bits(const DispatchArgs& a, const ReceiveState& r, int e, int s) {
+    return r.bits + (static_cast<int64_t>(e) * a.num_ranks + s) * r.words_per_source;
 }
 
 // Shrink mode: what every block of this call takes source s to have sent, given what this block saw
@@ -1083,118 +1038,188 @@ static __device__ void read_source_tokens(const Team& team, const DispatchArgs& 
     team.sync();
 }
 
-// Rows of local expert e: which (source, token) pairs name it, one bit each, then rows in (source,
-// token) order. Writes the expert's count and per-source ranges (part 0 only). Ends with a team barrier.
-static __device__ void lay_out_unit(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
-                             uint64_t seq, uint64_t deadline_ns) {
-    __shared__ int32_t total_rows;
-    const int R = a.num_ranks, expert = a.rank * (a.num_experts / R) + e;
-    const int lane = threadIdx.x % kWarpSize;
-    for (int i = team.thread(); i < r.num_words; i += team.size)
+// The call's layout, built by every block alone (the blocks then share nothing): which (source, token)
+// pairs name each local expert, one bit each, and each expert's rows in (source, token) order. Block b
+// also writes the counts and per-source ranges of experts b, b + grid, ... Ends with a team barrier.
+static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+                                    uint64_t deadline_ns) {
+    const int R = a.num_ranks, L = a.num_experts / R, first_expert = a.rank * L;
+    for (int i = team.thread(); i < L * R * r.words_per_source; i += team.size)
         r.bits[i] = 0;
     team.sync();
     for (int i = team.thread(); i < R * a.max_tokens; i += team.size) {
         const int s = i / a.max_tokens, t = i % a.max_tokens;
         if (t >= r.source_tokens[s])
             continue;
-        bool chosen = false;
         // Unmasked: a source this call counts sent its whole table (agree_on_source), even if masked since.
         read_table<kIdsAtOnce, true>(routed_ids(a, s, t), a.num_topk, seq, deadline_ns, a.status.unmasked(), s,
-                                     kPhaseLowLatencyRouting,
-                                     [&](int, uint32_t id) { chosen |= static_cast<int>(id) == expert; });
-        if (chosen)
-            atomicOr(r.bits + s * r.words_per_source + t / kWarpSize, 1u << (t % kWarpSize));
+                                     kPhaseLowLatencyRouting, [&](int, uint32_t word) {
+                                         const int e = static_cast<int>(word) - first_expert;
+                                         if (e >= 0 && e < L)
+                                             atomicOr(expert_bits(a, r, e, s) + t / kWarpSize, 1u << (t % kWarpSize));
+                                     });
     }
     team.sync();
     if (team.leader())
         trace_mark(a.trace, kTraceIdsRead);
-    if (team.thread() < kWarpSize) {
-        int carry = 0;
-        for (int first = 0; first < r.num_words; first += kWarpSize) {
-            const int i = first + lane;
-            const int count = i < r.num_words ? __popc(r.bits[i]) : 0;
-            int inclusive = count;
-#pragma unroll
-            for (int d = 1; d < kWarpSize; d *= 2) {
-                const int below = __shfl_up_sync(kFullWarpMask, inclusive, d);
-                if (lane >= d)
-                    inclusive += below;
-            }
-            if (i < r.num_words)
-                r.word_base[i] = carry + inclusive - count;
-            carry += __shfl_sync(kFullWarpMask, inclusive, kWarpSize - 1);
-        }
-        if (lane == 0)
-            total_rows = carry;
+    for (int i = team.thread(); i < L * R; i += team.size) {  // each (expert, source)'s rows, at entry s + 1
+        const uint32_t* bits = expert_bits(a, r, i / R, i % R);
+        int rows = 0;
+        for (int w = 0; w < r.words_per_source; ++w)
+            rows += __popc(bits[w]);
+        r.source_first[(i / R) * (R + 1) + i % R + 1] = rows;
     }
     team.sync();
-    if (part == 0) {
-        for (int s = team.thread(); s < R; s += team.size) {
-            const int first = r.word_base[s * r.words_per_source];
-            const int end = s + 1 < R ? r.word_base[(s + 1) * r.words_per_source] : total_rows;
-            a.layout_range[static_cast<int64_t>(e) * R + s] = (static_cast<int64_t>(first) << 32) | (end - first);
+    for (int e = team.thread(); e < L; e += team.size) {  // into first rows (an exclusive sum), then the total
+        int32_t* first = r.source_first + e * (R + 1);
+        int sum = 0;
+        for (int s = 0; s <= R; ++s) {
+            const int rows = s < R ? first[s + 1] : 0;
+            first[s] = sum;
+            sum += rows;
         }
+    }
+    team.sync();
+    for (int e = blockIdx.x; e < L; e += gridDim.x) {
+        const int32_t* first = r.source_first + e * (R + 1);
+        for (int s = team.thread(); s < R; s += team.size)
+            a.layout_range[static_cast<int64_t>(e) * R + s] =
+                (static_cast<int64_t>(first[s]) << 32) | (first[s + 1] - first[s]);
         if (team.leader()) {
-            a.recv_count[e] = total_rows;
+            a.recv_count[e] = first[R];
             if (a.cumulative_stats != nullptr)
-                atomicAdd(a.cumulative_stats + e, total_rows);
+                atomicAdd(a.cumulative_stats + e, first[R]);
         }
     }
 }
 
-// Copy the unit's rows (those with row % num_parts == part) as their tokens arrive. Ends with a team barrier.
-static __device__ void copy_unit_rows(const Team& team, const DispatchArgs& a, const ReceiveState& r, int e, int part,
-                               uint64_t seq, uint64_t deadline_ns) {
-    const int expert = a.rank * (a.num_experts / a.num_ranks) + e;
-    const int warp = team.thread() / kWarpSize, num_warps = team.size / kWarpSize;
-    for (int i = warp; i < r.num_words; i += num_warps) {
-        const uint32_t word = r.bits[i];
-        for (uint32_t left = word; left != 0; left &= left - 1) {
-            const int bit = __ffs(left) - 1;
-            const int row = r.word_base[i] + __popc(word & ((1u << bit) - 1));
-            if (row % a.num_parts == part)
-                receive_row(a, e, expert, row, i / r.words_per_source, (i % r.words_per_source) * kWarpSize + bit,
-                            seq, deadline_ns);
-        }
-    }
-    team.sync();
+// The row of token t from source s in local expert e, which the token names (lay_out_call's order).
+__device__ __forceinline__ int expert_row(const DispatchArgs& a, const ReceiveState& r, int e, int s, int t) {
+    const uint32_t* bits = expert_bits(a, r, e, s);
+    int row = r.source_first[e * (a.num_ranks + 1) + s] + __popc(bits[t / kWarpSize] & ((1u << (t % kWarpSize)) - 1));
+    for (int w = 0; w < t / kWarpSize; ++w)
+        row += __popc(bits[w]);
+    return row;
 }
 
-// combine_rows entries naming another rank's expert (or none) have no row here: -1. From the last
-// blocks first, which have no receive unit when the grid outnumbers the units.
-static __device__ void mark_foreign_choices(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+// A warp: values [0, count) loaded once (load(i), lane-strided as in batched_copy), each stored to every
+// lane in `targets` as store(its expert, its row, i, value). Every lane calls it: the targets' (expert,
+// row) are shuffled from them in warp-uniform code.
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void copy_to_targets(int count, uint32_t targets, int e, int row, const Load& load,
+                                                const Store& store) {
+    const int lane = threadIdx.x % kWarpSize;
+    for (int base = lane; base - lane < count; base += kCopyBatch * kWarpSize) {
+        T values[kCopyBatch];
+#pragma unroll
+        for (int i = 0; i < kCopyBatch; ++i)
+            if (base + i * kWarpSize < count)
+                values[i] = load(base + i * kWarpSize);
+        for (uint32_t left = targets; left != 0; left &= left - 1) {
+            const int from = __ffs(left) - 1;
+            const int to_e = __shfl_sync(kFullWarpMask, e, from), to_row = __shfl_sync(kFullWarpMask, row, from);
+#pragma unroll
+            for (int i = 0; i < kCopyBatch; ++i)
+                if (base + i * kWarpSize < count)
+                    store(to_e, to_row, base + i * kWarpSize, values[i]);
+        }
+    }
+}
+
+// A warp: token t of source s, once it arrived, into the row of each local expert it names (read once,
+// stored to each row), and its combine_rows entries: the flat row of each choice, -1 for another rank's
+// expert (or none).
+static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& r, int s, int t, uint64_t seq,
                                      uint64_t deadline_ns) {
+    const int lane = threadIdx.x % kWarpSize;
     const int L = a.num_experts / a.num_ranks;
-    const int entries_per_source = a.max_tokens * a.num_topk;
-    for (int64_t i = (gridDim.x - 1 - blockIdx.x) * static_cast<int64_t>(team.size) + team.thread();
-         i < static_cast<int64_t>(a.num_ranks) * entries_per_source; i += static_cast<int64_t>(gridDim.x) * team.size) {
-        const int s = static_cast<int>(i / entries_per_source), within = static_cast<int>(i % entries_per_source);
-        if (within / a.num_topk >= r.source_tokens[s])
-            continue;
-        read_table<1>(routed_ids(a, s, within / a.num_topk) + within % a.num_topk, 1, seq, deadline_ns,
-                      a.status.unmasked(), s,
-                      kPhaseLowLatencyRouting,
-                      [&](int, uint32_t word) {
-                          const int id = static_cast<int>(word);
-                          if (id < a.rank * L || id >= (a.rank + 1) * L)
-                              a.combine_rows[i] = -1;
-                      });
+    const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
+    int e = -1;
+    if (lane < a.num_topk) {
+        e = routed_id(a, s, t, lane) - a.rank * L;  // the layout saw every word land
+        e = e >= 0 && e < L ? e : -1;
+    }
+    int32_t* choice_rows = a.combine_rows + (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
+    if (lane < a.num_topk && e < 0)
+        choice_rows[lane] = -1;
+    // One copy per local expert: the first lane naming it stores the token (a token may name one twice).
+    const uint32_t same_expert = __match_any_sync(kFullWarpMask, e >= 0 ? e : -1 - lane);
+    const uint32_t targets = __ballot_sync(kFullWarpMask, e >= 0 && __ffs(same_expert) - 1 == lane);
+    if (targets == 0)
+        return;
+    const int row = e >= 0 ? expert_row(a, r, e, s, t) : 0;
+    const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
+    // Each lane acquires the flag itself; the warp then goes on only if every lane saw it (the copy below
+    // shuffles across the warp).
+    const bool arrived = __all_sync(kFullWarpMask, wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride
+                                                                 + t, seq, deadline_ns, a.status, s,
+                                                                 kPhaseLowLatencyToken));
+    if (lane == 0)
+        add_wait(a.wait_stats, s, started);
+    if (!arrived)  // the call is void, or (shrink mode) s was masked during it: the rows keep no data
+        return;
+    if (lane == 0)
+        trace_latest(a.trace, kTraceLastRowFlag);
+    const uint8_t* message = message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
+    const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
+    const int4* src = reinterpret_cast<const int4*>(message);
+    copy_to_targets<int4>(static_cast<int>(data_bytes / kBytesPerVector), targets, e, row,
+                          [&](int v) { return ld_cg_global(src + v); },
+                          [&](int to_e, int to_row, int v, const int4& value) {
+                              st_na_global(reinterpret_cast<int4*>(
+                                               a.recv_x + (to_e * rows_per_expert + to_row) * data_bytes) + v, value);
+                          });
+    if (a.use_fp8) {
+        const float* scales = reinterpret_cast<const float*>(message + a.hidden);
+        const int num_scales = a.hidden / kScaleBlock;
+        if (a.use_ue8m0) {
+            const int num_words = num_scales / kScalesPerUe8m0Word;
+            auto packed_word = [&](int w) {
+                uint32_t word = 0;
+#pragma unroll
+                for (int i = 0; i < kScalesPerUe8m0Word; ++i)
+                    word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
+                return static_cast<int32_t>(word);
+            };
+            copy_to_targets<int32_t>(num_words, targets, e, row, packed_word,
+                                     [&](int to_e, int to_row, int w, int32_t word) {
+                                         static_cast<int32_t*>(a.recv_scales)
+                                             [(to_e * num_words + w) * rows_per_expert + to_row] = word;
+                                     });
+        } else {
+            copy_to_targets<float>(num_scales, targets, e, row, [&](int g) { return __ldcg(scales + g); },
+                                   [&](int to_e, int to_row, int g, float scale) {
+                                       static_cast<float*>(a.recv_scales)
+                                           [(to_e * num_scales + g) * rows_per_expert + to_row] = scale;
+                                   });
+        }
+    }
+    if (e >= 0) {
+        const int64_t flat_row = e * rows_per_expert + row;
+        a.recv_src_info[flat_row] = t;  // a lane naming an expert twice writes the same value
+        choice_rows[lane] = static_cast<int32_t>(flat_row);
     }
 }
 
-// Lay out and copy each receive unit of this block as its tokens arrive.
+// Lay out the call, then receive every (source, token) pair, a warp each: pair i goes to block i % grid,
+// so that every SM takes a share of the copies (a decode call has fewer pairs than the grid has warps).
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const ReceiveState r = receive_state(a);
     read_source_tokens(team, a, r, seq, deadline_ns);
     if (team.leader())
         trace_mark(a.trace, kTraceTablesRead);
-    mark_foreign_choices(team, a, r, seq, deadline_ns);
-    const int num_units = a.num_experts / a.num_ranks * a.num_parts;
-    for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        lay_out_unit(team, a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
-        if (team.leader())
-            trace_mark(a.trace, kTraceLaidOut);
-        copy_unit_rows(team, a, r, unit / a.num_parts, unit % a.num_parts, seq, deadline_ns);
+    lay_out_call(team, a, r, seq, deadline_ns);
+    if (team.leader())
+        trace_mark(a.trace, kTraceLaidOut);
+    const int warps = team.size / kWarpSize;
+    for (int i = team.thread() / kWarpSize * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens;
+         i += gridDim.x * warps) {
+        const int s = i / a.max_tokens, t = i % a.max_tokens;
+        if (t < r.source_tokens[s])
+            receive_token(a, r, s, t, seq, deadline_ns);
+    }
+    if constexpr (kTrace) {
+        team.sync();
         if (team.leader())
             trace_mark(a.trace, kTraceRowsCopied);
     }

@@ -5,7 +5,7 @@ are compiled at first use with NVRTC for the GPU found, and run across MPI ranks
 NVSHMEM. Importing cuep touches no GPU, MPI, disk or environment.
 """
 
-__version__ = "0.17.0"  # the one place the version is set: pyproject.toml and the docs read it here
+__version__ = "0.18.0"  # the one place the version is set: pyproject.toml and the docs read it here
 
 from .buffer import Buffer  # noqa: E402
 from .config import Config  # noqa: E402

@@ -511,10 +511,22 @@ class _Graphs:
         graph.launch(self.stream)
 
 
+def _trace_row(trace, points: dict[int, str]) -> np.ndarray:
+    """``[points, 3]`` of the launch that just stamped ``trace``: the earliest, median and latest block
+    reaching each point, in us after its first block started; NaN where no block got there."""
+    stamps = trace.get().astype(np.int64)
+    start = stamps[:, 0][stamps[:, 0] > 0].min()
+    row = np.full((len(points), 3), np.nan)
+    for i, point in enumerate(points):
+        reached = stamps[:, point][stamps[:, point] > 0]
+        if reached.size:
+            row[i] = np.array([reached.min(), np.median(reached), reached.max()]) - start
+    return row / 1e3
+
+
 def _trace_launch(trace, graphs: "_Graphs", graph, points: dict[int, str]) -> np.ndarray:
-    """``[points, 3]``: the earliest, median and latest block reaching each point, in us after the
-    launch's first block started; medians over TRACE_SAMPLES launches, each the last of BACK_TO_BACK
-    replays (so it runs as in a decode loop). Points no block reached are NaN."""
+    """:func:`_trace_row`'s medians over TRACE_SAMPLES launches, each the last of BACK_TO_BACK replays
+    (so it runs as in a decode loop)."""
     samples = []
     for _ in range(TRACE_SAMPLES):
         with graphs.stream:
@@ -522,14 +534,22 @@ def _trace_launch(trace, graphs: "_Graphs", graph, points: dict[int, str]) -> np
                 graphs.launch(graph)
             trace.fill(0)
             graphs.launch(graph)
-            stamps = trace.get().astype(np.int64)
-        start = stamps[:, 0][stamps[:, 0] > 0].min()
-        row = np.full((len(points), 3), np.nan)
-        for i, point in enumerate(points):
-            reached = stamps[:, point][stamps[:, point] > 0]
-            if reached.size:
-                row[i] = np.array([reached.min(), np.median(reached), reached.max()]) - start
-        samples.append(row / 1e3)
+            samples.append(_trace_row(trace, points))
+    return np.median(np.stack(samples), axis=0)
+
+
+def _trace_receive(trace, graphs: "_Graphs", send_graph, recv_graph, points: dict[int, str], comm) -> np.ndarray:
+    """:func:`_trace_row`'s medians over TRACE_SAMPLES hook receives, each launched once every rank's send
+    completed: the receive's own work, as a profiler sees a hook called after a GEMM (DeepEP's test)."""
+    samples = []
+    for _ in range(TRACE_SAMPLES):
+        with graphs.stream:
+            graphs.launch(send_graph)
+            graphs.stream.synchronize()
+            comm.Barrier()
+            trace.fill(0)
+            graphs.launch(recv_graph)
+            samples.append(_trace_row(trace, points))
     return np.median(np.stack(samples), axis=0)
 
 
@@ -635,7 +655,10 @@ def bench_low_latency(args) -> None:
     if args.trace:
         trace = buffer.get_low_latency_trace()
         traces = {"dispatch": _trace_launch(trace, graphs, dispatch_graph, DISPATCH_TRACE),
-                  "combine": _trace_launch(trace, graphs, combine_graph, COMBINE_TRACE)}
+                  "combine": _trace_launch(trace, graphs, combine_graph, COMBINE_TRACE),
+                  "dispatch receive": _trace_receive(trace, graphs, send_graph, recv_graph, DISPATCH_TRACE, comm),
+                  "combine receive": _trace_receive(trace, graphs, combine_send_graph, combine_recv_graph,
+                                                    COMBINE_TRACE, comm)}
 
     in_rank = _token_in_rank(topk_idx, experts, num_ranks)
     fp8_rows = cupy.zeros((tokens, _fp8_row_bytes(hidden)), dtype=cupy.uint8)
@@ -676,6 +699,10 @@ def bench_low_latency(args) -> None:
         print("(times above are of the CUEP_TRACE build)")
         _print_trace("dispatch fp8", DISPATCH_TRACE, [g["dispatch"] for g in gathered_traces])
         _print_trace("combine bf16", COMBINE_TRACE, [g["combine"] for g in gathered_traces])
+        _print_trace("dispatch fp8 hook receive, after every send completed", DISPATCH_TRACE,
+                     [g["dispatch receive"] for g in gathered_traces])
+        _print_trace("combine bf16 hook receive, after every send completed", COMBINE_TRACE,
+                     [g["combine receive"] for g in gathered_traces])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,14 +51,26 @@ def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
     assert low_latency.flags_bytes(4) % 4096 == 0 and fixed % 4096 == 0
 
 
-def test_dispatch_shared_memory_stays_within_the_default_limit():
-    limit = kernels.MAX_SHARED_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
-    assert kernels.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, 64) <= limit
+_DEFAULT_BLOCK_BYTES, _HOPPER_BLOCK_BYTES = 48 * 1024, 227 * 1024  # without and with opting in
+
+
+def test_dispatch_shared_memory_of_deepseek_shapes_needs_no_opt_in():
+    # 288 experts (DeepSeek's 256 and redundant ones) at the largest token count, on 4 to 64 ranks
+    limit = _DEFAULT_BLOCK_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
+    for ranks in (4, 8, 16, 32, 64):
+        experts = 288 if 288 % ranks == 0 else 256
+        assert kernels.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, ranks, experts) <= limit, ranks
+
+
+def test_dispatch_shared_memory_counts_every_local_expert_s_bitmap():
+    # R counts, L x (R + 1) first rows, L x R x ceil(T / 32) bitmap words, 4 bytes each
+    assert kernels.dispatch_shared_bytes(128, 4, 288) == (4 + 72 * 5 + 72 * 4 * 4) * 4
+    assert kernels.dispatch_shared_bytes(129, 2, 8) == (2 + 4 * 3 + 4 * 2 * 5) * 4
 
 
 @pytest.mark.parametrize("variant", ["default", "fallback", "aggressive_ptx"])
 def test_the_dispatch_s_own_shared_memory_fits_its_bound(variant):
-    """The dynamic shared memory allowed is the block's 48 KiB less DISPATCH_STATIC_SHARED_BYTES: that bound must
+    """The dynamic shared memory allowed is the block's limit less DISPATCH_STATIC_SHARED_BYTES: that bound must
     hold what the compiled kernel declares itself, or the largest shapes fail at launch."""
     from .builds import compiled
     from .cubin import static_shared_bytes
@@ -68,15 +80,19 @@ def test_the_dispatch_s_own_shared_memory_fits_its_bound(variant):
 
 
 def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
-    ranks = 256
-    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 on 256 ranks") as error:
-        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks)
+    ranks, experts = 8, 2048
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 from 8 ranks to num_experts=2048") \
+            as error:
+        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 1024, ranks, experts, _HOPPER_BLOCK_BYTES)
     most = int(str(error.value).rsplit("<= ", 1)[1].split()[0])
-    limit = kernels.MAX_SHARED_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
-    assert kernels.dispatch_shared_bytes(most, ranks) <= limit < kernels.dispatch_shared_bytes(most + 32, ranks)
-    with pytest.raises(ValueError, match="use fewer ranks per Buffer"):
-        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8192)
-    assert kernels.check_dispatch_shared_bytes("c", most, ranks) == kernels.dispatch_shared_bytes(most, ranks)
+    limit = _HOPPER_BLOCK_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
+    assert 0 < most < 1024 and most % 32 == 0
+    assert kernels.dispatch_shared_bytes(most, ranks, experts) <= limit
+    assert kernels.dispatch_shared_bytes(most + 32, ranks, experts) > limit
+    assert kernels.check_dispatch_shared_bytes("c", most, ranks, experts, _HOPPER_BLOCK_BYTES) == \
+        kernels.dispatch_shared_bytes(most, ranks, experts)
+    with pytest.raises(ValueError, match="use fewer experts per Buffer"):
+        kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8, 65536, _DEFAULT_BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])

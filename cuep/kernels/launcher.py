@@ -123,21 +123,33 @@ _DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch may take wit
 _allowed_shared: dict[tuple[int, int], int] = {}  # (kernel handle, device) -> the bytes it was allowed
 
 
-def allow_shared_bytes(functions: Functions, entry: str, shared_bytes: int) -> None:
-    """Let ``entry`` launch on the current device with ``shared_bytes`` of dynamic shared memory (past the
-    48 KiB a launch gets without opting in); once per kernel, device and size.
+@functools.lru_cache(maxsize=None)
+def _block_shared_bytes(device_id: int) -> int:
+    return int(_deps.cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def block_shared_bytes() -> int:
+    """The most shared memory, static and dynamic, a block may take on the current device once its kernel
+    opted in (:func:`allow_shared_bytes`)."""
+    return _block_shared_bytes(_deps.cupy().cuda.Device().id)
+
+
+def allow_shared_bytes(functions: Functions, entry: str, shared_bytes: int, static_bytes: int = 0) -> None:
+    """Let ``entry`` launch on the current device with ``shared_bytes`` of dynamic shared memory beside
+    ``static_bytes`` of its own (past the 48 KiB a block gets without opting in); once per kernel, device
+    and size.
 
     Raises:
         ValueError: more than a block of this GPU may have; CuepError: the driver refused.
     """
-    if shared_bytes <= _DEFAULT_SHARED_BYTES:
+    if shared_bytes + static_bytes <= _DEFAULT_SHARED_BYTES:
         return
     cupy, driver = _deps.cupy(), _deps.cuda_driver()
     device = cupy.cuda.Device()
     handle = functions.function(entry)
     if _allowed_shared.get((handle, device.id), 0) >= shared_bytes:
         return
-    limit = device.attributes["MaxSharedMemoryPerBlockOptin"]
+    limit = block_shared_bytes()
     if shared_bytes > limit:
         raise ValueError(f"{entry}: {shared_bytes} bytes of shared memory a block exceed this GPU's {limit}")
     # The library's handles are CUkernels, whose attributes are set per device.

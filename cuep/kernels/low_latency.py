@@ -43,7 +43,6 @@ SEQ_LATEST, SEQ_RECEIVED = 0, 1  # in it: the newest call number sent, then the 
 # rank still has to tell the other ranks (masked by hand) or has told them (or was told).
 MASKED_TO_TELL, MASKED_TOLD = 1, 2
 ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then each token's choices]
-MAX_SHARED_BYTES = 48 * 1024    # static and dynamic together, without opting in to more
 DISPATCH_STATIC_SHARED_BYTES = 2048  # a bound on the dispatch's own (tests/test_low_latency_layout.py checks the build)
 
 TRACE_POINTS = 16               # uint64 stamps per block in CUEP_TRACE builds (trace[num_sms, TRACE_POINTS])
@@ -55,11 +54,11 @@ DISPATCH_TRACE = {"start": (0, "start"),
                   "tokens_stored": (2, "token stores issued"),
                   "send_done": (3, "send done"),
                   "tables_read": (4, "routing tables arrived"),
-                  "ids_read": (10, "unit's routed ids read"),
-                  "laid_out": (5, "unit laid out"),
+                  "ids_read": (10, "routed ids read"),
+                  "laid_out": (5, "call laid out"),
                   "flags_released": (6, "token flag releases returned"),
-                  "last_row_flag": (7, "last row's token flag seen"),
-                  "rows_copied": (8, "rows copied"),
+                  "last_row_flag": (7, "last token flag seen"),
+                  "rows_copied": (8, "tokens copied"),
                   "end": (9, "end")}
 COMBINE_TRACE = {"start": (0, "start"),
                  "table_published": (1, "weight tables published"),
@@ -122,7 +121,6 @@ class DispatchArgs(KernelArgs):
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
         ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
         ("source_decisions", ctypes.c_void_p), ("wait_stats", ctypes.c_void_p),
-        ("num_parts", ctypes.c_int),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),
         ("trace", ctypes.c_void_p),
     ]
@@ -165,30 +163,31 @@ def grid(num_sms: int) -> int:
     return num_sms
 
 
-def dispatch_num_parts(num_sms: int, num_local_experts: int) -> int:
-    """Blocks that share one local expert's receive rows (``DispatchArgs.num_parts``)."""
-    return max(1, num_sms // num_local_experts)
+_SHARED_WORD_BYTES = 4  # int32 counts and first rows, uint32 bitmap words
 
 
-_SHARED_WORD_BYTES = 4  # int32 counts, uint32 bitmap words, int32 prefixes
-
-
-def dispatch_shared_bytes(max_tokens: int, num_ranks: int) -> int:
-    """Dynamic shared memory of the dispatch (``ReceiveState``): each source's token count, then a bit
-    per (source, token) naming the unit's expert and the first row of each bitmap word."""
+def dispatch_shared_bytes(max_tokens: int, num_ranks: int, num_experts: int) -> int:
+    """Dynamic shared memory of the dispatch (``ReceiveState``): each source's token count, then the call's
+    layout, which every block builds: each local expert's first row from each source and its row count, and
+    a bit per (local expert, source, token)."""
+    num_local = num_experts // num_ranks
     words_per_source = ceil_div(max_tokens, WARP_SIZE)
-    return (num_ranks + 2 * num_ranks * words_per_source) * _SHARED_WORD_BYTES
+    return (num_ranks + num_local * (num_ranks + 1) + num_local * num_ranks * words_per_source) * _SHARED_WORD_BYTES
 
 
-def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int) -> int:
-    """The dispatch's shared memory, or ValueError when ``max_tokens`` from ``num_ranks`` ranks would need
-    more than a block gets without opting in (the launch would fail with a bare CUDA error)."""
-    needed = dispatch_shared_bytes(max_tokens, num_ranks)
-    limit = MAX_SHARED_BYTES - DISPATCH_STATIC_SHARED_BYTES
+def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int, num_experts: int,
+                                block_bytes: int) -> int:
+    """The dispatch's shared memory, or ValueError when ``max_tokens`` from each of ``num_ranks`` ranks to
+    ``num_experts`` experts would need more than a block of this GPU may take (``block_bytes``, the opt-in
+    limit; the launch would fail with a bare CUDA error)."""
+    needed = dispatch_shared_bytes(max_tokens, num_ranks, num_experts)
+    limit = block_bytes - DISPATCH_STATIC_SHARED_BYTES
     if needed > limit:
-        most = (limit // (_SHARED_WORD_BYTES * num_ranks) - 1) // 2 * WARP_SIZE
-        fix = f"use num_max_dispatch_tokens_per_rank <= {most}" if most > 0 else "use fewer ranks per Buffer"
-        raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} on {num_ranks} ranks needs "
-                         f"{needed} bytes of shared memory per block for the receive layout (at most {limit}); "
-                         f"{fix} at this rank count")
+        num_local = num_experts // num_ranks
+        spare_words = limit // _SHARED_WORD_BYTES - num_ranks - num_local * (num_ranks + 1)
+        most = max(0, spare_words // (num_local * num_ranks)) * WARP_SIZE
+        fix = f"use num_max_dispatch_tokens_per_rank <= {most}" if most > 0 else "use fewer experts per Buffer"
+        raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} from {num_ranks} ranks to "
+                         f"num_experts={num_experts} needs {needed} bytes of shared memory per block for the receive "
+                         f"layout (this GPU allows {limit}); {fix} with these experts")
     return needed

@@ -47,11 +47,11 @@ from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
-from ..kernels.launcher import KernelArgs, Launch
-from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, MASKED_TO_TELL, MAX_TOKENS_PER_RANK,
-                                   MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE,
-                                   SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS, CombineArgs, DispatchArgs,
-                                   check_dispatch_shared_bytes, dispatch_num_parts, grid)
+from ..kernels.launcher import KernelArgs, Launch, allow_shared_bytes, block_shared_bytes
+from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, DISPATCH_STATIC_SHARED_BYTES,
+                                   MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE,
+                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS,
+                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
@@ -393,7 +393,8 @@ def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int,
                    use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> Plan:
     """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
-    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks)
+    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks, num_experts,
+                                               block_shared_bytes())
     regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                               use_ue8m0, x_dtype)
     routing_flags, _, token_flags, *_ = ctx.flags()
@@ -407,9 +408,9 @@ def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int,
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
     a.staging_words = layout.routing_staging_words
-    a.num_parts = dispatch_num_parts(ctx.num_sms, num_experts // ctx.num_ranks)
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
+    allow_shared_bytes(ctx, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
     outputs = ("recv_x", "recv_count", "recv_scales") if use_fp8 else ("recv_x", "recv_count")
     return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
                 tuple(regions[name].offset for name in _OUTPUT_FIELDS), tuple(regions[name] for name in outputs),
