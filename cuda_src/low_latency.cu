@@ -117,6 +117,8 @@ constexpr int kTraceFlagsReleased = CUEP_TRACE_FLAGS_RELEASED;    // latest toke
 constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest token flag a receive waited for
 constexpr int kTraceRowsCopied = CUEP_TRACE_ROWS_COPIED;
 constexpr int kTraceEnd = CUEP_TRACE_END;
+constexpr int kTraceEntry = CUEP_TRACE_ENTRY;  // the block entered the kernel (both calls)
+constexpr int kTraceExit = CUEP_TRACE_EXIT;    // the block leaves, after the call's bookkeeping (both calls)
 // Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
 constexpr int kTraceWeightsReady = CUEP_TRACE_WEIGHTS_READY;      // latest pair with rows and weights ready
 constexpr int kTracePartialStored = CUEP_TRACE_PARTIAL_STORED;    // latest partial stored (before its flag)
@@ -991,7 +993,7 @@ static __device__ ReceiveState receive_state(const DispatchArgs& a) {
     return r;
 }
 
-// Bitmap word w of (local expert e, source s).
+// The bitmap words of (local expert e, source s): a bit per token.
 __device__ __forceinline__ uint32_t* expert_bits(const DispatchArgs& a, const ReceiveState& r, int e, int s) {
     return r.bits + (static_cast<int64_t>(e) * a.num_ranks + s) * r.words_per_source;
 }
@@ -1040,7 +1042,8 @@ static __device__ void read_source_tokens(const Team& team, const DispatchArgs& 
 
 // The call's layout, built by every block alone (the blocks then share nothing): which (source, token)
 // pairs name each local expert, one bit each, and each expert's rows in (source, token) order. Block b
-// also writes the counts and per-source ranges of experts b, b + grid, ... Ends with a team barrier.
+// also writes the counts and per-source ranges of experts b, b + grid, ... The layout is complete (a team
+// barrier) before those writes.
 static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
                                     uint64_t deadline_ns) {
     const int R = a.num_ranks, L = a.num_experts / R, first_expert = a.rank * L;
@@ -1202,7 +1205,8 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
 }
 
 // Lay out the call, then receive every (source, token) pair, a warp each: pair i goes to block i % grid,
-// so that every SM takes a share of the copies (a decode call has fewer pairs than the grid has warps).
+// so that every SM takes a share of the copies (a decode call often has fewer pairs than the grid has
+// warps, and given in order they would fill only the first blocks).
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const ReceiveState r = receive_state(a);
     read_source_tokens(team, a, r, seq, deadline_ns);
@@ -1651,6 +1655,7 @@ static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t
 namespace cuep::low_latency {
 
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs launched) {
+    cuep::trace_block(launched.trace, cuep::kTraceEntry);
     uint64_t seq;
     const bool in_order = cuep::start_call(launched, seq);
     const cuep::DispatchArgs args = cuep::in_buffer(launched, seq);
@@ -1662,10 +1667,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs la
         __syncthreads();  // the end is the last team's
     cuep::trace_block(args.trace, cuep::kTraceEnd);
     cuep::finish_launch(args, seq, in_order);
+    cuep::trace_block(args.trace, cuep::kTraceExit);
 }
 
 
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs launched) {
+    cuep::trace_block(launched.trace, cuep::kTraceEntry);
     uint64_t seq;
     const bool in_order = cuep::start_call(launched, seq);
     const cuep::CombineArgs args = cuep::in_buffer(launched, seq);
@@ -1683,6 +1690,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs laun
         cuep::combine_recv(args, seq, deadline_ns);
     cuep::trace_block(args.trace, cuep::kTraceEnd);
     cuep::finish_launch(args, seq, in_order);
+    cuep::trace_block(args.trace, cuep::kTraceExit);
 }
 
 }  // namespace cuep::low_latency

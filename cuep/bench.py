@@ -513,9 +513,9 @@ class _Graphs:
 
 def _trace_row(trace, points: dict[int, str]) -> np.ndarray:
     """``[points, 3]`` of the launch that just stamped ``trace``: the earliest, median and latest block
-    reaching each point, in us after its first block started; NaN where no block got there."""
+    reaching each point, in us after its first block entered the kernel; NaN where no block got there."""
     stamps = trace.get().astype(np.int64)
-    start = stamps[:, 0][stamps[:, 0] > 0].min()
+    start = stamps[stamps > 0].min()
     row = np.full((len(points), 3), np.nan)
     for i, point in enumerate(points):
         reached = stamps[:, point][stamps[:, point] > 0]
@@ -538,15 +538,19 @@ def _trace_launch(trace, graphs: "_Graphs", graph, points: dict[int, str]) -> np
     return np.median(np.stack(samples), axis=0)
 
 
-def _trace_receive(trace, graphs: "_Graphs", send_graph, recv_graph, points: dict[int, str], comm) -> np.ndarray:
+def _trace_receive(trace, graphs: "_Graphs", send_graph, recv_graph, points: dict[int, str], comm,
+                   before=None) -> np.ndarray:
     """:func:`_trace_row`'s medians over TRACE_SAMPLES hook receives, each launched once every rank's send
-    completed: the receive's own work, as a profiler sees a hook called after a GEMM (DeepEP's test)."""
+    completed: the receive's own work. ``before``: run on the stream just before each receive (DeepEP's test
+    calls its hooks after a large GEMM, which leaves the caches to the GEMM's data)."""
     samples = []
     for _ in range(TRACE_SAMPLES):
         with graphs.stream:
             graphs.launch(send_graph)
             graphs.stream.synchronize()
             comm.Barrier()
+            if before is not None:
+                before()
             trace.fill(0)
             graphs.launch(recv_graph)
             samples.append(_trace_row(trace, points))
@@ -554,7 +558,8 @@ def _trace_receive(trace, graphs: "_Graphs", send_graph, recv_graph, points: dic
 
 
 def _print_trace(name: str, points: dict[int, str], per_rank: list[np.ndarray]) -> None:
-    print(f"trace: {name} (us after the first block started; mean over ranks of medians over {TRACE_SAMPLES} launches)")
+    print(f"trace: {name} (us after the first block entered the kernel; mean over ranks of medians over "
+          f"{TRACE_SAMPLES} launches)")
     print(f"  {'point':32s} {'first block':>12s} {'median':>8s} {'last block':>11s}")
     mean = np.nanmean(np.stack(per_rank), axis=0)
     for (_, label), (first, median, last) in zip(points.items(), mean):
@@ -659,6 +664,11 @@ def bench_low_latency(args) -> None:
                   "dispatch receive": _trace_receive(trace, graphs, send_graph, recv_graph, DISPATCH_TRACE, comm),
                   "combine receive": _trace_receive(trace, graphs, combine_send_graph, combine_recv_graph,
                                                     COMBINE_TRACE, comm)}
+        # DeepEP's test's GEMM: two float32 8192 x 8192 matrices multiplied.
+        lhs = cupy.random.default_rng(7).standard_normal((8192, 8192), dtype=cupy.float32)
+        traces["dispatch receive after a GEMM"] = _trace_receive(trace, graphs, send_graph, recv_graph,
+                                                                 DISPATCH_TRACE, comm, lambda: lhs @ lhs)
+        del lhs
 
     in_rank = _token_in_rank(topk_idx, experts, num_ranks)
     fp8_rows = cupy.zeros((tokens, _fp8_row_bytes(hidden)), dtype=cupy.uint8)
@@ -703,6 +713,8 @@ def bench_low_latency(args) -> None:
                      [g["dispatch receive"] for g in gathered_traces])
         _print_trace("combine bf16 hook receive, after every send completed", COMBINE_TRACE,
                      [g["combine receive"] for g in gathered_traces])
+        _print_trace("dispatch fp8 hook receive, after every send completed and a GEMM", DISPATCH_TRACE,
+                     [g["dispatch receive after a GEMM"] for g in gathered_traces])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,7 +119,7 @@ def launch(functions: Functions, entry: str, stream, grid: int, block: int, args
     Launch(functions, entry, grid, block, args, shared_bytes)(stream)
 
 
-_DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a launch may take without opting in
+_DEFAULT_SHARED_BYTES = 48 * 1024  # shared memory, static and dynamic, a block may take without opting in
 _allowed_shared: dict[tuple[int, int], int] = {}  # (kernel handle, device) -> the bytes it was allowed
 
 
@@ -150,8 +150,9 @@ def allow_shared_bytes(functions: Functions, entry: str, shared_bytes: int, stat
     if _allowed_shared.get((handle, device.id), 0) >= shared_bytes:
         return
     limit = block_shared_bytes()
-    if shared_bytes > limit:
-        raise ValueError(f"{entry}: {shared_bytes} bytes of shared memory a block exceed this GPU's {limit}")
+    if shared_bytes + static_bytes > limit:
+        raise ValueError(f"{entry}: {shared_bytes} bytes of dynamic shared memory beside {static_bytes} of its own "
+                         f"exceed the {limit} a block of this GPU may take")
     # The library's handles are CUkernels, whose attributes are set per device.
     (err,) = driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          shared_bytes, driver.CUkernel(handle), driver.CUdevice(device.id))

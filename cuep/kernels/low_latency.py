@@ -48,8 +48,9 @@ DISPATCH_STATIC_SHARED_BYTES = 2048  # a bound on the dispatch's own (tests/test
 TRACE_POINTS = 16               # uint64 stamps per block in CUEP_TRACE builds (trace[num_sms, TRACE_POINTS])
 # Trace points, in the order a block passes them: name -> (index in a block's stamps, what cuep.bench
 # prints). The kernels read each index as kTrace<Name> (CUEP_TRACE_<NAME>); the combine reuses
-# indices of dispatch points it never passes, and shares start, table_published and end.
-DISPATCH_TRACE = {"start": (0, "start"),
+# indices of dispatch points it never passes, and shares entry, start, table_published, end and exit.
+DISPATCH_TRACE = {"entry": (11, "kernel entered"),
+                  "start": (0, "start"),
                   "table_published": (1, "routing rows published"),
                   "tokens_stored": (2, "token stores issued"),
                   "send_done": (3, "send done"),
@@ -59,15 +60,18 @@ DISPATCH_TRACE = {"start": (0, "start"),
                   "flags_released": (6, "token flag releases returned"),
                   "last_row_flag": (7, "last token flag seen"),
                   "rows_copied": (8, "tokens copied"),
-                  "end": (9, "end")}
-COMBINE_TRACE = {"start": (0, "start"),
+                  "end": (9, "end"),
+                  "exit": (12, "kernel left, its bookkeeping done")}
+COMBINE_TRACE = {"entry": (11, "kernel entered"),
+                 "start": (0, "start"),
                  "table_published": (1, "weight tables published"),
                  "weights_ready": (2, "pair rows and weights ready"),
                  "partial_stored": (3, "partial stored"),
                  "partial_flagged": (4, "partial flag raised"),
                  "partials_arrived": (5, "token's partials arrived"),
                  "tokens_summed": (6, "tokens summed"),
-                 "end": (9, "end")}
+                 "end": (9, "end"),
+                 "exit": (12, "kernel left, its bookkeeping done")}
 
 
 def _trace_constants() -> dict[str, int]:
@@ -186,8 +190,9 @@ def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int, num_
         num_local = num_experts // num_ranks
         spare_words = limit // _SHARED_WORD_BYTES - num_ranks - num_local * (num_ranks + 1)
         most = max(0, spare_words // (num_local * num_ranks)) * WARP_SIZE
-        fix = f"use num_max_dispatch_tokens_per_rank <= {most}" if most > 0 else "use fewer experts per Buffer"
+        fix = (f"use num_max_dispatch_tokens_per_rank <= {most} with these experts" if most > 0 else
+               "use fewer experts (num_experts): the layout grows with them")
         raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} from {num_ranks} ranks to "
                          f"num_experts={num_experts} needs {needed} bytes of shared memory per block for the receive "
-                         f"layout (this GPU allows {limit}); {fix} with these experts")
+                         f"layout (this GPU allows {limit}); {fix}")
     return needed

@@ -161,6 +161,25 @@ def fp8_ue8m0_topk16(buffer):
     combine_and_check(buffer, inputs, expected, EXPERTS, handle)
 
 
+def first_choice_twice(topk: np.ndarray) -> np.ndarray:
+    """Every third token names its first expert again as its second choice (one row for both)."""
+    topk = topk.copy()
+    topk[::3, 1] = topk[::3, 0]
+    return topk
+
+
+def many_local_experts_and_repeated_choices(buffer):
+    """The receive's layout holds every local expert in each block: more local experts than the GPU has SMs
+    (160), and about 2400 experts in all, whose layout takes more than a block's default 48 KiB of shared
+    memory (the kernel opts in); tokens naming one expert twice; FP8 and BF16, whole calls and hooks."""
+    for experts_per_rank, hidden, use_fp8, hook in ((160, 512, True, False), (160, 512, False, True),
+                                                    (2400 // num_ranks, 256, True, True)):
+        num_experts = experts_per_rank * num_ranks
+        inputs = all_inputs(lambda s: MAX_TOKENS - 5 * s, hidden, num_experts, 8, route=first_choice_twice)
+        handle, expected = dispatch_and_check(buffer, inputs, num_experts, use_fp8=use_fp8, hook=hook)
+        combine_and_check(buffer, inputs, expected, num_experts, handle, hook=hook)
+
+
 def bf16_zero_tokens_on_rank_1_out_and_zero_copy(buffer):
     inputs = all_inputs(lambda s: 0 if s == 1 else 77, 2048, FEW_EXPERTS, 8, masked=0.3)
     handle, expected = dispatch_and_check(buffer, inputs, FEW_EXPERTS, use_fp8=False)
@@ -741,6 +760,8 @@ def main() -> None:
         ("fp8, top-8, hidden 7168, uneven token counts, -1 entries", on_buffer(fp8_topk8_hidden_7168_uneven_tokens)),
         ("fp8 round_scale, top-1, hidden 2048", on_buffer(fp8_round_scale_topk1_hidden_2048)),
         ("fp8 UE8M0, top-16", on_buffer(fp8_ue8m0_topk16)),
+        ("more local experts than SMs, a layout past 48 KiB, tokens naming one expert twice",
+         on_buffer(many_local_experts_and_repeated_choices)),
         ("bf16, 0 tokens on rank 1, combine into out= from the zero-copy buffer",
          on_buffer(bf16_zero_tokens_on_rank_1_out_and_zero_copy)),
         ("hooks: two micro-batches in flight", on_buffer(hooks_two_micro_batches)),
