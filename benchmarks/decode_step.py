@@ -6,7 +6,7 @@ host's share of it taken apart.
 
 The step: an FP8 ``low_latency_dispatch`` with cumulative statistics, then a BF16 ``low_latency_combine`` of
 per-expert outputs, 128 tokens per rank, hidden 7168, top-8 of 288 experts with a few ``-1`` choices (DeepEP's
-test's workload). Per rank, each over ``--steps`` steps after ``--warmup``, CUDA events around each step and
+test's workload; ``--use-logfmt`` combines in LogFMT, as its ``--use-logfmt``). Per rank, each over ``--steps`` steps after ``--warmup``, CUDA events around each step and
 no synchronisation between steps, as DeepEP's ``bench``:
 
 - ``events``: DeepEP's figure, the mean of the per-step event spans (``avg_t``), and their minimum;
@@ -84,7 +84,8 @@ def run_rank(rank: int, args, port: int) -> None:
             x, topk_idx, args.tokens, args.experts, cumulative_local_expert_recv_stats=stats, use_fp8=True,
             async_finish=False, return_recv_hook=False)
         dispatched = time.perf_counter()
-        buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle, return_recv_hook=False)
+        buffer.low_latency_combine(expert_x, topk_idx, topk_weights, handle, use_logfmt=args.use_logfmt,
+                                   return_recv_hook=False)
         inside["dispatch"] += dispatched - started
         inside["combine"] += time.perf_counter() - dispatched
 
@@ -124,7 +125,8 @@ def run_rank(rank: int, args, port: int) -> None:
     rows = [None] * args.num_ranks
     dist.all_gather_object(rows, row, group=group)
     if rank == 0:
-        print(f"decode step on {args.backend}: {args.num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, "
+        print(f"decode step on {args.backend}{' (LogFMT combine)' if args.use_logfmt else ''}: {args.num_ranks} ranks, "
+              f"{args.tokens} tokens, hidden {args.hidden}, "
               f"top-{args.topk} of {args.experts}; us per step, {args.steps} steps", flush=True)
         print(f"{'':18} {'mean':>8} {'max':>8}   per rank", flush=True)
         for name in row:
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--default-device", default=None,
                         help="torch.set_default_device in every rank first (DeepEP's tests set 'cuda')")
+    parser.add_argument("--use-logfmt", action="store_true", help="combine with use_logfmt=True, as DeepEP's test's "
+                        "--use-logfmt does")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of its steps' host time")
     args = parser.parse_args()
     torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
