@@ -6,8 +6,9 @@ host's share of it taken apart.
 
 The step: an FP8 ``low_latency_dispatch`` with cumulative statistics, then a BF16 ``low_latency_combine`` of
 per-expert outputs, 128 tokens per rank, hidden 7168, top-8 of 288 experts with a few ``-1`` choices (DeepEP's
-test's workload; ``--use-logfmt`` combines in LogFMT, as its ``--use-logfmt``). Per rank, each over ``--steps`` steps after ``--warmup``, CUDA events around each step and
-no synchronisation between steps, as DeepEP's ``bench``:
+test's workload; ``--use-logfmt`` combines in LogFMT, as its ``--use-logfmt``). Per rank, each over ``--steps``
+steps after ``--warmup``, CUDA events around each step and no synchronisation between steps, as DeepEP's
+``bench``:
 
 - ``events``: DeepEP's figure, the mean of the per-step event spans (``avg_t``), and their minimum;
 - ``host``: the host's wall time per step over the same loop (the calls and the two event records);
