@@ -561,8 +561,12 @@ def _print_trace(name: str, points: dict[int, str], per_rank: list[np.ndarray]) 
     print(f"trace: {name} (us after the first block entered the kernel; mean over ranks of medians over "
           f"{TRACE_SAMPLES} launches)")
     print(f"  {'point':32s} {'first block':>12s} {'median':>8s} {'last block':>11s}")
-    mean = np.nanmean(np.stack(per_rank), axis=0)
+    stacked = np.stack(per_rank)
+    reached = (~np.isnan(stacked)).sum(axis=0)  # ranks whose blocks got to each point
+    mean = np.where(reached > 0, np.nansum(stacked, axis=0) / np.maximum(reached, 1), np.nan)
     for (_, label), (first, median, last) in zip(points.items(), mean):
+        if np.isnan(median):  # a point this launch never passes: a hook's receive passes no point of the send
+            continue
         print(f"  {label:32s} {first:12.2f} {median:8.2f} {last:11.2f}")
 
 

@@ -254,3 +254,19 @@ def test_a_sampled_profile_counts_only_the_samples_inside_the_calls():
     assert inclusive["Buffer.dispatch (cuep/buffer.py)"] == 8 and inclusive["TorchFront.views (torch/front.py)"] == 6
     assert leaves == {"TorchFront.views (torch/front.py:73)": 6, "timed_call (cuep/inner.py:5)": 2}
     assert children == {"_calls.<locals>.<lambda> (cuep/x.py)": 8}
+
+
+def test_a_trace_prints_the_points_some_rank_reached_and_leaves_out_the_rest(capsys):
+    import warnings
+
+    import numpy as np
+    points = {0: "start", 1: "send done", 2: "end"}
+    nan = np.nan
+    per_rank = [np.array([[0.5, 0.75, 1.0], [nan, nan, nan], [4.0, 5.0, 6.0]]),
+                np.array([[1.5, 1.25, 2.0], [nan, nan, nan], [nan, nan, nan]])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "mean of empty slice" for the point nobody reached
+        bench._print_trace("dispatch fp8 hook receive", points, per_rank)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:]}
+    assert rows == {"start": [1.0, 1.0, 1.5], "end": [4.0, 5.0, 6.0]}  # end: only the rank that reached it
