@@ -1235,6 +1235,15 @@ __device__ bool reduce_token(int token, int slice, int num_slices, const LandedC
     const int slice_vectors = (num_vectors + num_slices - 1) / num_slices;
     const uint64_t read_once = evict_first_policy();
     const int begin = slice * slice_vectors, end = min(num_vectors, begin + slice_vectors);
+    // The loop below keeps only its registers' 4 KB a warp in flight; the slice of every copy is asked of
+    // L2 at once, so that its later steps find their bytes there (docs/performance-log.md, session 54).
+    if (lane == 0 && begin < end) {
+#pragma unroll
+        for (int c = 0; c < kMaxRanks; ++c)
+            if (c < num_copies)
+                bulk_prefetch_l2(rows[c] + static_cast<int64_t>(begin) * sizeof(int4),
+                                 static_cast<uint32_t>((end - begin) * sizeof(int4)));
+    }
     for (int first = begin + lane; first < end; first += kReduceUnroll * kWarpSize) {
         float acc[kReduceUnroll][kBf16PerVector] = {};
         const auto add_biases = [&]() {

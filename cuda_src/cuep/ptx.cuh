@@ -219,4 +219,11 @@ __device__ __forceinline__ void bulk_stores_done() {
         __trap();
 }
 
+// Asks L2 for `bytes` of global memory from `global`, as one bulk request that holds no register and that
+// nothing waits for. A hint: without the Hopper path it does nothing.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* global, uint32_t bytes) {
+    if constexpr (kEnableSM90Features)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(global), "r"(bytes) : "memory");
+}
+
 }  // namespace cuep
