@@ -972,6 +972,10 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
 // One warp copies the row landed at `landed` into recv_x's row `row` (and its scales into recv_scales).
 __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8_t* landed, int64_t row,
                                              uint8_t* recv_x, float* recv_scales, int lane) {
+    // An FP8 row is asked of L2 first, so that the copy's later steps find their bytes there (as the combine's
+    // sum, reduce_token). A BF16 row's copy lost 1% to it on 24 SMs and more (docs/performance-log.md, session 54).
+    if (shape.num_scales > 0 && lane == 0)
+        bulk_prefetch_l2(landed, static_cast<uint32_t>(shape.hidden_bytes));
     warp_copy<false>(recv_x + row * shape.hidden_bytes, landed, shape.hidden_bytes, lane);
     const auto* scales_in = reinterpret_cast<const int32_t*>(landed + shape.hidden_bytes);
     auto* scales_out = reinterpret_cast<int32_t*>(recv_scales) + row * shape.num_scales;
