@@ -47,7 +47,7 @@ MAX_ROUND_ROWS = 1024 * ROUND_UNIT_TOKENS  # landing rows of a round: kMaxChunks
 
 COMBINE_REDUCER_WARPS = 8        # warps of each combine block that reduce from the start; the rest push
 BULK_PUSH_MAX_BLOCKS = 32        # a combine of at most this many blocks pushes through the bulk-copy unit
-BULK_PUSH_STAGES = 6             # chunks of shared memory each of its pusher warps cycles through
+BULK_PUSH_STAGES = 4             # chunks of shared memory each of its pusher warps cycles through
 BULK_PUSH_CHUNK_BYTES = 4096     # bytes of each of its bulk copies
 
 BULK_PUSH_SHARED_BYTES = common.bulk_ring_shared_bytes(NUM_THREADS // 32 - COMBINE_REDUCER_WARPS, BULK_PUSH_STAGES,
