@@ -1111,8 +1111,8 @@ constexpr int kBulkPushTokenSlices = 2;
 // lane 0 of each pusher warp drives its rows through kBulkPushStages chunks of dynamic shared memory
 // (BulkRing; the host sizes it, combine_launch in cuep/kernels/intranode.py). On few SMs a
 // warp's copy is bound by the bytes its registers keep in flight (2 KB), which the reducers' registers
-// leave no room to raise; shared memory holds 16 KB a warp (4 stages: 6 were slower on 4 x H100, and
-// fewer pushers with more stages slower still; docs/performance-log.md, session 54). On many SMs NVLink
+// leave no room to raise; shared memory holds 16 KB a warp (4 stages: 6 were slower on 4 x H100 at 16-24 SMs,
+// and fewer pushers with more stages slower still; docs/performance-log.md, session 54). On many SMs NVLink
 // is the bound and the warps' copies are as fast (v0.17.0).
 constexpr int kBulkPushStages = CUEP_BULK_PUSH_STAGES;
 constexpr int kBulkPushChunkBytes = CUEP_BULK_PUSH_CHUNK_BYTES;

@@ -143,7 +143,7 @@ __device__ __forceinline__ T ld_nc_global(const T* ptr) {
 // both ends 16-byte aligned) between global memory, a peer's included, and shared memory. Each body
 // is discarded (`if constexpr`) unless kEnableSM90Features, so these instructions never reach the PTX
 // of an older arch; called without the Hopper path (a broken invariant: callers test the same
-// switch), they trap.
+// switch), they trap. The L2 prefetch at the end (bulk_prefetch_l2) is a hint instead: it does nothing there.
 
 __device__ __forceinline__ uint32_t shared_address(const void* ptr) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -219,8 +219,8 @@ __device__ __forceinline__ void bulk_stores_done() {
         __trap();
 }
 
-// Asks L2 for `bytes` of global memory from `global`, as one bulk request that holds no register and that
-// nothing waits for. A hint: without the Hopper path it does nothing.
+// Asks L2 for `bytes` (a positive multiple of 16) of this GPU's global memory from `global` (16-byte aligned), as
+// one bulk request that holds no register and that nothing waits for. A hint: without the Hopper path it does nothing.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* global, uint32_t bytes) {
     if constexpr (kEnableSM90Features)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(global), "r"(bytes) : "memory");
