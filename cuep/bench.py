@@ -328,47 +328,50 @@ def bench_overlap(args) -> None:
         return (cupy.cuda.get_elapsed_time(gemm_start, gemm_end) * 1e3,
                 cupy.cuda.get_elapsed_time(comm_start, comm_end) * 1e3)
 
-    def median(run_gemm: bool, config, gemm_sms: int = 0) -> tuple[float, float]:
-        set_gemm_sms(gemm_sms)
-        try:
-            for _ in range(args.warmup):
-                timed(run_gemm, config)
-            samples = np.array([timed(run_gemm, config) for _ in range(args.iters)])
-        finally:
-            set_gemm_sms(0)
-        return float(np.median(samples[:, 0])), float(np.median(samples[:, 1]))
+    def medians(variants) -> list[tuple[float, float]]:
+        """The median (GEMM us, communication us) of each of ``variants`` (``(run_gemm, config, gemm_sms)``),
+        timed in turn, iteration after iteration: a GPU whose speed drifts during the run slows all of them
+        alike, so each slowdown compares times taken together (docs/performance-log.md, session 55)."""
+        samples = [[] for _ in variants]
+        for i in range(args.warmup + args.iters):
+            for taken, (run_gemm, config, gemm_sms) in zip(samples, variants):
+                set_gemm_sms(gemm_sms)
+                try:
+                    sample = timed(run_gemm, config)
+                finally:
+                    set_gemm_sms(0)
+                if i >= args.warmup:
+                    taken.append(sample)
+        return [(float(np.median([t[0] for t in taken])), float(np.median([t[1] for t in taken])))
+                for taken in samples]
 
     sms_list = args.sms or [24, buffer.get_combine_config(num_ranks).num_sms]
     if max(sms_list) >= device_sms:
         raise ValueError(f"--sms: every count must leave the GEMM SMs of the {device_sms} this GPU has")
-    gemm_alone = median(True, None)[0]
     rows = []
     for sms in sms_list:
-        config = Config(num_sms=sms)
-        comm_alone = median(False, config)[1]
-        gemm_whole, comm_whole = median(True, config)
-        gemm_rest_alone = median(True, None, device_sms - sms)[0]
-        gemm_rest, comm_rest = median(True, config, device_sms - sms)
-        rows.append((comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest))
+        config, rest = Config(num_sms=sms), device_sms - sms
+        (gemm_alone, _), (_, comm_alone), (gemm_whole, comm_whole), (gemm_rest_alone, _), (gemm_rest, comm_rest) = \
+            medians([(True, None, 0), (False, config, 0), (True, config, 0), (True, None, rest), (True, config, rest)])
+        rows.append((gemm_alone, comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest))
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
-    gathered = comm.gather((gemm_alone, rows), root=0)
+    gathered = comm.gather(rows, root=0)
     buffer.destroy()
     if rank != 0:
         return
-    gemm_alone = float(np.mean([g[0] for g in gathered]))
     print(f"cuep overlap: {num_ranks} ranks, {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} of "
           f"{args.experts} experts; cached BF16 dispatch + combine (async_finish, comm stream) beside a "
-          f"{gemm_label} (compute stream), alone on all {device_sms} SMs {gemm_alone:.1f} us; medians of "
-          f"{args.iters}, means over ranks. Slowdowns against each one alone on the whole GPU.")
-    print(f"{'SMs':>4s} {'comm alone':>11s} | {'GEMM sized for the whole GPU':^38s} | "
+          f"{gemm_label} (compute stream); each row's variants timed in turn, medians of {args.iters}, means over "
+          f"ranks. Slowdowns against each one alone on the whole GPU, in the same row.")
+    print(f"{'SMs':>4s} {'GEMM alone':>10s} {'comm alone':>11s} | {'GEMM sized for the whole GPU':^38s} | "
           f"{'GEMM told the other SMs (cuBLAS SM target)':^56s}")
-    print(f"{'':4s} {'us':>11s} | {'comm us':>9s} {'slowdown':>9s} {'GEMM us':>9s} {'slowdown':>8s} | "
+    print(f"{'':4s} {'us':>10s} {'us':>11s} | {'comm us':>9s} {'slowdown':>9s} {'GEMM us':>9s} {'slowdown':>8s} | "
           f"{'GEMM alone':>10s} {'comm us':>9s} {'slowdown':>9s} {'GEMM us':>9s} {'slowdown':>8s}")
     for i, sms in enumerate(sms_list):
-        comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest = (
-            float(np.mean([g[1][i][j] for g in gathered])) for j in range(6))
-        print(f"{sms:4d} {comm_alone:11.1f} | {comm_whole:9.1f} {comm_whole / comm_alone - 1:9.1%} "
+        gemm_alone, comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest = (
+            float(np.mean([g[i][j] for g in gathered])) for j in range(7))
+        print(f"{sms:4d} {gemm_alone:10.1f} {comm_alone:11.1f} | {comm_whole:9.1f} {comm_whole / comm_alone - 1:9.1%} "
               f"{gemm_whole:9.1f} {gemm_whole / gemm_alone - 1:8.1%} | {gemm_rest_alone:10.1f} "
               f"{comm_rest:9.1f} {comm_rest / comm_alone - 1:9.1%} {gemm_rest:9.1f} {gemm_rest / gemm_alone - 1:8.1%}")
 
