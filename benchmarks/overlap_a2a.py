@@ -1,5 +1,5 @@
-"""A GEMM beside a dispatch + combine, through cuep.torch or DeepEP V1: what ``python -m cuep.bench --mode overlap``
-measures, on either backend, so that both run in one command on one machine.
+"""A GEMM beside a dispatch + combine, through cuep.torch or DeepEP V1: the measurement of ``python -m cuep.bench
+--mode overlap`` on either backend, so that both run in one command on one machine.
 
     python benchmarks/overlap_a2a.py --num-ranks 4 --sms 8,24                                 # cuep.torch
     PYTHONPATH=/path/to/DeepEP python benchmarks/overlap_a2a.py --backend deepep --sms 8,24    # DeepEP V1 in place
@@ -10,10 +10,13 @@ for an event taken before the GEMM, as a training step's ``previous_event``), be
 kernels take their SMs and the GEMM's blocks fill the rest. For each SM count (``Buffer.set_num_sms``, then the
 backend's own ``get_dispatch_config`` / ``get_combine_config`` as Megatron-LM sets them, and the handle of a dispatch
 made with that config): the GEMM alone, the communication alone and both, timed in turn, iteration after iteration,
-each from an idle GPU. Rank 0 prints the medians of ``--iters`` iterations, means over ranks. ``cuep.bench --mode
-overlap`` also tells the GEMM the SMs the communication leaves, which torch's matmul cannot be told. Workload as
-the bench's: ``--tokens`` per rank, hidden 7168, top-8 of 256 experts from random scores. One process per rank
-(``torch.multiprocessing``), one GPU each, an NCCL group.
+each from an idle GPU, after ``--warmup`` rounds. Rank 0 prints the medians of ``--iters`` iterations, means over
+ranks. Workload as the bench's: ``--tokens`` per rank, hidden 7168, top-8 of 256 experts from random scores. One
+process per rank (``torch.multiprocessing``), one GPU each, an NCCL group.
+
+Unlike ``cuep.bench --mode overlap``, the Buffer is sized as Megatron-LM sizes it, by the backend's hint with no
+token count (DeepEP's rings; cuep's fixed buffer, which a call of 4096 tokens crosses in rounds), and the GEMM is
+never told the SMs the communication leaves, which torch's matmul cannot be told.
 """
 
 from __future__ import annotations
@@ -53,14 +56,15 @@ def workload(rank: int, tokens: int, hidden: int, num_experts: int, topk: int):
 
 def run_rank(rank: int, args, port: int) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.num_ranks)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.num_ranks,
+                            device_id=torch.device("cuda", rank % torch.cuda.device_count()))
     group = dist.new_group(list(range(args.num_ranks)))
     module = backend_module(args.backend)
     num_ranks, hidden_bytes = args.num_ranks, args.hidden * 2
     module.Buffer.set_num_sms(max(args.sms))  # DeepEP's hints grow with the SM count: sized for the largest
     nvl_bytes = max(module.Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                     module.Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-    buffer = module.Buffer(group, nvl_bytes, 0)
+    buffer = module.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
     x, topk_idx, topk_weights = workload(rank, args.tokens, args.hidden, args.experts, args.topk)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     m, k, n = GEMM
@@ -101,10 +105,10 @@ def run_rank(rank: int, args, port: int) -> None:
         """The median (GEMM us, communication us) of each of ``variants`` (``(run_gemm, configs)``), timed in turn,
         iteration after iteration, so that a drift of the GPU's speed during the run falls on all of them alike."""
         samples = [[] for _ in variants]
-        for i in range(3 + args.iters):
+        for i in range(args.warmup + args.iters):
             for taken, (run_gemm, configs) in zip(samples, variants):
                 sample = once(run_gemm, configs)
-                if i >= 3:
+                if i >= args.warmup:
                     taken.append(sample)
         return [(statistics.median(t[0] for t in taken), statistics.median(t[1] for t in taken)) for taken in samples]
 
@@ -133,6 +137,7 @@ def run_rank(rank: int, args, port: int) -> None:
                                                             for j in range(4))
             print(f"{sms:4d} {gemm_alone:10.1f} {comm_alone:10.1f} | {comm_both:8.1f} "
                   f"{comm_both / comm_alone - 1:6.1%} {gemm_both:8.1f} {gemm_both / gemm_alone - 1:6.1%}", flush=True)
+    buffer.destroy()
     dist.barrier(group)
     dist.destroy_process_group()
 
@@ -146,8 +151,11 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=[24])
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
+    if any(sms <= 0 or sms % 2 for sms in args.sms):  # DeepEP runs a channel on each pair of SMs
+        parser.error(f"--sms: each count must be a positive even number, not {args.sms}")
     torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
 
 
