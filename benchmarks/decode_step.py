@@ -29,25 +29,12 @@ group.
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def backend_module(backend: str):
-    if backend == "cuep":
-        import cuep.torch
-        return cuep.torch
-    import deep_ep
-    return deep_ep
+from torch_ranks import backend_module, free_port
 
 
 def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int, num_ranks: int):

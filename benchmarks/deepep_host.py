@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from torch_ranks import free_port
 
 
 def _rank(local_rank: int, num_processes: int, port: int, options: argparse.Namespace) -> None:
@@ -104,7 +99,7 @@ def main() -> None:
                         help="time the normal mode only (a build without NVSHMEM, or no NVSHMEM transport here)")
     options = parser.parse_args()
     import torch.multiprocessing
-    torch.multiprocessing.spawn(_rank, args=(options.num_processes, _free_port(), options),
+    torch.multiprocessing.spawn(_rank, args=(options.num_processes, free_port(), options),
                                 nprocs=options.num_processes)
 
 

@@ -20,17 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torch_ranks import free_port
 
 
 def timed(fn, iters: int, group) -> float:

@@ -39,18 +39,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from torch_ranks import free_port
 
 
 def framework_module(framework: str, backend: str):

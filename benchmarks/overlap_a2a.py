@@ -22,27 +22,14 @@ never told the SMs the communication leaves, which torch's matmul cannot be told
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 
+from torch_ranks import backend_module, free_port
+
 GEMM = (8192, 7168, 2048)  # m, k, n: cuep.bench's OVERLAP_GEMM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def backend_module(backend: str):
-    if backend == "cuep":
-        import cuep.torch
-        return cuep.torch
-    import deep_ep
-    return deep_ep
 
 
 def workload(rank: int, tokens: int, hidden: int, num_experts: int, topk: int):
