@@ -44,7 +44,8 @@ def dispatch(monkeypatch):
         return info
     monkeypatch.setattr(intranode._interop, "read_on_host", read_on_host)
     monkeypatch.setattr(intranode, "launch", lambda *args, **kwargs: None)
-    ctx = intranode.Context(library=None, rank=0, num_ranks=NUM_RANKS, buffer_ptr=0x10_0000, buffer_bytes=256 << 20,
+    library = types.SimpleNamespace(spec=types.SimpleNamespace(sm90_features=True))  # what the launches' shapes read
+    ctx = intranode.Context(library=library, rank=0, num_ranks=NUM_RANKS, buffer_ptr=0x10_0000, buffer_bytes=256 << 20,
                             peer_bases=FakeArray((NUM_RANKS,), np.uint64), status=FakeArray((13,)),
                             status_host_ptr=0x20_0000, next_row=FakeArray((NUM_RANKS + 1,)),
                             dispatch_state=FakeArray((intranode.STATE_WORDS,), np.uint64), device_sms=132,

@@ -82,6 +82,23 @@ def combine_launch(sm90_features: bool, grid: int) -> tuple[str, int]:
     return COMBINE_BULK_ENTRY, BULK_PUSH_SHARED_BYTES
 
 
+# How the Hopper path launches the cached dispatch's push and the combine: (blocks per cluster, the largest grid
+# launched so). The GPU places a cluster's blocks in one GPC, which changes the SMs a grid lands on, and with them
+# what the copies move: on 4 x H100 the push in clusters of 4 moved 3-8% more at 20-32 SMs and the combine in pairs
+# 1-3% more at 24-32 than block by block, while other shapes and larger grids moved less (docs/performance-log.md,
+# session 56). The kernels do not use the cluster itself.
+PUSH_CLUSTER = (4, 48)
+COMBINE_CLUSTER = (2, 32)
+
+
+def cluster_blocks(shape: tuple[int, int], sm90_features: bool, grid: int) -> int:
+    """Blocks per cluster of a launch of ``grid`` blocks shaped by ``shape`` (:data:`PUSH_CLUSTER` or
+    :data:`COMBINE_CLUSTER`): its cluster size on the Hopper path where the grid is a multiple of it and at most
+    the shape's largest grid, else one."""
+    size, max_grid = shape
+    return size if sm90_features and grid % size == 0 and grid <= max_grid else 1
+
+
 def stage_grid(num_ranks: int, num_sms: int) -> int:
     """Blocks of the stage kernel: one per destination scans ``is_token_in_rank``, ``num_sms`` stage top-k ids
     and weights."""

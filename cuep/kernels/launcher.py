@@ -13,7 +13,9 @@ that drifts fails on a CPU machine, not as garbage on a GPU.
 :class:`Launch` binds a filled mirror to a kernel and a grid. It goes through CuPy's driver binding
 of ``cuLaunchKernel``, which cost the least host time per launch of the ones we measured (the eager
 decode path is host-bound): a struct taken by value goes as the one kernel parameter, scalars as the
-parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
+parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``). A launch in clusters of blocks (``cluster`` > 1) goes through
+the driver's ``cuLaunchKernelEx`` instead, called through ctypes with a launch configuration built once per
+:class:`Launch`, since CuPy binds no launch that takes a cluster shape.
 """
 
 from __future__ import annotations
@@ -28,6 +30,55 @@ from ..errors import CuepError
 
 # cuLaunchKernel's `extra` keys (CU_LAUNCH_PARAM_*, cuda.h)
 _PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
+_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an attribute id, then its value, a union of 64 bytes at offset 8."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h), ``cuLaunchKernelEx``'s first argument."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _driver_function(name: str, *argtypes):
+    """``name`` of the CUDA driver (libcuda, which CuPy has loaded already), through ctypes."""
+    try:
+        function = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError) as exc:
+        raise CuepError(f"cuep: a cluster launch needs {name} from the CUDA driver 12.0 or newer ({exc})") from None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+def _cluster_config(grid: int, block: int, shared_bytes: int, cluster: int) -> tuple[_LaunchConfig, _LaunchAttribute]:
+    """A launch configuration of ``grid`` blocks in clusters of ``cluster``, and the attribute it points to (which
+    must live as long as it)."""
+    attribute = _LaunchAttribute(id=_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attribute.value[:3] = (cluster, 1, 1)
+    config = _LaunchConfig(grid=(grid, 1, 1), block=(block, 1, 1), shared_bytes=shared_bytes,
+                           attrs=ctypes.addressof(attribute), num_attrs=1)
+    return config, attribute
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_clusters(kernel: int, block: int, shared_bytes: int, cluster: int, device_id: int) -> int:
+    """How many clusters of ``cluster`` blocks of ``kernel`` (a CUkernel) the current device (``device_id``, the
+    cache's key) holds at once (``cuOccupancyMaxActiveClusters``)."""
+    function, count = ctypes.c_void_p(), ctypes.c_int()
+    config, _attribute = _cluster_config(cluster, block, shared_bytes, cluster)
+    for status in (_driver_function("cuKernelGetFunction", ctypes.c_void_p, ctypes.c_void_p)(
+                       ctypes.byref(function), kernel),
+                   _driver_function("cuOccupancyMaxActiveClusters", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
+                       ctypes.byref(count), function, ctypes.byref(config))):
+        if status:
+            raise CuepError(f"cuep: asking the driver how many clusters of {cluster} blocks fit failed: "
+                            f"{_deps.cupy().cuda.driver.CUDADriverError(status)}")
+    return count.value
 
 
 class KernelArgs(ctypes.Structure):
@@ -83,16 +134,26 @@ _Extra = ctypes.c_void_p * 5
 
 class Launch:
     """``entry`` of ``functions`` with its filled argument mirror and grid; call it with a CuPy stream.
+    ``cluster`` > 1 launches the grid (a multiple of it) in clusters of that many blocks, which the GPU
+    places together in one GPC (sm_90 and newer), where the GPU holds the whole grid in such clusters at
+    once (the kernels' blocks wait for each other); else it launches block by block.
 
     The mirror is held by reference: a caller may change fields (e.g. the low-latency phases) and
     launch again."""
 
-    __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "_held", "_params", "_extra")
+    __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "cluster", "_held", "_params",
+                 "_extra", "_config")
 
     def __init__(self, functions: Functions, entry: str, grid: int, block: int, args: KernelArgs,
-                 shared_bytes: int = 0):
+                 shared_bytes: int = 0, cluster: int = 1):
+        if cluster < 1 or grid % cluster:
+            raise ValueError(f"{entry}: a grid of {grid} blocks does not split into clusters of {cluster}")
         self.entry, self.function = entry, functions.function(entry)
         self.grid, self.block, self.shared_bytes, self.args = grid, block, shared_bytes, args
+        if cluster > 1 and grid // cluster > _resident_clusters(self.function, block, shared_bytes, cluster,
+                                                                  _deps.cupy().cuda.Device().id):
+            cluster = 1
+        self.cluster, self._config = cluster, None
         # The driver reads these arrays at each launch: they live as long as this object (`_held`).
         if args.scalar_parameters:  # `extra`: the parameter buffer and its size, then the end marker
             size = ctypes.c_size_t(_parameter_bytes(type(args)))
@@ -102,9 +163,21 @@ class Launch:
         else:  # `kernelParams`: an array of one pointer, to the struct
             params = _OneParameter(ctypes.addressof(args))
             self._held, self._params, self._extra = params, ctypes.addressof(params), 0
+        if cluster > 1:
+            self._config, attribute = _cluster_config(grid, block, shared_bytes, cluster)
+            self._held = (self._held, attribute)
 
     def __call__(self, stream) -> None:
         cupy = _deps.cupy()
+        if self._config is not None:
+            self._config.stream = stream.ptr
+            status = _driver_function("cuLaunchKernelEx", *(ctypes.c_void_p,) * 4)(
+                ctypes.addressof(self._config), self.function, self._params, self._extra)
+            if status:
+                raise CuepError(f"cuep: launching {self.entry} (grid {self.grid} in clusters of {self.cluster}, "
+                                f"block {self.block}, {self.shared_bytes} B shared) failed: "
+                                f"{cupy.cuda.driver.CUDADriverError(status)}")
+            return
         try:
             cupy.cuda.driver.launchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes,
                                           stream.ptr, self._params, self._extra)
@@ -114,9 +187,9 @@ class Launch:
 
 
 def launch(functions: Functions, entry: str, stream, grid: int, block: int, args: KernelArgs,
-           shared_bytes: int = 0) -> None:
+           shared_bytes: int = 0, cluster: int = 1) -> None:
     """Launch once: ``Launch(...)(stream)``."""
-    Launch(functions, entry, grid, block, args, shared_bytes)(stream)
+    Launch(functions, entry, grid, block, args, shared_bytes, cluster)(stream)
 
 
 _DEFAULT_SHARED_BYTES = 48 * 1024  # shared memory, static and dynamic, a block may take without opting in

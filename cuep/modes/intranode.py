@@ -430,7 +430,8 @@ def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, ro
     push.row_bytes, push.round_tokens = rows
     push.recv_info, push.num_rows = handle.recv_info.data.ptr, handle.num_rows
     push.recv_x, push.recv_scales = recv_x.data.ptr, _ptr(recv_scales)
-    launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push)
+    launch(ctx.library, push.entry, stream, num_sms, kernels.NUM_THREADS, push,
+           cluster=kernels.cluster_blocks(kernels.PUSH_CLUSTER, ctx.library.spec.sm90_features, num_sms))
     return recv_x, recv_scales
 
 
@@ -475,5 +476,6 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     args.combined_x, args.combined_topk_weights = combined_x.data.ptr, _ptr(combined_weights)
     entry, shared_bytes = kernels.combine_launch(ctx.library.spec.sm90_features, num_sms)
     allow_shared_bytes(ctx.library, entry, shared_bytes)
-    launch(ctx.library, entry, stream, num_sms, kernels.NUM_THREADS, args, shared_bytes)
+    launch(ctx.library, entry, stream, num_sms, kernels.NUM_THREADS, args, shared_bytes,
+           kernels.cluster_blocks(kernels.COMBINE_CLUSTER, ctx.library.spec.sm90_features, num_sms))
     return combined_x, combined_weights
