@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from torch_ranks import backend_module, free_port
 
-GEMM = (8192, 7168, 2048)  # m, k, n: cuep.bench's OVERLAP_GEMM
+from cuep.bench import OVERLAP_GEMM
 
 
 def workload(rank: int, tokens: int, hidden: int, num_experts: int, topk: int):
@@ -54,7 +54,7 @@ def run_rank(rank: int, args, port: int) -> None:
     buffer = module.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
     x, topk_idx, topk_weights = workload(rank, args.tokens, args.hidden, args.experts, args.topk)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
-    m, k, n = GEMM
+    m, k, n = OVERLAP_GEMM
     a = torch.ones((m, k), dtype=torch.bfloat16, device="cuda")
     b = torch.ones((k, n), dtype=torch.bfloat16, device="cuda")
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")

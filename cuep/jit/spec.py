@@ -9,7 +9,8 @@ Features by arch (what each build really uses):
     bulk-copy (TMA) wrappers of ``cuda_src/cuep/ptx.cuh`` compiled in; the intranode combine on few
     SMs (``combine_bulk``) and the benchmark's NVLink ceiling probe use them, every other kernel moves
     data with ordinary loads and stores.
-    No kernel uses cluster launch.
+    No kernel uses a cluster's features; the intranode dispatch push and combine are launched in clusters
+    (``cuep.kernels.intranode.cluster_blocks``) for where their blocks land.
   * ``sm_80``/``sm_86``/``sm_87``: the fallback path, FP8 conversion in software.
   * ``sm_89`` and archs other than ``sm_90``: the fallback path with hardware FP8.
   * ``force_fallback`` builds the fallback path (with software FP8) for any arch, so the Ampere

@@ -82,12 +82,14 @@ def combine_launch(sm90_features: bool, grid: int) -> tuple[str, int]:
     return COMBINE_BULK_ENTRY, BULK_PUSH_SHARED_BYTES
 
 
-# How the Hopper path launches the cached dispatch's push and the combine: (blocks per cluster, the largest grid
-# launched so). The GPU places a cluster's blocks in one GPC, which changes the SMs a grid lands on, and with them
-# what the copies move: on 4 x H100 the push in clusters of 4 moved 3-8% more at 20-32 SMs and the combine in pairs
-# 1-3% more at 24-32 than block by block, while other shapes and larger grids moved less (docs/performance-log.md,
-# session 56). The kernels do not use the cluster itself.
-PUSH_CLUSTER = (4, 48)
+# How the Hopper path launches a dispatch's push (cached or not, ElasticBuffer's on one node too) and the combine:
+# (blocks per cluster, the largest grid launched so). The GPU places a cluster's blocks in one GPC, which changes the
+# SMs a grid lands on, and with them what the copies move. On 4 x H100, against block by block: the push in clusters
+# of 4 moved 2-8% more at 20-32 SMs (within 2% at 8-16), the combine in pairs 0.7-3.4% more at 24 SMs (within 1.2%
+# at 8-32 otherwise). Pairs for the push moved less at 20-28, clusters of 4 for the combine at 20-24. Past 32 SMs no
+# shape gained at every count (the push in clusters of 4 lost 1.5-2.7% at 40), so larger grids go block by block
+# (docs/performance-log.md, session 56). The kernels do not use the cluster itself.
+PUSH_CLUSTER = (4, 32)
 COMBINE_CLUSTER = (2, 32)
 
 

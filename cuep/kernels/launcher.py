@@ -1,5 +1,5 @@
 """The one launch convention of every kernel family: a ctypes struct that mirrors the entry's
-parameters, launched through one driver call.
+parameters, launched through one driver call (``cuLaunchKernel``, or ``cuLaunchKernelEx`` for clusters).
 
 A :class:`KernelArgs` subclass lists an entry's parameters in order, with their C types. Where the
 entry takes one ``const <Name>Args`` struct by value, the mirror lists that struct's fields and
@@ -13,15 +13,19 @@ that drifts fails on a CPU machine, not as garbage on a GPU.
 :class:`Launch` binds a filled mirror to a kernel and a grid. It goes through CuPy's driver binding
 of ``cuLaunchKernel``, which cost the least host time per launch of the ones we measured (the eager
 decode path is host-bound): a struct taken by value goes as the one kernel parameter, scalars as the
-parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``). A launch in clusters of blocks (``cluster`` > 1) goes through
-the driver's ``cuLaunchKernelEx`` instead, called through ctypes with a launch configuration built once per
-:class:`Launch`, since CuPy binds no launch that takes a cluster shape.
+parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``). A launch in clusters of blocks (``cluster`` > 1)
+goes through the driver's ``cuLaunchKernelEx`` instead, which CuPy does not bind. cuda.bindings' launches
+cost 3x more host time on one machine than on another (docs/performance-log.md, v0.5.3), so it is called
+through ctypes: one foreign call with a ``CUlaunchConfig`` mirror built once per :class:`Launch` (its host
+time was not measured apart). The occupancy query that decides whether a grid fits in clusters takes the
+same mirror.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from typing import ClassVar, Protocol
 
 from .. import _deps
@@ -65,20 +69,34 @@ def _cluster_config(grid: int, block: int, shared_bytes: int, cluster: int) -> t
     return config, attribute
 
 
-@functools.lru_cache(maxsize=None)
+def _check(status: int, call: str) -> None:
+    if status:
+        raise CuepError(f"cuep: {call} returned CUresult {status}")
+
+
+@functools.cache
 def _resident_clusters(kernel: int, block: int, shared_bytes: int, cluster: int, device_id: int) -> int:
     """How many clusters of ``cluster`` blocks of ``kernel`` (a CUkernel) the current device (``device_id``, the
-    cache's key) holds at once (``cuOccupancyMaxActiveClusters``)."""
+    cache's key) holds at once (``cuOccupancyMaxActiveClusters``); 0, with a warning, where the driver cannot tell."""
     function, count = ctypes.c_void_p(), ctypes.c_int()
     config, _attribute = _cluster_config(cluster, block, shared_bytes, cluster)
-    for status in (_driver_function("cuKernelGetFunction", ctypes.c_void_p, ctypes.c_void_p)(
-                       ctypes.byref(function), kernel),
-                   _driver_function("cuOccupancyMaxActiveClusters", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
-                       ctypes.byref(count), function, ctypes.byref(config))):
-        if status:
-            raise CuepError(f"cuep: asking the driver how many clusters of {cluster} blocks fit failed: "
-                            f"{_deps.cupy().cuda.driver.CUDADriverError(status)}")
+    try:
+        get_function = _driver_function("cuKernelGetFunction", ctypes.c_void_p, ctypes.c_void_p)
+        _check(get_function(ctypes.byref(function), kernel), "cuKernelGetFunction")
+        _check(_driver_function("cuOccupancyMaxActiveClusters", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
+            ctypes.byref(count), function, ctypes.byref(config)), "cuOccupancyMaxActiveClusters")
+    except CuepError as exc:
+        # Clusters only move where the blocks land: without an answer the kernel still runs, block by block.
+        warnings.warn(f"{exc}; launching block by block instead of in clusters of {cluster}", RuntimeWarning,
+                      stacklevel=4)
+        return 0
     return count.value
+
+
+def _fits_in_clusters(kernel: int, grid: int, block: int, shared_bytes: int, cluster: int) -> bool:
+    """Whether the current device holds all ``grid`` blocks of ``kernel`` at once in clusters of ``cluster``: the
+    kernels' blocks wait for each other, so a grid that does not fit so goes block by block."""
+    return grid // cluster <= _resident_clusters(kernel, block, shared_bytes, cluster, _deps.cupy().cuda.Device().id)
 
 
 class KernelArgs(ctypes.Structure):
@@ -142,7 +160,7 @@ class Launch:
     launch again."""
 
     __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "cluster", "_held", "_params",
-                 "_extra", "_config")
+                 "_extra", "_config", "_launch_ex")
 
     def __init__(self, functions: Functions, entry: str, grid: int, block: int, args: KernelArgs,
                  shared_bytes: int = 0, cluster: int = 1):
@@ -150,10 +168,9 @@ class Launch:
             raise ValueError(f"{entry}: a grid of {grid} blocks does not split into clusters of {cluster}")
         self.entry, self.function = entry, functions.function(entry)
         self.grid, self.block, self.shared_bytes, self.args = grid, block, shared_bytes, args
-        if cluster > 1 and grid // cluster > _resident_clusters(self.function, block, shared_bytes, cluster,
-                                                                  _deps.cupy().cuda.Device().id):
+        if cluster > 1 and not _fits_in_clusters(self.function, grid, block, shared_bytes, cluster):
             cluster = 1
-        self.cluster, self._config = cluster, None
+        self.cluster, self._config, self._launch_ex = cluster, None, None
         # The driver reads these arrays at each launch: they live as long as this object (`_held`).
         if args.scalar_parameters:  # `extra`: the parameter buffer and its size, then the end marker
             size = ctypes.c_size_t(_parameter_bytes(type(args)))
@@ -166,13 +183,13 @@ class Launch:
         if cluster > 1:
             self._config, attribute = _cluster_config(grid, block, shared_bytes, cluster)
             self._held = (self._held, attribute)
+            self._launch_ex = _driver_function("cuLaunchKernelEx", *(ctypes.c_void_p,) * 4)
 
     def __call__(self, stream) -> None:
         cupy = _deps.cupy()
         if self._config is not None:
             self._config.stream = stream.ptr
-            status = _driver_function("cuLaunchKernelEx", *(ctypes.c_void_p,) * 4)(
-                ctypes.addressof(self._config), self.function, self._params, self._extra)
+            status = self._launch_ex(ctypes.addressof(self._config), self.function, self._params, self._extra)
             if status:
                 raise CuepError(f"cuep: launching {self.entry} (grid {self.grid} in clusters of {self.cluster}, "
                                 f"block {self.block}, {self.shared_bytes} B shared) failed: "

@@ -477,5 +477,5 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     entry, shared_bytes = kernels.combine_launch(ctx.library.spec.sm90_features, num_sms)
     allow_shared_bytes(ctx.library, entry, shared_bytes)
     launch(ctx.library, entry, stream, num_sms, kernels.NUM_THREADS, args, shared_bytes,
-           kernels.cluster_blocks(kernels.COMBINE_CLUSTER, ctx.library.spec.sm90_features, num_sms))
+           cluster=kernels.cluster_blocks(kernels.COMBINE_CLUSTER, ctx.library.spec.sm90_features, num_sms))
     return combined_x, combined_weights
