@@ -859,6 +859,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
     });
 }
 
+// The forward's and the reduce's sums (warp_sum_bf16_rows): each lane asks for 4 vectors of 2 rows at once, as
+// the intranode combine's reduction does.
+constexpr int kSumUnroll = 4;
+constexpr int kSumRowsPerLoad = 2;
+
+// Nothing added to a sum besides its rows.
+struct NoAddend {
+    __device__ __forceinline__ void operator()(float (&)[kBf16PerVector], int) const {}
+};
+
 // ---------------------------------------------------------------------------------------------
 // Combine push (one round): every warp takes this rank's received rows of the round in turn and writes
 // each, with its top-k weights, into the landing rows of the forwarder it came through; the last block
@@ -933,8 +943,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
 // ---------------------------------------------------------------------------------------------
 // Combine forward (one round): wait for every local rank's pushes, then every warp takes chunks (source
 // node m, chunk c) of the round's rows this rank forwarded, sums each row's landed copies into the send
-// partition m, and puts the chunk back to the source (m, local) with the chunk's signal; the last block
-// releases the landing rows to the node's ranks.
+// partition m, and puts the chunk back to the source (m, local) with the chunk's signal (this rank's own
+// rows are summed straight into its receive region); the last block releases the landing rows to the
+// node's ranks.
 
 __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
@@ -981,59 +992,73 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        uint8_t* staged = args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
+        // The partials of this rank's own tokens go straight into its receive region: a put to itself would
+        // copy them once more.
+        const bool to_self = m == topo.node;
+        uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
+        uint8_t* staged = to_self ? target : args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
             const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
             const int64_t copy_row = position >= 0
                                          ? static_cast<int64_t>(lane * N + m) * args.round.tokens + position
                                          : 0;
-            const uint8_t* copies[kMaxRanksPerNode];
-            int num_copies = 0;
             const uint32_t holders = __ballot_sync(kFullWarpMask, position >= 0);
-            if (!args.ordered) {
-                for (uint32_t left = holders; left != 0; left &= left - 1) {
-                    const int64_t row = __shfl_sync(kFullWarpMask, copy_row, __ffs(left) - 1);
-                    copies[num_copies++] = landing + row * args.landing_row_bytes;
-                }
-            } else {
-                // Each holder's place among the holders, by tag (distinct: one lane has one expert's rank).
+            const int num_copies = __popc(holders);
+            // Each holder's place among the holders: by local rank, or (V2's order) by tag, distinct since one
+            // lane has one expert's rank.
+            int place = __popc(holders & ((1u << lane) - 1u));
+            if (args.ordered) {
                 const int tag = position >= 0 ? ld_volatile_global(reinterpret_cast<const int32_t*>(
                                                     landing + copy_row * args.landing_row_bytes + args.hidden_bytes) +
                                                 args.num_topk)
                                               : 0;
-                int place = 0;
+                place = 0;
                 for (uint32_t left = holders; left != 0; left &= left - 1) {
                     const int other = __ffs(left) - 1;
                     const int other_tag = __shfl_sync(kFullWarpMask, tag, other);
                     place += other_tag < tag || (other_tag == tag && other < lane);
                 }
-                for (int c = 0; c < __popc(holders); ++c) {
-                    const int holder = __ffs(__ballot_sync(kFullWarpMask, position >= 0 && place == c)) - 1;
-                    const int64_t row = __shfl_sync(kFullWarpMask, copy_row, holder);
-                    copies[num_copies++] = landing + row * args.landing_row_bytes;
-                }
             }
+            // Lane c holds the landing row of the copy placed c-th.
+            int64_t placed_row = 0;
+            for (int c = 0; c < num_copies; ++c) {
+                const int holder = __ffs(__ballot_sync(kFullWarpMask, position >= 0 && place == c)) - 1;
+                const int64_t row = __shfl_sync(kFullWarpMask, copy_row, holder);
+                if (lane == c)
+                    placed_row = row;
+            }
+            const auto copy_at = [&](int c) {
+                return landing + __shfl_sync(kFullWarpMask, placed_row, c) * args.landing_row_bytes;
+            };
             uint8_t* out = staged + r * args.row_bytes;
-            for (int v = lane; v < num_vectors; v += kWarpSize) {
-                float acc[kBf16PerVector] = {};
-                for (int c = 0; c < num_copies; ++c)
-                    accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(copies[c]) + v));
-                reinterpret_cast<int4*>(out)[v] = floats_to_bf16x8(acc);
-            }
-            for (int k = lane; k < args.num_topk; k += kWarpSize) {
+            warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(
+                reinterpret_cast<int4*>(out), num_vectors, num_copies,
+                [&](int c) { return reinterpret_cast<const int4*>(copy_at(c)); }, NoAddend{}, NoAddend{}, lane);
+            for (int k0 = 0; k0 < args.num_topk; k0 += kWarpSize) {
+                const int k = k0 + lane;
                 float sum = 0.0f;
-                for (int c = 0; c < num_copies; ++c)
-                    sum += __int_as_float(ld_volatile_global(
-                        reinterpret_cast<const int32_t*>(copies[c] + args.hidden_bytes) + k));
-                reinterpret_cast<float*>(out + args.hidden_bytes)[k] = sum;
+                for (int c = 0; c < num_copies; ++c) {
+                    const auto* weights = reinterpret_cast<const int32_t*>(copy_at(c) + args.hidden_bytes);
+                    if (k < args.num_topk)
+                        sum += __int_as_float(ld_volatile_global(weights + k));
+                }
+                if (k < args.num_topk)
+                    reinterpret_cast<float*>(out + args.hidden_bytes)[k] = sum;
             }
         }
-        uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
         const int64_t bytes = rows * args.row_bytes;
-        put_with_signal(target, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
-                        m * L + topo.local);
-        if (m != topo.node && lane == 0) {
+        uint64_t* signal = chunk_signal(args.rdma, args.layout, topo.node, chunk);
+        if (to_self) {
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence_system();  // the reduce reads what the warp's lanes just wrote
+                st_release_sys_global(signal, number);
+            }
+        } else {
+            put_with_signal(target, staged, bytes, signal, number, m * L + topo.local);
+        }
+        if (!to_self && lane == 0) {
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineRows), rows);
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineBytes), bytes);
         }
@@ -1060,7 +1085,7 @@ static __device__ __forceinline__ const uint8_t* partial_row(const ReduceArgs& a
 
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
     __shared__ int32_t node_first[kMaxRanks];
-    __shared__ const uint8_t* ordered_partials[kWarpsPerBlock][kWarpSize];  // V2's order: a warp's token's partials
+    __shared__ const uint8_t* token_partials[kWarpsPerBlock][kMaxRanks];  // a warp's token's partials, in order
     const Topology& topo = args.topo;
     const int N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
@@ -1085,12 +1110,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
         }
         if (!__all_sync(kFullWarpMask, arrived))
             break;
-        // V2's order (order arrays given): the partials in the order of each node's highest lane (lane k < num_topk
-        // names its expert's node, and represents it when no higher lane names the same), at most num_topk of them,
-        // listed in this warp's slots; each lane's weight from its own node's partial. A node the dispatch never
-        // sent to (ids changed since) adds nothing.
+        // The token's partials in the order they are added, listed in this warp's slots. V1's: by node. V2's (order
+        // arrays given): in the order of each node's highest lane (lane k < num_topk names its expert's node, and
+        // represents it when no higher lane names the same), at most num_topk of them, each lane's weight from its
+        // own node's partial; a node the dispatch never sent to (ids changed since) adds nothing.
         const bool ordered = args.order_topk_idx != nullptr;
-        int num_ordered = 0;
+        int num_partials = 0;
+        __syncwarp();  // the warp's last token is done reading the slots
         if (ordered) {
             int node_of_lane = -1;
             if (lane < args.num_topk) {
@@ -1104,11 +1130,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
                                                : nullptr;
             const bool represents = own != nullptr && ((same_node >> lane) >> 1) == 0;
             const uint32_t lanes = __ballot_sync(kFullWarpMask, represents);
-            __syncwarp();  // the warp's last token is done reading the slots
             if (represents)
-                ordered_partials[warp][__popc(lanes & ((1u << lane) - 1))] = own;
-            num_ordered = __popc(lanes);
-            __syncwarp();
+                token_partials[warp][__popc(lanes & ((1u << lane) - 1))] = own;
+            num_partials = __popc(lanes);
             if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
                 float weight = 0.0f;
                 if (own != nullptr) {
@@ -1117,43 +1141,39 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args)
                 }
                 args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = weight;
             }
-        }
-        const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
-        for (int v = lane; v < num_vectors; v += kWarpSize) {
-            float acc[kBf16PerVector] = {};
-            const auto add_biases = [&]() {
-                if (args.bias0 != nullptr)
-                    accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
-                if (args.bias1 != nullptr)
-                    accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
-            };
-            if (ordered) {
-                add_biases();
-                for (int p = 0; p < num_ordered; ++p) {
-                    const auto* partial = reinterpret_cast<const int4*>(ordered_partials[warp][p]);
-                    accumulate_bf16x8(acc, ld_volatile_global(partial + v));
-                }
-            } else {
-                for (int n = 0; n < N; ++n) {
-                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                    if (position >= 0) {
-                        const uint8_t* partial = partial_row(args, n, position - node_first[n]);
-                        accumulate_bf16x8(acc, ld_volatile_global(reinterpret_cast<const int4*>(partial) + v));
-                    }
-                }
-                add_biases();
+        } else {
+            for (int base = 0; base < N; base += kWarpSize) {
+                const int n = base + lane;
+                const int position = n < N ? args.node_pos[static_cast<int64_t>(t) * N + n] : -1;
+                const uint32_t present = __ballot_sync(kFullWarpMask, position >= 0);
+                if (position >= 0)
+                    token_partials[warp][num_partials + __popc(present & ((1u << lane) - 1))] =
+                        partial_row(args, n, position - node_first[n]);
+                num_partials += __popc(present);
             }
-            reinterpret_cast<int4*>(args.combined_x)[token_vectors + v] = floats_to_bf16x8(acc);
         }
+        __syncwarp();
+        const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
+        const auto add_biases = [&](float (&acc)[kBf16PerVector], int v) {
+            if (args.bias0 != nullptr)
+                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
+            if (args.bias1 != nullptr)
+                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
+        };
+        const auto partial_at = [&](int p) { return reinterpret_cast<const int4*>(token_partials[warp][p]); };
+        auto* out = reinterpret_cast<int4*>(args.combined_x) + token_vectors;
+        if (ordered)  // V2: from the biases
+            warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(out, num_vectors, num_partials, partial_at, add_biases,
+                                                            NoAddend{}, lane);
+        else
+            warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(out, num_vectors, num_partials, partial_at, NoAddend{},
+                                                            add_biases, lane);
         if (args.combined_topk_weights != nullptr && !ordered) {
             for (int k = lane; k < args.num_topk; k += kWarpSize) {
                 float sum = 0.0f;
-                for (int n = 0; n < N; ++n) {
-                    const int position = args.node_pos[static_cast<int64_t>(t) * N + n];
-                    if (position >= 0)
-                        sum += __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(
-                            partial_row(args, n, position - node_first[n]) + args.hidden_bytes) + k));
-                }
+                for (int p = 0; p < num_partials; ++p)
+                    sum += __int_as_float(ld_volatile_global(
+                        reinterpret_cast<const int32_t*>(token_partials[warp][p] + args.hidden_bytes) + k));
                 args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + k] = sum;
             }
         }

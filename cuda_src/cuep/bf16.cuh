@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include <cuep/common.cuh>
+#include <cuep/ptx.cuh>
 
 namespace cuep {
 
@@ -47,6 +48,49 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], 
 #pragma unroll
     for (int c = 0; c < kBf16PerVector; ++c)
         acc[c] = fmaf(weight, f[c], acc[c]);
+}
+
+// One warp sums, in FP32, `num_rows` BF16 rows of `num_vectors` 16-byte vectors and writes the sum, rounded
+// once, to `out`. Vector v's sum starts from zero, takes `before(acc, v)`, then rows row_at(0), row_at(1),
+// ... in that order, then `after(acc, v)`; so the order of the sums is the caller's. row_at(c) is called by
+// every lane alike (it may shuffle). Each lane loads kUnroll vectors of kRowsPerLoad rows before adding any:
+// a loop that added each vector as it came would wait out one memory latency per vector, and a warp would
+// keep only 1 KB in flight. The rows are read with volatile loads (their writers may be other GPUs).
+template <int kUnroll, int kRowsPerLoad, typename RowAt, typename Before, typename After>
+__device__ __forceinline__ void warp_sum_bf16_rows(int4* out, int num_vectors, int num_rows, const RowAt& row_at,
+                                                   const Before& before, const After& after, int lane) {
+    for (int first = lane; first < num_vectors; first += kUnroll * kWarpSize) {
+        float acc[kUnroll][kBf16PerVector] = {};
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (first + u * kWarpSize < num_vectors)
+                before(acc[u], first + u * kWarpSize);
+        for (int group = 0; group < num_rows; group += kRowsPerLoad) {
+            int4 raw[kRowsPerLoad][kUnroll];
+#pragma unroll
+            for (int c = 0; c < kRowsPerLoad; ++c) {
+                const int4* row = group + c < num_rows ? row_at(group + c) : nullptr;
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (row != nullptr && first + u * kWarpSize < num_vectors)
+                        raw[c][u] = ld_volatile_global(row + first + u * kWarpSize);
+            }
+#pragma unroll
+            for (int c = 0; c < kRowsPerLoad; ++c)
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (group + c < num_rows && first + u * kWarpSize < num_vectors)
+                        accumulate_bf16x8(acc[u], raw[c][u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = first + u * kWarpSize;
+            if (v < num_vectors) {
+                after(acc[u], v);
+                out[v] = floats_to_bf16x8(acc[u]);
+            }
+        }
+    }
 }
 
 }  // namespace cuep
