@@ -28,8 +28,9 @@
 //           at every rank of n (absolute, and from the round's first), into partition m of rank (n, i)'s
 //           receive region (the forwarder), at the token's node position less the round's first; first
 //           a header (the round's first node position and its rows) with the round's signal, then the
-//           rows in chunks, each chunk then its signal (put, fence, signal). Before round w > 0 it waits
-//           until every rank has released round w - 1 (below).
+//           rows in chunks, each chunk then its signal (put, fence, signal; for its own node, where it
+//           is the forwarder, it writes the rows in place and raises the signal). Before round w > 0 it
+//           waits until every rank has released round w - 1 (below).
 //   pull:   each rank reads, over NVLink, the headers and chunks that reached its node's forwarders, and
 //           copies the rows that name it to their place in its output, ordered by source rank, then
 //           token. A forwarder also keeps each of its rows' positions from the round's first at every
@@ -42,9 +43,9 @@
 //            there. Before round w > 0 it waits until every local forwarder has released the region.
 //   forward: each forwarder sums, in FP32, the copies its node holds of each row of the round it
 //            forwarded, and puts one BF16 partial per (token, node) back into partition n of the
-//            source's receive region (chunks with signals, as the dispatch); then releases the landing
-//            region to its node's ranks. Before round w > 0 it waits until every source on its rail
-//            has released the partitions.
+//            source's receive region (chunks with signals, as the dispatch; its own tokens' partials in
+//            place); then releases the landing region to its node's ranks. Before round w > 0 it waits
+//            until every source on its rail has released the partitions.
 //   reduce:  each source sums the partials of every node its tokens of the round went to, and the
 //            biases; then releases the round to the forwarders on its rail.
 // A combine row (a pushed copy, or a partial on the wire) is the BF16 hidden, the top-k weights (float32),
@@ -452,6 +453,16 @@ static __device__ __forceinline__ void put_with_signal(void* dst, const void* sr
     put_then_signal_warp(dst, src, bytes, signal, value, pe);
 }
 
+// Set this rank's `signal` to `value` behind the rows the calling warp's lanes just wrote into its own receive
+// region (what put_with_signal does for another rank's): its readers are this GPU and the node's others.
+static __device__ __forceinline__ void signal_own_rows(uint64_t* signal, uint64_t value, int lane) {
+    __threadfence_system();  // each lane's rows, before the signal below
+    __syncwarp();
+    if (lane == 0)
+        st_release_sys_global(signal, value);
+    __syncwarp();
+}
+
 // Chunks of `rows` rows, `chunk_rows` each.
 static __device__ __forceinline__ int chunks_of(int rows, int chunk_rows) {
     return (rows + chunk_rows - 1) / chunk_rows;
@@ -557,7 +568,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) counts(const CountsArgs args) 
 // ---------------------------------------------------------------------------------------------
 // Send (one round): block 0's first warps put the round's headers; then every warp takes chunks
 // (destination node n, chunk c) in turn, writes their rows into the send partition n and puts them to
-// the forwarder (n, local) with the chunk's signal.
+// the forwarder (n, local) with the chunk's signal (its own node's rows straight into its receive region).
 
 namespace cuep {
 
@@ -639,17 +650,28 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        uint8_t* staged = args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
-        for (int r = 0; r < rows; ++r) {
-            const int t =
-                args.node_list[static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot + r];
-            stage_row(args, shape, t, n, round_first, staged + r * args.row_bytes, lane);
-        }
+        // This rank forwards its own node's rows itself: they are staged straight into its receive region,
+        // where a put to itself would copy them once more.
+        const bool to_self = n == topo.node;
         uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
+        uint8_t* staged = to_self ? landing : args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
+        const int32_t* tokens =
+            args.node_list + static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot;
+        for (int first_row = 0; first_row < rows; first_row += kWarpSize) {
+            // The rows' tokens, a warp's worth at once.
+            const int batch = min(kWarpSize, rows - first_row);
+            const int lane_token = lane < batch ? tokens[first_row + lane] : 0;
+            for (int b = 0; b < batch; ++b)
+                stage_row(args, shape, __shfl_sync(kFullWarpMask, lane_token, b), n, round_first,
+                          staged + (first_row + b) * args.row_bytes, lane);
+        }
         const int64_t bytes = rows * args.row_bytes;
-        put_with_signal(landing, staged, bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
-                        n * L + topo.local);
-        if (n != topo.node && lane == 0) {
+        uint64_t* signal = chunk_signal(args.rdma, args.layout, topo.node, chunk);
+        if (to_self)
+            signal_own_rows(signal, number, lane);
+        else
+            put_with_signal(landing, staged, bytes, signal, number, n * L + topo.local);
+        if (!to_self && lane == 0) {
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchRows), rows);
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchBytes), bytes);
         }
@@ -715,25 +737,32 @@ namespace cuep {
 // One warp copies a landed row (at `row`, read over NVLink) into output row k.
 static __device__ void copy_out(const PullArgs& args, const RowShape& shape, const uint8_t* row, int k, int lane) {
     const RecvArrays& recv = args.recv;
-    warp_copy<false>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
-    for (int s = lane; s < args.num_scales; s += kWarpSize)
-        recv.scales[static_cast<int64_t>(k) * args.num_scales + s] =
-            __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.scales) + s));
+    const auto word = [&](int64_t offset, int index) {
+        return ld_volatile_global(reinterpret_cast<const int32_t*>(row + offset) + index);
+    };
+    // The routing of the first kWarpSize lanes and the source token are read before the hidden bytes, so that
+    // their loads wait in the copy's shadow, not after it.
     const int num_local_experts = args.num_experts / args.topo.num_ranks;
     const int first_expert = args.topo.rank * num_local_experts;
+    const bool lane_has_topk = lane < args.num_topk;
+    const int lane_expert = lane_has_topk ? word(shape.topk_idx, lane) : -1;
+    const int lane_weight = lane_has_topk ? word(shape.topk_weights, lane) : 0;
+    const int src = word(shape.src, 0);
+    warp_copy<false>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
+    for (int s = lane; s < args.num_scales; s += kWarpSize)
+        recv.scales[static_cast<int64_t>(k) * args.num_scales + s] = __int_as_float(word(shape.scales, s));
     for (int j = lane; j < args.num_topk; j += kWarpSize) {
-        const int expert = ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.topk_idx) + j);
+        const bool preloaded = j == lane;
+        const int expert = preloaded ? lane_expert : word(shape.topk_idx, j);
         const bool local = expert >= first_expert && expert < first_expert + num_local_experts;
         const int64_t out = static_cast<int64_t>(k) * args.num_topk + j;
         if (recv.topk_idx != nullptr)
             recv.topk_idx[out] = local ? expert - first_expert : -1;
         if (recv.topk_weights != nullptr)
-            recv.topk_weights[out] =
-                local ? __int_as_float(ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.topk_weights) + j))
-                      : 0.0f;
+            recv.topk_weights[out] = local ? __int_as_float(preloaded ? lane_weight : word(shape.topk_weights, j)) : 0.0f;
     }
     if (lane == 0 && recv.src_idx != nullptr)
-        recv.src_idx[k] = ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.src));
+        recv.src_idx[k] = src;
 }
 
 }  // namespace cuep
@@ -806,26 +835,36 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
         const int rows = min(args.chunk_rows, headers[part].rows - first_slot);
         const uint8_t* partition = forwarder + args.layout.recv + m * args.layout.partition_bytes;
         const bool own_rail = i == topo.local && args.forward_pos != nullptr;
-        for (int r = 0; r < rows; ++r) {
-            const int slot = first_slot + r;
-            const uint8_t* row = partition + static_cast<int64_t>(slot) * args.row_bytes;
-            const auto* positions = reinterpret_cast<const int32_t*>(row + shape.pos);
-            if (own_rail) {
-                const int f = args.plan[pl.forward_prefix + m] + headers[part].first + slot;
-                if (f < args.forward_capacity) {
-                    if (lane < L)
-                        args.forward_pos[static_cast<int64_t>(f) * L + lane] =
-                            ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.round_pos) + lane);
-                    if (lane == 0)
-                        args.forward_src[f] = ld_volatile_global(reinterpret_cast<const int32_t*>(row + shape.src));
-                }
+        const auto row_at = [&](int r) { return partition + static_cast<int64_t>(first_slot + r) * args.row_bytes; };
+        // A forwarder keeps each row's positions at its node's ranks and its source token; the lanes read them for
+        // a warp's worth of rows at once, not one row's latency after another.
+        if (own_rail) {
+            const int first_forward = args.plan[pl.forward_prefix + m] + headers[part].first + first_slot;
+            for (int e = lane; e < rows * (L + 1); e += kWarpSize) {
+                const int r = e / (L + 1), j = e % (L + 1), f = first_forward + r;
+                if (f >= args.forward_capacity)
+                    continue;
+                if (j < L)
+                    args.forward_pos[static_cast<int64_t>(f) * L + j] =
+                        ld_volatile_global(reinterpret_cast<const int32_t*>(row_at(r) + shape.round_pos) + j);
+                else
+                    args.forward_src[f] = ld_volatile_global(reinterpret_cast<const int32_t*>(row_at(r) + shape.src));
             }
-            const int position = ld_volatile_global(positions + topo.local);
-            if (position < 0)
-                continue;
-            const int k = recv_prefix[source] + position;
-            if (k < num_rows)
-                copy_out(args, shape, row, k, lane);
+        }
+        for (int first_row = 0; first_row < rows; first_row += kWarpSize) {
+            // The rows' positions at this rank, a warp's worth at once.
+            const int batch = min(kWarpSize, rows - first_row);
+            const int lane_position =
+                lane < batch
+                    ? ld_volatile_global(reinterpret_cast<const int32_t*>(row_at(first_row + lane) + shape.pos) +
+                                         topo.local)
+                    : -1;
+            for (int b = 0; b < batch; ++b) {
+                const int position = __shfl_sync(kFullWarpMask, lane_position, b);
+                const int k = recv_prefix[source] + position;
+                if (position >= 0 && k < num_rows)
+                    copy_out(args, shape, row_at(first_row + b), k, lane);
+            }
         }
     }
     // Rows past the received ones (num_worst_tokens) name no expert, and the forwarding record's rows past the
@@ -1049,15 +1088,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         }
         const int64_t bytes = rows * args.row_bytes;
         uint64_t* signal = chunk_signal(args.rdma, args.layout, topo.node, chunk);
-        if (to_self) {
-            __syncwarp();
-            if (lane == 0) {
-                __threadfence_system();  // the reduce reads what the warp's lanes just wrote
-                st_release_sys_global(signal, number);
-            }
-        } else {
+        if (to_self)
+            signal_own_rows(signal, number, lane);
+        else
             put_with_signal(target, staged, bytes, signal, number, m * L + topo.local);
-        }
         if (!to_self && lane == 0) {
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineRows), rows);
             atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineBytes), bytes);
