@@ -114,6 +114,8 @@ static_assert(kCountTokens < kCountHeaderWords, "the count header holds the sour
 constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombineRows = 2,
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
+static_assert(kTrafficDispatchBytes == kTrafficDispatchRows + 1 && kTrafficCombineBytes == kTrafficCombineRows + 1,
+              "deliver_chunk counts a chunk's bytes in the word after its rows");
 // A round's number: the call's in the high bits, one more than the round's index in the low ones.
 constexpr int kRoundBits = CUEP_ROUND_BITS;
 
@@ -453,14 +455,27 @@ static __device__ __forceinline__ void put_with_signal(void* dst, const void* sr
     put_then_signal_warp(dst, src, bytes, signal, value, pe);
 }
 
-// Set this rank's `signal` to `value` behind the rows the calling warp's lanes just wrote into its own receive
-// region (what put_with_signal does for another rank's): its readers are this GPU and the node's others.
-static __device__ __forceinline__ void signal_own_rows(uint64_t* signal, uint64_t value, int lane) {
-    __threadfence_system();  // each lane's rows, before the signal below
-    __syncwarp();
-    if (lane == 0)
-        st_release_sys_global(signal, value);
-    __syncwarp();
+// A chunk of `rows` rows the calling warp wrote at `staged`: put to `dst` on `pe` with `signal` set there to
+// `value` (put_with_signal), and counted in `traffic` (rows, then bytes); or, written in place (`in_place`: into
+// this rank's own receive region, where a put to itself would copy them once more), `signal` set here behind
+// them, for readers on this GPU and the node's others.
+static __device__ __forceinline__ void deliver_chunk(void* dst, const void* staged, int rows, int64_t row_bytes,
+                                                     bool in_place, uint64_t* signal, uint64_t value, int pe,
+                                                     uint64_t* traffic, int lane) {
+    if (in_place) {
+        __threadfence_system();  // each lane's rows, before the signal below
+        __syncwarp();
+        if (lane == 0)
+            st_release_sys_global(signal, value);
+        __syncwarp();
+        return;
+    }
+    const int64_t bytes = rows * row_bytes;
+    put_with_signal(dst, staged, bytes, signal, value, pe);
+    if (lane == 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(traffic), rows);
+        atomicAdd(reinterpret_cast<unsigned long long*>(traffic + 1), bytes);
+    }
 }
 
 // Chunks of `rows` rows, `chunk_rows` each.
@@ -650,8 +665,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // This rank forwards its own node's rows itself: they are staged straight into its receive region,
-        // where a put to itself would copy them once more.
+        // This rank forwards its own node's rows itself: they are staged in place (deliver_chunk).
         const bool to_self = n == topo.node;
         uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
         uint8_t* staged = to_self ? landing : args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
@@ -665,16 +679,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
                 stage_row(args, shape, __shfl_sync(kFullWarpMask, lane_token, b), n, round_first,
                           staged + (first_row + b) * args.row_bytes, lane);
         }
-        const int64_t bytes = rows * args.row_bytes;
-        uint64_t* signal = chunk_signal(args.rdma, args.layout, topo.node, chunk);
-        if (to_self)
-            signal_own_rows(signal, number, lane);
-        else
-            put_with_signal(landing, staged, bytes, signal, number, n * L + topo.local);
-        if (!to_self && lane == 0) {
-            atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchRows), rows);
-            atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficDispatchBytes), bytes);
-        }
+        deliver_chunk(landing, staged, rows, args.row_bytes, to_self,
+                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, n * L + topo.local,
+                      args.traffic + kTrafficDispatchRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)
@@ -1031,8 +1038,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // The partials of this rank's own tokens go straight into its receive region: a put to itself would
-        // copy them once more.
+        // The partials of this rank's own tokens are summed in place (deliver_chunk).
         const bool to_self = m == topo.node;
         uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
         uint8_t* staged = to_self ? target : args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
@@ -1086,16 +1092,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                     reinterpret_cast<float*>(out + args.hidden_bytes)[k] = sum;
             }
         }
-        const int64_t bytes = rows * args.row_bytes;
-        uint64_t* signal = chunk_signal(args.rdma, args.layout, topo.node, chunk);
-        if (to_self)
-            signal_own_rows(signal, number, lane);
-        else
-            put_with_signal(target, staged, bytes, signal, number, m * L + topo.local);
-        if (!to_self && lane == 0) {
-            atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineRows), rows);
-            atomicAdd(reinterpret_cast<unsigned long long*>(args.traffic + kTrafficCombineBytes), bytes);
-        }
+        deliver_chunk(target, staged, rows, args.row_bytes, to_self,
+                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, m * L + topo.local,
+                      args.traffic + kTrafficCombineRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)
