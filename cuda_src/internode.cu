@@ -1119,6 +1119,7 @@ static __device__ __forceinline__ const uint8_t* partial_row(const ReduceArgs& a
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const ReduceArgs args) {
     __shared__ int32_t node_first[kMaxRanks];
     __shared__ const uint8_t* token_partials[kWarpsPerBlock][kMaxRanks];  // a warp's token's partials, in order
+    static_assert(sizeof(token_partials) + sizeof(node_first) <= 48 * 1024, "static shared memory past 48 KB");
     const Topology& topo = args.topo;
     const int N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);

@@ -52,14 +52,16 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], 
 
 // One warp sums, in FP32, `num_rows` BF16 rows of `num_vectors` 16-byte vectors and writes the sum, rounded
 // once, to `out`. Vector v's sum starts from zero, takes `before(acc, v)`, then rows row_at(0), row_at(1),
-// ... in that order, then `after(acc, v)`; so the order of the sums is the caller's. row_at(c) is called by
-// every lane alike (it may shuffle). Each lane loads kUnroll vectors of kRowsPerLoad rows before adding any:
-// a loop that added each vector as it came would wait out one memory latency per vector, and a warp would
-// keep only 1 KB in flight. The rows are read with volatile loads (their writers may be other GPUs).
+// ... in that order, then `after(acc, v)`; so the order of the sums is the caller's. Every lane runs the same
+// steps and calls row_at(c) alike, whatever num_vectors, so row_at may shuffle (before and after are called for
+// the lane's own vectors only). Each lane loads kUnroll vectors of kRowsPerLoad rows before adding any: a loop
+// that added each vector as it came would wait out one memory latency per vector, and a warp would keep only
+// 1 KB in flight. The rows are read with volatile loads (their writers may be other GPUs).
 template <int kUnroll, int kRowsPerLoad, typename RowAt, typename Before, typename After>
 __device__ __forceinline__ void warp_sum_bf16_rows(int4* out, int num_vectors, int num_rows, const RowAt& row_at,
                                                    const Before& before, const After& after, int lane) {
-    for (int first = lane; first < num_vectors; first += kUnroll * kWarpSize) {
+    for (int step = 0; step < num_vectors; step += kUnroll * kWarpSize) {
+        const int first = step + lane;
         float acc[kUnroll][kBf16PerVector] = {};
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)

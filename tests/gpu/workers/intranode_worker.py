@@ -280,8 +280,10 @@ def every_token_to_rank_0(buffer):
     combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
 
 
-def unusual_hidden_384_and_7168(buffer):
-    for hidden in (384, 7168):
+def unusual_hidden_sizes(buffer):
+    # 128 and 1152 leave some lanes of a warp with one 4-vector step fewer than the others (hidden / 8 vectors,
+    # 4 x 32 a step), which a warp-wide sum must still run in step.
+    for hidden in (128, 384, 1152, 7168):
         inputs = all_inputs(200, hidden, EXPERTS, 8)
         recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
         combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
@@ -638,7 +640,7 @@ def main() -> None:
         ("expert_alignment=4, one and two biases", alignment_and_two_biases),
         ("0 tokens on rank 1", zero_tokens_on_rank_1),
         ("every token to rank 0", every_token_to_rank_0),
-        ("hidden 384 and 7168", unusual_hidden_384_and_7168),
+        ("hidden 128, 384, 1152 and 7168", unusual_hidden_sizes),
         ("async, previous_event, allocate_on_comm_stream", async_previous_event_comm_stream_allocation),
         ("num_worst_tokens (no CPU wait)", num_worst_tokens_no_cpu_wait),
         ("CUDA graph: capture once, replay 5x with new inputs", cuda_graph_capture_then_replay_with_new_inputs),
