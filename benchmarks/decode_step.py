@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torch_ranks import backend_module, free_port
+from torch_ranks import add_run_arguments, backend_module, free_port
 
 
 def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int, num_ranks: int):
@@ -139,12 +139,7 @@ def run_rank(rank: int, args, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["cuep", "deepep"], default="cuep")
-    parser.add_argument("--num-ranks", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=288)
-    parser.add_argument("--topk", type=int, default=8)
+    add_run_arguments(parser, tokens=128, experts=288)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--default-device", default=None,

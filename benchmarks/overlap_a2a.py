@@ -27,9 +27,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from torch_ranks import backend_module, free_port
+from torch_ranks import add_run_arguments, backend_module, free_port
 
-from cuep.bench import OVERLAP_GEMM
+from cuep.bench import OVERLAP_GEMM, interleaved_medians
 
 
 def workload(rank: int, tokens: int, hidden: int, num_experts: int, topk: int):
@@ -88,17 +88,6 @@ def run_rank(rank: int, args, port: int) -> None:
         return (gemm_start.elapsed_time(gemm_end) * 1e3,
                 comm_start.elapsed_time(comm_end) * 1e3 if configs is not None else 0.0)
 
-    def medians(variants) -> list[tuple[float, float]]:
-        """The median (GEMM us, communication us) of each of ``variants`` (``(run_gemm, configs)``), timed in turn,
-        iteration after iteration, so that a drift of the GPU's speed during the run falls on all of them alike."""
-        samples = [[] for _ in variants]
-        for i in range(args.warmup + args.iters):
-            for taken, (run_gemm, configs) in zip(samples, variants):
-                sample = once(run_gemm, configs)
-                if i >= args.warmup:
-                    taken.append(sample)
-        return [(statistics.median(t[0] for t in taken), statistics.median(t[1] for t in taken)) for taken in samples]
-
     rows = []
     for sms in args.sms:
         module.Buffer.set_num_sms(sms)
@@ -107,8 +96,9 @@ def run_rank(rank: int, args, port: int) -> None:
         recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, config=configs[0])
-        (gemm_alone, _), (_, comm_alone), (gemm_both, comm_both) = medians([(True, None), (False, configs),
-                                                                           (True, configs)])
+        (gemm_alone, _), (_, comm_alone), (gemm_both, comm_both) = interleaved_medians(
+            [lambda: once(True, None), lambda: once(False, configs), lambda: once(True, configs)],
+            args.warmup, args.iters)
         rows.append((gemm_alone, comm_alone, comm_both, gemm_both))
     gathered = [None] * num_ranks
     dist.all_gather_object(gathered, rows, group=group)
@@ -131,12 +121,7 @@ def run_rank(rank: int, args, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["cuep", "deepep"], default="cuep")
-    parser.add_argument("--num-ranks", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--topk", type=int, default=8)
+    add_run_arguments(parser, tokens=4096, experts=256)
     parser.add_argument("--sms", type=lambda s: [int(v) for v in s.split(",")], default=[24])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)

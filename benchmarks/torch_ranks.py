@@ -1,8 +1,10 @@
 """What the benchmarks that start one torch process per rank share (``torch.multiprocessing.spawn``, an NCCL or gloo
-group on this host): a free port for the group's rendezvous, and the backend module a run measures."""
+group on this host): a free port for the group's rendezvous, the backend module a run measures, and the arguments
+that name both and the workload."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 
 
@@ -21,3 +23,14 @@ def backend_module(backend: str):
         return cuep.torch
     import deep_ep
     return deep_ep
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, tokens: int, experts: int) -> None:
+    """``--backend`` (cuep or deepep), ``--num-ranks``, and the workload: ``--tokens`` per rank (default ``tokens``),
+    ``--hidden``, ``--experts`` (default ``experts``), ``--topk``."""
+    parser.add_argument("--backend", choices=["cuep", "deepep"], default="cuep")
+    parser.add_argument("--num-ranks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=experts)
+    parser.add_argument("--topk", type=int, default=8)

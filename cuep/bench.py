@@ -242,6 +242,19 @@ def bench_normal(args) -> None:
 OVERLAP_GEMM = (8192, 7168, 2048)  # M, K, N of the compute stream's GEMM per rank (issue 27's expert GEMM)
 
 
+def interleaved_medians(measures, warmup: int, iters: int) -> list[tuple[float, ...]]:
+    """The median of each timing of each of ``measures`` (calls that run one iteration and return a tuple of
+    timings), run in turn, iteration after iteration, ``warmup`` rounds first untimed: a GPU whose speed drifts
+    during the run slows all of them alike, so comparisons between them hold (docs/performance-log.md, session 55)."""
+    samples = [[] for _ in measures]
+    for i in range(warmup + iters):
+        for taken, measure in zip(samples, measures):
+            sample = measure()
+            if i >= warmup:
+                taken.append(sample)
+    return [tuple(float(np.median(timings)) for timings in zip(*taken)) for taken in samples]
+
+
 def _gemm(cupy):
     """``run()``, one GEMM of :data:`OVERLAP_GEMM` on the current stream, and its label: BF16 where CuPy's
     matmul takes it, else FP16 (the same tensor cores and bytes)."""
@@ -328,22 +341,15 @@ def bench_overlap(args) -> None:
         return (cupy.cuda.get_elapsed_time(gemm_start, gemm_end) * 1e3,
                 cupy.cuda.get_elapsed_time(comm_start, comm_end) * 1e3)
 
-    def medians(variants) -> list[tuple[float, float]]:
-        """The median (GEMM us, communication us) of each of ``variants`` (``(run_gemm, config, gemm_sms)``),
-        timed in turn, iteration after iteration: a GPU whose speed drifts during the run slows all of them
-        alike, so each slowdown compares times taken together (docs/performance-log.md, session 55)."""
-        samples = [[] for _ in variants]
-        for i in range(args.warmup + args.iters):
-            for taken, (run_gemm, config, gemm_sms) in zip(samples, variants):
-                set_gemm_sms(gemm_sms)
-                try:
-                    sample = timed(run_gemm, config)
-                finally:
-                    set_gemm_sms(0)
-                if i >= args.warmup:
-                    taken.append(sample)
-        return [(float(np.median([t[0] for t in taken])), float(np.median([t[1] for t in taken])))
-                for taken in samples]
+    def variant(run_gemm: bool, config, gemm_sms: int = 0):
+        """One iteration of ``timed`` with the GEMM told ``gemm_sms`` SMs (0: all), for interleaved_medians."""
+        def measure() -> tuple[float, float]:
+            set_gemm_sms(gemm_sms)
+            try:
+                return timed(run_gemm, config)
+            finally:
+                set_gemm_sms(0)
+        return measure
 
     sms_list = args.sms or [24, buffer.get_combine_config(num_ranks).num_sms]
     if max(sms_list) >= device_sms:
@@ -352,7 +358,8 @@ def bench_overlap(args) -> None:
     for sms in sms_list:
         config, rest = Config(num_sms=sms), device_sms - sms
         (gemm_alone, _), (_, comm_alone), (gemm_whole, comm_whole), (gemm_rest_alone, _), (gemm_rest, comm_rest) = \
-            medians([(True, None, 0), (False, config, 0), (True, config, 0), (True, None, rest), (True, config, rest)])
+            interleaved_medians([variant(True, None), variant(False, config), variant(True, config),
+                                 variant(True, None, rest), variant(True, config, rest)], args.warmup, args.iters)
         rows.append((gemm_alone, comm_alone, comm_whole, gemm_whole, gemm_rest_alone, comm_rest, gemm_rest))
         if rank == 0 and args.progress:
             print(f"  ... measured num_sms={sms}", flush=True)
