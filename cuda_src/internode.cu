@@ -294,7 +294,8 @@ struct CombineInput {
     int64_t hidden_bytes;
     const float* topk_weights;      // [num_rows, num_topk], or null
     int num_topk;
-    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids, -1 on others' lanes; null: V1's order
+    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids, -1 on others' lanes (null when no rows)
+    int ordered;                    // V2's order (the ids above), else V1's
 };
 
 struct PushArgs {
@@ -923,8 +924,7 @@ static __device__ __forceinline__ int2 round_rows_from(const CombineInput& input
 // Whether this rank's copy of received row k carries top-k lane `lane`: in V2's order only the lanes whose expert
 // is local (the copy's weights are zero on the others, and its tag is the highest lane it holds), in V1's every lane.
 static __device__ __forceinline__ bool holds_lane(const CombineInput& input, int64_t k, int lane) {
-    return input.order_topk_idx == nullptr ||
-           (lane < input.num_topk && input.order_topk_idx[k * input.num_topk + lane] >= 0);
+    return !input.ordered || (lane < input.num_topk && input.order_topk_idx[k * input.num_topk + lane] >= 0);
 }
 
 // The forward's and the reduce's sums (warp_sum_bf16_rows): each lane asks for 4 vectors of 2 rows at once, as
@@ -986,7 +986,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
             for (int w = lane; w < input.num_topk; w += kWarpSize)
                 reinterpret_cast<float*>(landing + input.hidden_bytes)[w] =
                     held ? input.topk_weights[k * input.num_topk + w] : 0.0f;
-        if (input.order_topk_idx != nullptr) {
+        if (input.ordered) {
             const uint32_t held_lanes = __ballot_sync(kFullWarpMask, held);
             if (lane == 0)
                 reinterpret_cast<int32_t*>(landing + input.hidden_bytes)[input.num_topk] = 31 - __clz(held_lanes);
@@ -1014,7 +1014,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
     const CombineInput& input = args.input;
-    const bool ordered = input.order_topk_idx != nullptr;
+    const bool ordered = input.ordered;  // not from the ids' address: a rank with no rows has none
     const int L = topo.ranks_per_node, N = topo.num_nodes;
     const uint64_t call = this_call(args.state);
     const uint64_t number = round_number(call, args.round.index);

@@ -183,11 +183,12 @@ class PullArgs(KernelArgs):
 
 class CombineInput(KernelArgs):
     """A combine's input as its push and its forward read it: the received rows ``x`` (and their
-    ``recv_src_idx``), their top-k weights, and V2's order (``order_topk_idx``, or null)."""
+    ``recv_src_idx``), their top-k weights, and whether they are summed in V2's order (``ordered``, by
+    ``order_topk_idx``)."""
 
     cxx_name = "CombineInput"
     _fields_ = [("x", _ptr), ("recv_src_idx", _ptr), ("num_rows", _i32), ("hidden_bytes", _i64),
-                ("topk_weights", _ptr), ("num_topk", _i32), ("order_topk_idx", _ptr)]
+                ("topk_weights", _ptr), ("num_topk", _i32), ("order_topk_idx", _ptr), ("ordered", _i32)]
 
 
 class PushArgs(KernelArgs):

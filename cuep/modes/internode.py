@@ -574,7 +574,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     combine_input = kernels.CombineInput(x=x.data.ptr, recv_src_idx=handle.recv_src_idx.data.ptr,
                                          num_rows=handle.num_rows, hidden_bytes=hidden * x.itemsize,
                                          topk_weights=_ptr(topk_weights), num_topk=num_topk,
-                                         order_topk_idx=_ptr(order_recv_topk_idx))
+                                         order_topk_idx=_ptr(order_recv_topk_idx), ordered=int(order is not None))
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
                             plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), input=combine_input,
                             landing_row_bytes=row_bytes, state=state, status=status, timeout_ns=ctx.timeout_ns)
