@@ -985,7 +985,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
         if (input.topk_weights != nullptr)
             for (int w = lane; w < input.num_topk; w += kWarpSize)
                 reinterpret_cast<float*>(landing + input.hidden_bytes)[w] =
-                    held ? input.topk_weights[k * input.num_topk + w] : 0.0f;
+                    holds_lane(input, k, w) ? input.topk_weights[k * input.num_topk + w] : 0.0f;
         if (input.ordered) {
             const uint32_t held_lanes = __ballot_sync(kFullWarpMask, held);
             if (lane == 0)
