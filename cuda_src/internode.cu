@@ -39,8 +39,9 @@
 // Combine (the reverse, per round w):
 //   push:    each rank writes every row it received in the round into the NVL landing region of the
 //            forwarder the row came through, in the section of (this rank, the source's node), at the
-//            row's place among this rank's rows of the round from that source; then raises a flag
-//            there. Before round w > 0 it waits until every local forwarder has released the region.
+//            row's place among this rank's rows of the round from that source, unless that forwarder is
+//            itself (its forward reads those from x); then raises a flag there. Before round w > 0 it
+//            waits until every local forwarder has released the region.
 //   forward: each forwarder sums, in FP32, the copies its node holds of each row of the round it
 //            forwarded, and puts one BF16 partial per (token, node) back into partition n of the
 //            source's receive region (chunks with signals, as the dispatch; its own tokens' partials in
@@ -285,19 +286,25 @@ struct PullArgs {
     uint64_t timeout_ns;
 };
 
+// This rank's combine input, as its push and its forward read it: the rows it received and their top-k weights.
+struct CombineInput {
+    const uint8_t* x;
+    const int32_t* recv_src_idx;
+    int num_rows;                   // the rows of x and recv_src_idx (fewer than received after an overflow)
+    int64_t hidden_bytes;
+    const float* topk_weights;      // [num_rows, num_topk], or null
+    int num_topk;
+    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids, -1 on others' lanes (null when no rows)
+    int ordered;                    // V2's order (the ids above), else V1's
+};
+
 struct PushArgs {
     const uint64_t* node_nvl;   // [L] each local rank's NVL buffer as this GPU addresses it
     NvlLayout nvl;
     Topology topo;
     const int32_t* plan;
     PlanLayout plan_layout;
-    const int32_t* recv_src_idx;
-    int num_rows;               // the rows of x and recv_src_idx (fewer than received after an overflow)
-    const uint8_t* x;
-    int64_t hidden_bytes;
-    const float* topk_weights;
-    int num_topk;
-    const int64_t* order_topk_idx;  // [num_rows, num_topk] local ids, -1 on others' lanes; null: V1's order
+    CombineInput input;
     int64_t landing_row_bytes;
     Round round;
     uint64_t* state;
@@ -317,9 +324,7 @@ struct ForwardArgs {
     const int32_t* forward_pos;
     const int32_t* forward_src;
     int forward_rows;           // rows of forward_pos and forward_src
-    int64_t hidden_bytes;
-    int num_topk;
-    int ordered;                // a row's copies summed by tag (V2's order), else by local rank
+    CombineInput input;         // this rank's own copies (V2's order: the copies summed by tag, else by local rank)
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
     Round round;
@@ -905,6 +910,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const PullArgs args) 
     });
 }
 
+// Received rows [first, end) of x came from `source` in the round, in its token order. A dispatch that overflowed
+// num_worst_tokens (recorded) left only num_rows rows: none past them.
+static __device__ __forceinline__ int2 round_rows_from(const CombineInput& input, const int32_t* plan,
+                                                       const PlanLayout& pl, int source, const Round& round) {
+    const int begin = min(plan[pl.recv_prefix + source], input.num_rows);
+    const int end = min(plan[pl.recv_prefix + source + 1], input.num_rows);
+    const int64_t first_token = static_cast<int64_t>(round.index) * round.tokens;
+    const int first = lower_bound(input.recv_src_idx, begin, end, first_token);
+    return make_int2(first, lower_bound(input.recv_src_idx, first, end, first_token + round.tokens));
+}
+
+// Whether this rank's copy of received row k carries top-k lane `lane`: in V2's order only the lanes whose expert
+// is local (the copy's weights are zero on the others, and its tag is the highest lane it holds), in V1's every lane.
+static __device__ __forceinline__ bool holds_lane(const CombineInput& input, int64_t k, int lane) {
+    return !input.ordered || (lane < input.num_topk && input.order_topk_idx[k * input.num_topk + lane] >= 0);
+}
+
 // The forward's and the reduce's sums (warp_sum_bf16_rows): each lane asks for 4 vectors of 2 rows at once, as
 // the intranode combine's reduction does.
 constexpr int kSumUnroll = 4;
@@ -916,16 +938,15 @@ struct NoAddend {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Combine push (one round): every warp takes this rank's received rows of the round in turn and writes
-// each, with its top-k weights, into the landing rows of the forwarder it came through; the last block
-// then raises this rank's flag at each forwarder of the node.
+// Combine push (one round): every warp takes this rank's received rows of the round that came through another
+// forwarder in turn and writes each, with its top-k weights, into that forwarder's landing rows (a forwarder
+// reads its own copies from x); the last block then raises this rank's flag at each forwarder of the node.
 
 __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
-    __shared__ int32_t recv_prefix[kMaxRanks + 1];
     __shared__ int32_t round_first[kMaxRanks];       // first received row of each source in the round
-    __shared__ int32_t round_prefix[kMaxRanks + 1];  // the round's rows, prefix over sources
+    __shared__ int32_t round_prefix[kMaxRanks + 1];  // the round's rows pushed, prefix over sources
     const Topology& topo = args.topo;
-    const PlanLayout& pl = args.plan_layout;
+    const CombineInput& input = args.input;
     const int L = topo.ranks_per_node, N = topo.num_nodes, R = topo.num_ranks;
     const uint64_t call = this_call(args.state);
     const uint64_t number = round_number(call, args.round.index);
@@ -938,17 +959,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
                                          args.nvl.released),
                       L, number - 1, deadline_ns, args.status, [&](int i) { return topo.node * L + i; },
                       kPhaseInternodeReleased);
-    // A dispatch that overflowed num_worst_tokens (recorded) left only num_rows rows: push no row past them.
-    for (int r = threadIdx.x; r <= R; r += kNumThreads)
-        recv_prefix[r] = min(args.plan[pl.recv_prefix + r], args.num_rows);
-    __syncthreads();
-    const int64_t first_token = static_cast<int64_t>(args.round.index) * args.round.tokens;
     for (int s = threadIdx.x; s < R; s += kNumThreads) {
-        // A source's received rows come in its token order.
-        const int first = lower_bound(args.recv_src_idx, recv_prefix[s], recv_prefix[s + 1], first_token);
-        round_first[s] = first;
-        round_prefix[s + 1] = lower_bound(args.recv_src_idx, first, recv_prefix[s + 1],
-                                          first_token + args.round.tokens) - first;
+        const int2 rows = round_rows_from(input, args.plan, args.plan_layout, s, args.round);
+        round_first[s] = rows.x;
+        // The rows that came through this rank itself, its forward reads from x.
+        round_prefix[s + 1] = s % L == topo.local ? 0 : rows.y - rows.x;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -965,18 +980,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
         const int64_t k = round_first[source] + j;
         const int64_t slot = static_cast<int64_t>(topo.local * N + m) * args.round.tokens + j;
         uint8_t* landing = reinterpret_cast<uint8_t*>(args.node_nvl[i]) + args.nvl.landing + slot * args.landing_row_bytes;
-        warp_copy(landing, args.x + k * args.hidden_bytes, args.hidden_bytes, lane);
-        // V2's order: the lanes this rank holds (the tag is the highest), and their weights alone.
-        const bool held = args.order_topk_idx == nullptr ||
-                          (lane < args.num_topk && args.order_topk_idx[k * args.num_topk + lane] >= 0);
-        if (args.topk_weights != nullptr)
-            for (int w = lane; w < args.num_topk; w += kWarpSize)
-                reinterpret_cast<float*>(landing + args.hidden_bytes)[w] =
-                    held ? args.topk_weights[k * args.num_topk + w] : 0.0f;
-        if (args.order_topk_idx != nullptr) {
+        warp_copy(landing, input.x + k * input.hidden_bytes, input.hidden_bytes, lane);
+        const bool held = holds_lane(input, k, lane);
+        if (input.topk_weights != nullptr)
+            for (int w = lane; w < input.num_topk; w += kWarpSize)
+                reinterpret_cast<float*>(landing + input.hidden_bytes)[w] =
+                    holds_lane(input, k, w) ? input.topk_weights[k * input.num_topk + w] : 0.0f;
+        if (input.ordered) {
             const uint32_t held_lanes = __ballot_sync(kFullWarpMask, held);
             if (lane == 0)
-                reinterpret_cast<int32_t*>(landing + args.hidden_bytes)[args.num_topk] = 31 - __clz(held_lanes);
+                reinterpret_cast<int32_t*>(landing + input.hidden_bytes)[input.num_topk] = 31 - __clz(held_lanes);
         }
     }
     finish_round(args.state, call, args.round, false, [&] {
@@ -988,17 +1001,20 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
 
 // ---------------------------------------------------------------------------------------------
 // Combine forward (one round): wait for every local rank's pushes, then every warp takes chunks (source
-// node m, chunk c) of the round's rows this rank forwarded, sums each row's landed copies into the send
-// partition m, and puts the chunk back to the source (m, local) with the chunk's signal (this rank's own
-// rows are summed straight into its receive region); the last block releases the landing rows to the
-// node's ranks.
+// node m, chunk c) of the round's rows this rank forwarded, sums each row's copies (the landed ones, and this
+// rank's own from x) into the send partition m, and puts the chunk back to the source (m, local) with the
+// chunk's signal (this rank's own rows are summed straight into its receive region); the last block releases
+// the landing rows to the node's ranks.
 
 __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];
     __shared__ int32_t round_first[kMaxRanks];  // the round's first forwarded row of each source node
     __shared__ int32_t round_rows[kMaxRanks];
+    __shared__ int2 own_rows[kMaxRanks];        // the rows of x from source (m, local) in the round: [first, end)
     const Topology& topo = args.topo;
     const PlanLayout& pl = args.plan_layout;
+    const CombineInput& input = args.input;
+    const bool ordered = input.ordered;  // not from the ids' address: a rank with no rows has none
     const int L = topo.ranks_per_node, N = topo.num_nodes;
     const uint64_t call = this_call(args.state);
     const uint64_t number = round_number(call, args.round.index);
@@ -1020,6 +1036,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         const int first = lower_bound(args.forward_src, begin, end, first_token);
         round_first[m] = first;
         round_rows[m] = lower_bound(args.forward_src, first, end, first_token + args.round.tokens) - first;
+        own_rows[m] = round_rows_from(input, args.plan, pl, m * L + topo.local, args.round);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1029,7 +1046,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
     }
     __syncthreads();
     const uint8_t* landing = args.nvl + args.nvl_layout.landing;
-    const int num_vectors = static_cast<int>(args.hidden_bytes / sizeof(int4));
+    const int num_vectors = static_cast<int>(input.hidden_bytes / sizeof(int4));
     const int num_chunks = chunk_prefix[N];
     const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
     for (int item = first_warp; item < num_chunks; item += num_warps) {
@@ -1045,19 +1062,34 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         for (int r = 0; r < rows; ++r) {
             const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
-            const int64_t copy_row = position >= 0
-                                         ? static_cast<int64_t>(lane * N + m) * args.round.tokens + position
-                                         : 0;
-            const uint32_t holders = __ballot_sync(kFullWarpMask, position >= 0);
+            // Lane j < L: local rank j's copy of the row, landed, or this rank's own, row own_k of x (none past
+            // the rows a dispatch that overflowed left, recorded).
+            const uint8_t* copy = nullptr;
+            int64_t own_k = -1;
+            if (position >= 0 && lane == topo.local) {
+                own_k = own_rows[m].x + position;
+                if (own_k < own_rows[m].y)
+                    copy = input.x + own_k * input.hidden_bytes;
+                else
+                    own_k = -1;
+            } else if (position >= 0) {
+                copy = landing + (static_cast<int64_t>(lane * N + m) * args.round.tokens + position) *
+                                     args.landing_row_bytes;
+            }
+            own_k = __shfl_sync(kFullWarpMask, own_k, topo.local);
+            const uint32_t holders = __ballot_sync(kFullWarpMask, copy != nullptr);
             const int num_copies = __popc(holders);
             // Each holder's place among the holders: by local rank, or (V2's order) by tag, distinct since one
-            // lane has one expert's rank.
+            // lane has one expert's rank. The own copy's tag is what its push would have written.
             int place = __popc(holders & ((1u << lane) - 1u));
-            if (args.ordered) {
-                const int tag = position >= 0 ? ld_volatile_global(reinterpret_cast<const int32_t*>(
-                                                    landing + copy_row * args.landing_row_bytes + args.hidden_bytes) +
-                                                args.num_topk)
-                                              : 0;
+            if (ordered) {
+                const int own_tag =
+                    own_k >= 0 ? 31 - __clz(__ballot_sync(kFullWarpMask, holds_lane(input, own_k, lane))) : -1;
+                const int tag = copy == nullptr ? 0
+                                : lane == topo.local
+                                    ? own_tag
+                                    : ld_volatile_global(reinterpret_cast<const int32_t*>(copy + input.hidden_bytes) +
+                                                         input.num_topk);
                 place = 0;
                 for (uint32_t left = holders; left != 0; left &= left - 1) {
                     const int other = __ffs(left) - 1;
@@ -1065,31 +1097,41 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                     place += other_tag < tag || (other_tag == tag && other < lane);
                 }
             }
-            // Lane c holds the landing row of the copy placed c-th.
-            int64_t placed_row = 0;
+            const int own_place = own_k >= 0 ? __shfl_sync(kFullWarpMask, place, topo.local) : -1;
+            // Lane c holds the copy placed c-th.
+            uint64_t placed = 0;
             for (int c = 0; c < num_copies; ++c) {
-                const int holder = __ffs(__ballot_sync(kFullWarpMask, position >= 0 && place == c)) - 1;
-                const int64_t row = __shfl_sync(kFullWarpMask, copy_row, holder);
+                const int holder = __ffs(__ballot_sync(kFullWarpMask, copy != nullptr && place == c)) - 1;
+                const uint64_t address = __shfl_sync(kFullWarpMask, reinterpret_cast<uint64_t>(copy), holder);
                 if (lane == c)
-                    placed_row = row;
+                    placed = address;
             }
             const auto copy_at = [&](int c) {
-                return landing + __shfl_sync(kFullWarpMask, placed_row, c) * args.landing_row_bytes;
+                return reinterpret_cast<const uint8_t*>(__shfl_sync(kFullWarpMask, placed, c));
             };
             uint8_t* out = staged + r * args.row_bytes;
             warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(
                 reinterpret_cast<int4*>(out), num_vectors, num_copies,
                 [&](int c) { return reinterpret_cast<const int4*>(copy_at(c)); }, NoAddend{}, NoAddend{}, lane);
-            for (int k0 = 0; k0 < args.num_topk; k0 += kWarpSize) {
+            // The weights in the same order: a landed copy's as pushed, the own copy's as its push would have
+            // pushed them.
+            for (int k0 = 0; k0 < input.num_topk; k0 += kWarpSize) {
                 const int k = k0 + lane;
                 float sum = 0.0f;
                 for (int c = 0; c < num_copies; ++c) {
-                    const auto* weights = reinterpret_cast<const int32_t*>(copy_at(c) + args.hidden_bytes);
-                    if (k < args.num_topk)
-                        sum += __int_as_float(ld_volatile_global(weights + k));
+                    const uint8_t* copy_c = copy_at(c);
+                    if (k >= input.num_topk)
+                        continue;
+                    if (c == own_place)
+                        sum += input.topk_weights != nullptr && holds_lane(input, own_k, k)
+                                   ? input.topk_weights[own_k * input.num_topk + k]
+                                   : 0.0f;
+                    else
+                        sum += __int_as_float(
+                            ld_volatile_global(reinterpret_cast<const int32_t*>(copy_c + input.hidden_bytes) + k));
                 }
-                if (k < args.num_topk)
-                    reinterpret_cast<float*>(out + args.hidden_bytes)[k] = sum;
+                if (k < input.num_topk)
+                    reinterpret_cast<float*>(out + input.hidden_bytes)[k] = sum;
             }
         }
         deliver_chunk(target, staged, rows, args.row_bytes, to_self,

@@ -181,16 +181,24 @@ class PullArgs(KernelArgs):
                 ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
+class CombineInput(KernelArgs):
+    """A combine's input as its push and its forward read it: the received rows ``x`` (and their
+    ``recv_src_idx``), their top-k weights, and whether they are summed in V2's order (``ordered``, by
+    ``order_topk_idx``)."""
+
+    cxx_name = "CombineInput"
+    _fields_ = [("x", _ptr), ("recv_src_idx", _ptr), ("num_rows", _i32), ("hidden_bytes", _i64),
+                ("topk_weights", _ptr), ("num_topk", _i32), ("order_topk_idx", _ptr), ("ordered", _i32)]
+
+
 class PushArgs(KernelArgs):
     """``cuep::internode::push`` (combine, first): each rank pushes its rows to the forwarder they came
-    through."""
+    through, unless that is itself."""
 
     cxx_name = "PushArgs"
     entry = "cuep::internode::push"
     _fields_ = [("node_nvl", _ptr), ("nvl", NvlLayout), ("topo", Topology), ("plan", _ptr),
-                ("plan_layout", PlanLayout), ("recv_src_idx", _ptr), ("num_rows", _i32), ("x", _ptr), ("hidden_bytes", _i64),
-                ("topk_weights", _ptr), ("num_topk", _i32), ("order_topk_idx", _ptr), ("landing_row_bytes", _i64),
-                ("round", Round),
+                ("plan_layout", PlanLayout), ("input", CombineInput), ("landing_row_bytes", _i64), ("round", Round),
                 ("state", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
@@ -202,9 +210,7 @@ class ForwardArgs(KernelArgs):
     entry = "cuep::internode::forward"
     _fields_ = [("nvl", _ptr), ("node_nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
-                ("forward_src", _ptr), ("forward_rows", _i32), ("hidden_bytes", _i64), ("num_topk", _i32),
-                ("ordered", _i32),
-                ("landing_row_bytes", _i64),
+                ("forward_src", _ptr), ("forward_rows", _i32), ("input", CombineInput), ("landing_row_bytes", _i64),
                 ("row_bytes", _i64), ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
                 ("status", Status), ("timeout_ns", _u64)]
 
@@ -224,5 +230,5 @@ class ReduceArgs(KernelArgs):
 
 #: Every struct this module mirrors, nested ones included (``tests/test_kernel_args.py`` checks them).
 ARGUMENT_STRUCTS = (Topology, RdmaLayout, NvlLayout, PlanLayout, Round, UnitPrefix, TokenRows, ScanArgs, CountsArgs,
-                    SendArgs, NotifyArgs, RecvArrays, PullArgs, PushArgs, ForwardArgs, ReduceArgs)
+                    SendArgs, NotifyArgs, RecvArrays, PullArgs, CombineInput, PushArgs, ForwardArgs, ReduceArgs)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)

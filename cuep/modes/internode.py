@@ -571,20 +571,19 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         if topk_weights is not None and topk_weights.shape[1] else None
 
     ctx.barrier(stream)
+    combine_input = kernels.CombineInput(x=x.data.ptr, recv_src_idx=handle.recv_src_idx.data.ptr,
+                                         num_rows=handle.num_rows, hidden_bytes=hidden * x.itemsize,
+                                         topk_weights=_ptr(topk_weights), num_topk=num_topk,
+                                         order_topk_idx=_ptr(order_recv_topk_idx), ordered=int(order is not None))
     push = kernels.PushArgs(node_nvl=ctx.node_nvl.data.ptr, nvl=ctx.nvl_layout.mirror(), topo=topo,
-                            plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(),
-                            recv_src_idx=handle.recv_src_idx.data.ptr, num_rows=handle.num_rows, x=x.data.ptr,
-                            hidden_bytes=hidden * x.itemsize,
-                            topk_weights=_ptr(topk_weights), num_topk=num_topk,
-                            order_topk_idx=_ptr(order_recv_topk_idx), landing_row_bytes=row_bytes,
-                            state=state, status=status, timeout_ns=ctx.timeout_ns)
+                            plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), input=combine_input,
+                            landing_row_bytes=row_bytes, state=state, status=status, timeout_ns=ctx.timeout_ns)
     forward = kernels.ForwardArgs(
         nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
-        forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0],
-        hidden_bytes=hidden * x.itemsize, num_topk=num_topk,
-        ordered=int(order is not None), landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr,
-        status=status, timeout_ns=ctx.timeout_ns)
+        forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0], input=combine_input,
+        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state,
+        traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
         rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,
         prefix=kernels.UnitPrefix(counts=handle.unit_prefix.data.ptr, units=handle.unit_prefix.shape[0] - 1),
