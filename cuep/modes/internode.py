@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from .. import _deps, _interop
+from .. import _deps, _interop, env
 from .._front import Front
 from .._math import align_up, ceil_div
 from .._status import StatusWords
@@ -296,6 +296,8 @@ class Context:
             dispatches, then by combines (see :meth:`traffic_counts`).
         status, status_host_ptr: the status words and the device address of their pinned host mirror.
         device_sms: the GPU's SMs (each copy kernel's grid is capped at them).
+        direct_peers: rows for a rank of another node that this GPU addresses (NVSHMEM's P2P transport) are
+            written straight into its buffer, not staged and put (unless ``CUEP_INTERNODE_PUTS``).
         timeout_ns: the bound on every wait.
         barrier: ``barrier(stream)`` enqueues a device barrier of every rank.
         raise_if_failed: raises what the status words' host mirror recorded.
@@ -315,6 +317,7 @@ class Context:
     status: Any
     status_host_ptr: int
     device_sms: int
+    direct_peers: bool
     timeout_ns: int
     barrier: Callable[[Any], None]
     raise_if_failed: Callable[[], None]
@@ -338,7 +341,8 @@ class Context:
                    node_nvl=cupy.asarray(np.array(nvl_peers, dtype=np.uint64)),
                    state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64),
                    traffic=cupy.zeros(TRAFFIC_WORDS, dtype=cupy.uint64), status=status.device,
-                   status_host_ptr=status.host_ptr, device_sms=device_sms, timeout_ns=int(timeout_s * 1e9),
+                   status_host_ptr=status.host_ptr, device_sms=device_sms,
+                   direct_peers=not env.get("CUEP_INTERNODE_PUTS"), timeout_ns=int(timeout_s * 1e9),
                    barrier=barrier, raise_if_failed=raise_if_failed, front=front)
 
     def status_mirror(self) -> Status:
@@ -509,7 +513,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     send = kernels.SendArgs(
         tokens=_token_rows(x, scales, topk_idx, topk_weights), send_pos=send_pos.data.ptr,
         node_list=node_list.data.ptr, prefix=prefix, topo=topo, rdma=ctx.rdma, layout=layout, row_bytes=row_bytes,
-        chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
+        chunk_rows=chunk, direct_peers=int(ctx.direct_peers), state=state, traffic=ctx.traffic.data.ptr,
+        status=status, timeout_ns=ctx.timeout_ns)
     pull = kernels.PullArgs(
         rdma=ctx.rdma, node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes,
         chunk_rows=chunk, hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
@@ -582,7 +587,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
         forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0], input=combine_input,
-        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state,
+        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, direct_peers=int(ctx.direct_peers),
+        state=state,
         traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
         rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,
