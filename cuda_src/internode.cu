@@ -114,7 +114,12 @@ constexpr int kCountToNode = 1;        // tokens to q's node
 constexpr int kCountToNodeRanks = 2;   // then tokens to each rank of q's node
 constexpr int kCountTokens = kCountToNodeRanks + kMaxRanksPerNode;  // the source's token count
 static_assert(kCountTokens < kCountHeaderWords, "the count header holds the source's token count");
-// Traffic counters (uint64): rows and bytes put to other nodes, by dispatches and by combines.
+// The dispatch's row copies (the send's from x, the pull's into recv_x): the 16-byte vectors each lane has in
+// flight per step. 14 takes a 7168-element BF16 row (448 vectors) in one step of the warp; each warp of these
+// kernels waits out one memory round trip per step, and on few SMs those waits set the pace. The send and the
+// pull still fit the 128 registers a thread of their 512-thread blocks may take (no spill).
+constexpr int kRowCopyBatch = 14;
+// Traffic counters (uint64): rows and bytes sent to other nodes, by dispatches and by combines.
 constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombineRows = 2,
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
@@ -613,7 +618,7 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
                                  const int32_t* round_first, uint8_t* row, int lane) {
     const TokenRows& tokens = args.tokens;
     const Topology& topo = args.topo;
-    warp_copy(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
+    warp_copy<true, kRowCopyBatch>(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
     auto* scales = at<float>(row, shape.scales);
     for (int s = lane; s < tokens.num_scales; s += kWarpSize)
         scales[s] = tokens.scales[t * tokens.scale_token_stride + s * tokens.scale_channel_stride];
@@ -779,7 +784,7 @@ static __device__ void copy_out(const PullArgs& args, const RowShape& shape, con
     const int lane_expert = lane_has_topk ? word(shape.topk_idx, lane) : -1;
     const int lane_weight = lane_has_topk ? word(shape.topk_weights, lane) : 0;
     const int src = word(shape.src, 0);
-    warp_copy<false>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
+    warp_copy<false, kRowCopyBatch>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
     for (int s = lane; s < args.num_scales; s += kWarpSize)
         recv.scales[static_cast<int64_t>(k) * args.num_scales + s] = __int_as_float(word(shape.scales, s));
     for (int j = lane; j < args.num_topk; j += kWarpSize) {

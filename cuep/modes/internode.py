@@ -292,7 +292,7 @@ class Context:
         node_rdma, node_nvl: `[L]` `uint64` device arrays: each rank of this node's buffers as this GPU
             addresses them (NVLink).
         state: `[STATE_WORDS]` `uint64` device array, zeroed: finished calls, blocks done.
-        traffic: `[TRAFFIC_WORDS]` `uint64` device array: rows and bytes put to other nodes by
+        traffic: `[TRAFFIC_WORDS]` `uint64` device array: rows and bytes sent to other nodes by
             dispatches, then by combines (see :meth:`traffic_counts`).
         status, status_host_ptr: the status words and the device address of their pinned host mirror.
         device_sms: the GPU's SMs (each copy kernel's grid is capped at them).
@@ -354,7 +354,7 @@ class Context:
                                 local=t.rank % t.ranks_per_node, ranks_per_node=t.ranks_per_node)
 
     def traffic_counts(self) -> dict[str, int]:
-        """Rows and bytes this rank has put to other nodes since the Buffer was made, once the GPU's
+        """Rows and bytes this rank has sent to other nodes since the Buffer was made, once the GPU's
         work is done: ``dispatch_rows``, ``dispatch_bytes``, ``combine_rows``, ``combine_bytes``."""
         _deps.cupy().cuda.Device().synchronize()
         words = self.traffic.get()
