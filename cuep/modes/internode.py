@@ -46,11 +46,14 @@ from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
-           "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes", "round_tokens_for"]
+           "dispatch", "dispatch_chunk_rows", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes",
+           "round_tokens_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
 NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
+DISPATCH_CHUNK_ROWS = 32  # a warp's worth of rows: what a dispatch's chunks grow to (dispatch_chunk_rows)
+MIN_ROUND_CHUNKS = 128    # the chunks a partition's round keeps at least when a dispatch's chunks grow
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,6 +191,14 @@ def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     """Rows per signalled put (a put, then its signal): ``chunk_tokens`` (the Config's RDMA send chunk),
     raised so that a partition's ``round_rows`` rows need at most ``MAX_CHUNKS`` signals."""
     return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
+
+
+def dispatch_chunk_rows(chunk_tokens: int, round_rows: int) -> int:
+    """The dispatch's rows per chunk: :func:`chunk_rows`, raised towards :data:`DISPATCH_CHUNK_ROWS` (the send
+    and the pull read a chunk's routing a warp's worth of rows at once, and fence and signal once a chunk) while
+    a partition's ``round_rows`` rows still make :data:`MIN_ROUND_CHUNKS` chunks, enough for every warp of a
+    pull on few SMs to take some."""
+    return chunk_rows(max(chunk_tokens, min(DISPATCH_CHUNK_ROWS, round_rows // MIN_ROUND_CHUNKS)), round_rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,7 +456,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         round_tokens = round_tokens_for(ctx, hidden, num_topk)
         if round_tokens == 0:
             raise _round_refusal("dispatch()", ctx, hidden, num_topk)
-    chunk = chunk_rows(chunk_tokens, round_tokens)
+    chunk = dispatch_chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
