@@ -29,8 +29,8 @@
 //           receive region (the forwarder), at the token's node position less the round's first; first
 //           a header (the round's first node position and its rows) with the round's signal, then the
 //           rows in chunks, each chunk then its signal (put, fence, signal; for its own node, where it
-//           is the forwarder, it writes the rows in place and raises the signal). Before round w > 0 it
-//           waits until every rank has released round w - 1 (below).
+//           is the forwarder, and for a forwarder this GPU addresses, it writes the rows in place and
+//           raises the signal). Before round w > 0 it waits until every rank has released round w - 1.
 //   pull:   each rank reads, over NVLink, the headers and chunks that reached its node's forwarders, and
 //           copies the rows that name it to their place in its output, ordered by source rank, then
 //           token. A forwarder also keeps each of its rows' positions from the round's first at every
@@ -61,7 +61,10 @@
 //
 // Only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits, quiet), so any
 // transport serves; data is never inferred from the arrival of a later write. Ranks of one node
-// read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl).
+// read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl),
+// and so do ranks of other nodes that NVSHMEM maps (its P2P transport: nodes of one host or one NVLink
+// domain), where a row written straight into the peer's buffer spares the staging copy and the put
+// (chunk_target; CUEP_INTERNODE_PUTS keeps the network's path there, to test it).
 //
 // Every call starts with the device barrier (cuda_src/barrier.cu), so no rank writes into a buffer
 // that a peer still reads from the previous call. Calls are numbered on the device (kStateCall, equal
@@ -111,7 +114,12 @@ constexpr int kCountToNode = 1;        // tokens to q's node
 constexpr int kCountToNodeRanks = 2;   // then tokens to each rank of q's node
 constexpr int kCountTokens = kCountToNodeRanks + kMaxRanksPerNode;  // the source's token count
 static_assert(kCountTokens < kCountHeaderWords, "the count header holds the source's token count");
-// Traffic counters (uint64): rows and bytes put to other nodes, by dispatches and by combines.
+// The dispatch's row copies (the send's from x, the pull's into recv_x): the 16-byte vectors each lane has in
+// flight per step. 14 takes a 7168-element BF16 row (448 vectors) in one step of the warp; each warp of these
+// kernels waits out one memory round trip per step, and on few SMs those waits set the pace. The send and the
+// pull still fit the 128 registers a thread of their 512-thread blocks may take (no spill).
+constexpr int kRowCopyBatch = 14;
+// Traffic counters (uint64): rows and bytes sent to other nodes, by dispatches and by combines.
 constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombineRows = 2,
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
@@ -237,6 +245,7 @@ struct SendArgs {
     RdmaLayout layout;
     int64_t row_bytes;
     int chunk_rows;
+    int direct_peers;                      // write straight to forwarders this GPU addresses (chunk_target)
     Round round;
     const uint64_t* state;
     uint64_t* traffic;
@@ -327,6 +336,7 @@ struct ForwardArgs {
     CombineInput input;         // this rank's own copies (V2's order: the copies summed by tag, else by local rank)
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
+    int direct_peers;           // write straight to sources this GPU addresses (chunk_target)
     Round round;
     uint64_t* state;
     uint64_t* traffic;
@@ -460,27 +470,37 @@ static __device__ __forceinline__ void put_with_signal(void* dst, const void* sr
     put_then_signal_warp(dst, src, bytes, signal, value, pe);
 }
 
-// A chunk of `rows` rows the calling warp wrote at `staged`: put to `dst` on `pe` with `signal` set there to
-// `value` (put_with_signal), and counted in `traffic` (rows, then bytes); or, written in place (`in_place`: into
-// this rank's own receive region, where a put to itself would copy them once more), `signal` set here behind
-// them, for readers on this GPU and the node's others.
+// A chunk of `rows` rows the calling warp wrote for `dst` on `pe` (a symmetric address). `written`: the warp wrote
+// them at dst itself (this rank's own receive region, or a peer's this GPU addresses, see `chunk_target`), so only
+// `signal` is raised there, behind them; else they are at `staged` and go as a put with the signal
+// (put_with_signal). `traffic` (rows, then bytes; null for this rank's own node) counts rows for other nodes.
 static __device__ __forceinline__ void deliver_chunk(void* dst, const void* staged, int rows, int64_t row_bytes,
-                                                     bool in_place, uint64_t* signal, uint64_t value, int pe,
+                                                     bool written, uint64_t* signal, uint64_t value, int pe,
                                                      uint64_t* traffic, int lane) {
-    if (in_place) {
+    const int64_t bytes = rows * row_bytes;
+    if (written) {
         __threadfence_system();  // each lane's rows, before the signal below
         __syncwarp();
         if (lane == 0)
-            st_release_sys_global(signal, value);
+            st_release_sys_global(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), value);
         __syncwarp();
-        return;
+    } else {
+        put_with_signal(dst, staged, bytes, signal, value, pe);
     }
-    const int64_t bytes = rows * row_bytes;
-    put_with_signal(dst, staged, bytes, signal, value, pe);
-    if (lane == 0) {
+    if (traffic != nullptr && lane == 0) {
         atomicAdd(reinterpret_cast<unsigned long long*>(traffic), rows);
         atomicAdd(reinterpret_cast<unsigned long long*>(traffic + 1), bytes);
     }
+}
+
+// Where a warp writes a chunk bound for `dst` (a symmetric address) on `pe`: straight there when this GPU
+// addresses it, that is this rank's own receive region (`own`), or, with `direct_peers`, a peer's that NVSHMEM
+// maps (its P2P transport: another node of one host, or of one NVLink domain), which spares a copy of the rows
+// and the put; else null, and the warp stages the chunk for a put.
+static __device__ __forceinline__ uint8_t* chunk_target(uint8_t* dst, int pe, bool own, int direct_peers) {
+    if (own)
+        return dst;
+    return direct_peers ? static_cast<uint8_t*>(nvshmem_ptr(dst, pe)) : nullptr;
 }
 
 // Chunks of `rows` rows, `chunk_rows` each.
@@ -598,7 +618,7 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
                                  const int32_t* round_first, uint8_t* row, int lane) {
     const TokenRows& tokens = args.tokens;
     const Topology& topo = args.topo;
-    warp_copy(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
+    warp_copy<true, kRowCopyBatch>(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
     auto* scales = at<float>(row, shape.scales);
     for (int s = lane; s < tokens.num_scales; s += kWarpSize)
         scales[s] = tokens.scales[t * tokens.scale_token_stride + s * tokens.scale_channel_stride];
@@ -670,10 +690,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // This rank forwards its own node's rows itself: they are staged in place (deliver_chunk).
+        // This rank forwards its own node's rows itself: they are written in place, as are those for a forwarder
+        // this GPU addresses (chunk_target); the others are staged, then put.
         const bool to_self = n == topo.node;
+        const int forwarder = n * L + topo.local;
         uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
-        uint8_t* staged = to_self ? landing : args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
+        uint8_t* direct = chunk_target(landing, forwarder, to_self, args.direct_peers);
+        uint8_t* staged =
+            direct != nullptr ? direct : args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
         const int32_t* tokens =
             args.node_list + static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot;
         for (int first_row = 0; first_row < rows; first_row += kWarpSize) {
@@ -684,9 +708,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
                 stage_row(args, shape, __shfl_sync(kFullWarpMask, lane_token, b), n, round_first,
                           staged + (first_row + b) * args.row_bytes, lane);
         }
-        deliver_chunk(landing, staged, rows, args.row_bytes, to_self,
-                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, n * L + topo.local,
-                      args.traffic + kTrafficDispatchRows, lane);
+        deliver_chunk(landing, staged, rows, args.row_bytes, direct != nullptr,
+                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, forwarder,
+                      to_self ? nullptr : args.traffic + kTrafficDispatchRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)
@@ -760,7 +784,7 @@ static __device__ void copy_out(const PullArgs& args, const RowShape& shape, con
     const int lane_expert = lane_has_topk ? word(shape.topk_idx, lane) : -1;
     const int lane_weight = lane_has_topk ? word(shape.topk_weights, lane) : 0;
     const int src = word(shape.src, 0);
-    warp_copy<false>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
+    warp_copy<false, kRowCopyBatch>(recv.x + k * args.hidden_bytes, row, args.hidden_bytes, lane);
     for (int s = lane; s < args.num_scales; s += kWarpSize)
         recv.scales[static_cast<int64_t>(k) * args.num_scales + s] = __int_as_float(word(shape.scales, s));
     for (int j = lane; j < args.num_topk; j += kWarpSize) {
@@ -1055,10 +1079,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // The partials of this rank's own tokens are summed in place (deliver_chunk).
+        // The partials of this rank's own tokens are summed in place, as are those for a source this GPU addresses
+        // (chunk_target); the others are staged, then put.
         const bool to_self = m == topo.node;
+        const int source = m * L + topo.local;
         uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
-        uint8_t* staged = to_self ? target : args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
+        uint8_t* direct = chunk_target(target, source, to_self, args.direct_peers);
+        uint8_t* staged =
+            direct != nullptr ? direct : args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
         for (int r = 0; r < rows; ++r) {
             const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
@@ -1134,9 +1162,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                     reinterpret_cast<float*>(out + input.hidden_bytes)[k] = sum;
             }
         }
-        deliver_chunk(target, staged, rows, args.row_bytes, to_self,
-                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, m * L + topo.local,
-                      args.traffic + kTrafficCombineRows, lane);
+        deliver_chunk(target, staged, rows, args.row_bytes, direct != nullptr,
+                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, source,
+                      to_self ? nullptr : args.traffic + kTrafficCombineRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)

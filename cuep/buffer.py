@@ -174,10 +174,11 @@ class Buffer:
         self._resources.raise_if_failed(timeout_s)
 
     def get_internode_traffic(self) -> dict[str, int]:
-        """What this rank has put on the network (to ranks of other nodes) since the Buffer was made.
+        """What this rank has sent to ranks of other nodes since the Buffer was made.
 
-        Waits for the work already on this GPU. Each internode dispatch puts every
-        token once per destination node other than its own (a row of hidden bytes, FP8 scales, top-k
+        Rows are put over the network, or written straight into a peer's buffer where NVSHMEM maps it (unless
+        ``CUEP_INTERNODE_PUTS``); both count. Waits for the work already on this GPU. Each internode dispatch
+        sends every token once per destination node other than its own (a row of hidden bytes, FP8 scales, top-k
         ids and weights, source token, and a position per rank of that node), and each combine one
         partial per (token, node) back; rows within a node move over NVLink and are not counted.
 

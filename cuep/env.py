@@ -99,6 +99,10 @@ _TABLE: tuple[EnvVar, ...] = (
     EnvVar("CUEP_RANKS_PER_NODE", "int", None,
            "treat this many consecutive ranks as one node (e.g. 2 on a 4-GPU host: 2 nodes x 2 GPUs)",
            _parse_positive_int, "runtime"),
+    EnvVar("CUEP_INTERNODE_PUTS", "bool", False,
+           "across nodes, stage every row and put it through NVSHMEM even to a peer this GPU addresses (virtual "
+           "nodes on one host, one NVLink domain), which otherwise gets it written straight into its buffer: the "
+           "network's path, to test or time it on one host; read when a Buffer is made", _parse_bool, "runtime"),
     EnvVar("CUEP_SHARE_GPUS", "bool", False,
            "let ranks share GPUs round-robin when a host shows fewer GPUs than it runs ranks (tests, not speed)",
            _parse_bool, "runtime"),

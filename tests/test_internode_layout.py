@@ -52,6 +52,16 @@ def test_chunk_rows_respect_the_signal_table():
     assert internode.chunk_rows(1, 0) == 1
 
 
+def test_dispatch_chunks_grow_to_a_warp_of_rows_while_a_round_keeps_enough_chunks():
+    assert internode.dispatch_chunk_rows(6, 4096) == 32             # one round of 4096 tokens: 128 chunks
+    assert internode.dispatch_chunk_rows(6, 16384) == 32            # no more than a warp's worth of rows
+    assert internode.dispatch_chunk_rows(6, 1024) == 8              # a smaller round keeps 128 chunks
+    assert internode.dispatch_chunk_rows(6, 512) == 6               # never below the Config's chunk
+    assert internode.dispatch_chunk_rows(48, 4096) == 48
+    assert internode.dispatch_chunk_rows(6, 64 * kernels.MAX_CHUNKS) == 64  # unless the signal table needs more
+    assert internode.dispatch_chunk_rows(1, 0) == 1
+
+
 def test_rdma_hint_holds_a_round_per_partition_with_no_token_count():
     # DeepEP's RDMA rings at its defaults: 20 SMs / 2 channels of 256 tokens, halved for send and receive
     hint = Config().get_rdma_buffer_size_hint(14336, 16)  # 2 nodes of 8 (DeepEP's default node)

@@ -147,8 +147,8 @@ class SendArgs(KernelArgs):
     entry = "cuep::internode::send"
     _fields_ = [("tokens", TokenRows), ("send_pos", _ptr), ("node_list", _ptr), ("prefix", UnitPrefix),
                 ("topo", Topology), ("rdma", _ptr), ("layout", RdmaLayout), ("row_bytes", _i64),
-                ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr), ("status", Status),
-                ("timeout_ns", _u64)]
+                ("chunk_rows", _i32), ("direct_peers", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
+                ("status", Status), ("timeout_ns", _u64)]
 
 
 class NotifyArgs(KernelArgs):
@@ -211,8 +211,8 @@ class ForwardArgs(KernelArgs):
     _fields_ = [("nvl", _ptr), ("node_nvl", _ptr), ("nvl_layout", NvlLayout), ("rdma", _ptr), ("layout", RdmaLayout),
                 ("topo", Topology), ("plan", _ptr), ("plan_layout", PlanLayout), ("forward_pos", _ptr),
                 ("forward_src", _ptr), ("forward_rows", _i32), ("input", CombineInput), ("landing_row_bytes", _i64),
-                ("row_bytes", _i64), ("chunk_rows", _i32), ("round", Round), ("state", _ptr), ("traffic", _ptr),
-                ("status", Status), ("timeout_ns", _u64)]
+                ("row_bytes", _i64), ("chunk_rows", _i32), ("direct_peers", _i32), ("round", Round), ("state", _ptr),
+                ("traffic", _ptr), ("status", Status), ("timeout_ns", _u64)]
 
 
 class ReduceArgs(KernelArgs):

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from .. import _deps, _interop
+from .. import _deps, _interop, env
 from .._front import Front
 from .._math import align_up, ceil_div
 from .._status import StatusWords
@@ -46,11 +46,14 @@ from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
-           "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes", "round_tokens_for"]
+           "dispatch", "dispatch_chunk_rows", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes",
+           "round_tokens_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
 NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
+DISPATCH_CHUNK_ROWS = 32  # a warp's worth of rows: what a dispatch's chunks grow to (dispatch_chunk_rows)
+MIN_ROUND_CHUNKS = 128    # the chunks a partition's round keeps at least when a dispatch's chunks grow
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,6 +193,14 @@ def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
 
 
+def dispatch_chunk_rows(chunk_tokens: int, round_rows: int) -> int:
+    """The dispatch's rows per chunk: :func:`chunk_rows`, raised towards :data:`DISPATCH_CHUNK_ROWS` (the send
+    and the pull read a chunk's routing a warp's worth of rows at once, and fence and signal once a chunk) while
+    a partition's ``round_rows`` rows still make :data:`MIN_ROUND_CHUNKS` chunks, enough for every warp of a
+    pull on few SMs to take some."""
+    return chunk_rows(max(chunk_tokens, min(DISPATCH_CHUNK_ROWS, round_rows // MIN_ROUND_CHUNKS)), round_rows)
+
+
 # ------------------------------------------------------------------------------------------------
 # Handle
 
@@ -292,10 +303,12 @@ class Context:
         node_rdma, node_nvl: `[L]` `uint64` device arrays: each rank of this node's buffers as this GPU
             addresses them (NVLink).
         state: `[STATE_WORDS]` `uint64` device array, zeroed: finished calls, blocks done.
-        traffic: `[TRAFFIC_WORDS]` `uint64` device array: rows and bytes put to other nodes by
+        traffic: `[TRAFFIC_WORDS]` `uint64` device array: rows and bytes sent to other nodes by
             dispatches, then by combines (see :meth:`traffic_counts`).
         status, status_host_ptr: the status words and the device address of their pinned host mirror.
         device_sms: the GPU's SMs (each copy kernel's grid is capped at them).
+        direct_peers: rows for a rank of another node that this GPU addresses (NVSHMEM's P2P transport) are
+            written straight into its buffer, not staged and put (unless ``CUEP_INTERNODE_PUTS``).
         timeout_ns: the bound on every wait.
         barrier: ``barrier(stream)`` enqueues a device barrier of every rank.
         raise_if_failed: raises what the status words' host mirror recorded.
@@ -315,6 +328,7 @@ class Context:
     status: Any
     status_host_ptr: int
     device_sms: int
+    direct_peers: bool
     timeout_ns: int
     barrier: Callable[[Any], None]
     raise_if_failed: Callable[[], None]
@@ -338,7 +352,8 @@ class Context:
                    node_nvl=cupy.asarray(np.array(nvl_peers, dtype=np.uint64)),
                    state=cupy.zeros(STATE_WORDS, dtype=cupy.uint64),
                    traffic=cupy.zeros(TRAFFIC_WORDS, dtype=cupy.uint64), status=status.device,
-                   status_host_ptr=status.host_ptr, device_sms=device_sms, timeout_ns=int(timeout_s * 1e9),
+                   status_host_ptr=status.host_ptr, device_sms=device_sms,
+                   direct_peers=not env.get("CUEP_INTERNODE_PUTS"), timeout_ns=int(timeout_s * 1e9),
                    barrier=barrier, raise_if_failed=raise_if_failed, front=front)
 
     def status_mirror(self) -> Status:
@@ -350,7 +365,7 @@ class Context:
                                 local=t.rank % t.ranks_per_node, ranks_per_node=t.ranks_per_node)
 
     def traffic_counts(self) -> dict[str, int]:
-        """Rows and bytes this rank has put to other nodes since the Buffer was made, once the GPU's
+        """Rows and bytes this rank has sent to other nodes since the Buffer was made, once the GPU's
         work is done: ``dispatch_rows``, ``dispatch_bytes``, ``combine_rows``, ``combine_bytes``."""
         _deps.cupy().cuda.Device().synchronize()
         words = self.traffic.get()
@@ -441,7 +456,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         round_tokens = round_tokens_for(ctx, hidden, num_topk)
         if round_tokens == 0:
             raise _round_refusal("dispatch()", ctx, hidden, num_topk)
-    chunk = chunk_rows(chunk_tokens, round_tokens)
+    chunk = dispatch_chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
@@ -509,7 +524,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     send = kernels.SendArgs(
         tokens=_token_rows(x, scales, topk_idx, topk_weights), send_pos=send_pos.data.ptr,
         node_list=node_list.data.ptr, prefix=prefix, topo=topo, rdma=ctx.rdma, layout=layout, row_bytes=row_bytes,
-        chunk_rows=chunk, state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
+        chunk_rows=chunk, direct_peers=int(ctx.direct_peers), state=state, traffic=ctx.traffic.data.ptr,
+        status=status, timeout_ns=ctx.timeout_ns)
     pull = kernels.PullArgs(
         rdma=ctx.rdma, node_rdma=ctx.node_rdma.data.ptr, layout=layout, topo=topo, row_bytes=row_bytes,
         chunk_rows=chunk, hidden_bytes=hidden_bytes, num_scales=num_scales, num_topk=num_topk,
@@ -582,7 +598,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         nvl=ctx.nvl, node_nvl=ctx.node_nvl.data.ptr, nvl_layout=ctx.nvl_layout.mirror(), rdma=ctx.rdma, layout=layout,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
         forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0], input=combine_input,
-        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, state=state,
+        landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, direct_peers=int(ctx.direct_peers),
+        state=state,
         traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
         rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,

@@ -34,8 +34,17 @@ def test_fallback_and_aggressive_ptx_builds(nodes, ranks_per_node, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_staged_puts_across_virtual_nodes(nodes, ranks_per_node):
+    """The path across a network: every row for another node staged, then put through NVSHMEM. Virtual
+    nodes on one host take it only with ``CUEP_INTERNODE_PUTS`` (their peers' buffers are written straight)."""
+    _run(nodes, ranks_per_node, CUEP_INTERNODE_PUTS="1")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", [None, "CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
 def test_network_build_across_virtual_nodes(variant):
     """The build a job across hosts gets (NVSHMEM's transfer code linked, IBGDA included), alone and with
-    the fallback or aggressive-PTX path, on one host."""
-    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_TEST_CASES=BUILD_CASES, **({variant: "1"} if variant else {}))
+    the fallback or aggressive-PTX path, on one host, with its staged puts (``CUEP_INTERNODE_PUTS``)."""
+    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_INTERNODE_PUTS="1", CUEP_TEST_CASES=BUILD_CASES,
+         **({variant: "1"} if variant else {}))
