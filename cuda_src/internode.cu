@@ -44,8 +44,9 @@
 //            waits until every local forwarder has released the region.
 //   forward: each forwarder sums, in FP32, the copies its node holds of each row of the round it
 //            forwarded, and puts one BF16 partial per (token, node) back into partition n of the
-//            source's receive region (chunks with signals, as the dispatch; its own tokens' partials in
-//            place); then releases the landing region to its node's ranks. Before round w > 0 it waits
+//            source's receive region (chunks with signals, as the dispatch; its own tokens' partials, and
+//            those for a source this GPU addresses, in place); then releases the landing region to its
+//            node's ranks. Before round w > 0 it waits
 //            until every source on its rail has released the partitions.
 //   reduce:  each source sums the partials of every node its tokens of the round went to, and the
 //            biases; then releases the round to the forwarders on its rail.
@@ -59,8 +60,8 @@
 // increasing order of that node's highest lane and rounds once, and takes each lane's weight from the
 // partial of its expert's node.
 //
-// Only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits, quiet), so any
-// transport serves; data is never inferred from the arrival of a later write. Ranks of one node
+// Over a network only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits,
+// quiet), so any transport serves; data is never inferred from the arrival of a later write. Ranks of one node
 // read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl),
 // and so do ranks of other nodes that NVSHMEM maps (its P2P transport: nodes of one host or one NVLink
 // domain), where a row written straight into the peer's buffer spares the staging copy and the put
@@ -115,10 +116,17 @@ constexpr int kCountToNodeRanks = 2;   // then tokens to each rank of q's node
 constexpr int kCountTokens = kCountToNodeRanks + kMaxRanksPerNode;  // the source's token count
 static_assert(kCountTokens < kCountHeaderWords, "the count header holds the source's token count");
 // The dispatch's row copies (the send's from x, the pull's into recv_x): the 16-byte vectors each lane has in
-// flight per step. 14 takes a 7168-element BF16 row (448 vectors) in one step of the warp; each warp of these
-// kernels waits out one memory round trip per step, and on few SMs those waits set the pace. The send and the
-// pull still fit the 128 registers a thread of their 512-thread blocks may take (no spill).
+// flight per step. 14 a lane make 7 KB a warp per step: a 7168-element FP8 row in one step, a BF16
+// row in two. Each warp of these kernels waits out one memory round trip per step, and on few SMs those waits
+// set the pace. The send and the pull still fit the 128 registers a thread of their 512-thread blocks may take
+// (no spill), except the send of the build across hosts, whose calls into NVSHMEM's linked transfer code keep
+// more registers live: it keeps 8 (tests/test_compile.py checks that no internode kernel spills).
 constexpr int kRowCopyBatch = 14;
+#if CUEP_NETWORK
+constexpr int kSendCopyBatch = 8;
+#else
+constexpr int kSendCopyBatch = kRowCopyBatch;
+#endif
 // Traffic counters (uint64): rows and bytes sent to other nodes, by dispatches and by combines.
 constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombineRows = 2,
               kTrafficCombineBytes = 3;
@@ -608,7 +616,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) counts(const CountsArgs args) 
 // ---------------------------------------------------------------------------------------------
 // Send (one round): block 0's first warps put the round's headers; then every warp takes chunks
 // (destination node n, chunk c) in turn, writes their rows into the send partition n and puts them to
-// the forwarder (n, local) with the chunk's signal (its own node's rows straight into its receive region).
+// the forwarder (n, local) with the chunk's signal; its own node's rows go straight into its receive
+// region, and those for a forwarder this GPU addresses straight into the forwarder's (chunk_target).
 
 namespace cuep {
 
@@ -618,7 +627,7 @@ static __device__ void stage_row(const SendArgs& args, const RowShape& shape, in
                                  const int32_t* round_first, uint8_t* row, int lane) {
     const TokenRows& tokens = args.tokens;
     const Topology& topo = args.topo;
-    warp_copy<true, kRowCopyBatch>(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
+    warp_copy<true, kSendCopyBatch>(row, tokens.x + t * tokens.hidden_bytes, tokens.hidden_bytes, lane);
     auto* scales = at<float>(row, shape.scales);
     for (int s = lane; s < tokens.num_scales; s += kWarpSize)
         scales[s] = tokens.scales[t * tokens.scale_token_stride + s * tokens.scale_channel_stride];
@@ -1027,8 +1036,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
 // Combine forward (one round): wait for every local rank's pushes, then every warp takes chunks (source
 // node m, chunk c) of the round's rows this rank forwarded, sums each row's copies (the landed ones, and this
 // rank's own from x) into the send partition m, and puts the chunk back to the source (m, local) with the
-// chunk's signal (this rank's own rows are summed straight into its receive region); the last block releases
-// the landing rows to the node's ranks.
+// chunk's signal (this rank's own rows are summed straight into its receive region, and those for a source
+// this GPU addresses into the source's: chunk_target); the last block releases the landing rows to the
+// node's ranks.
 
 __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
     __shared__ int chunk_prefix[kMaxRanks + 1];

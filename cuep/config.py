@@ -35,16 +35,17 @@ class Config:
         num_max_nvl_chunked_send_tokens: DeepEP's ring-buffer chunk sizes, this one and the next three,
             kept for API compatibility (see below for what cuep makes of them).
         num_max_nvl_chunked_recv_tokens: the tokens of one DeepEP ring; sizes the hints' rounds.
-        num_max_rdma_chunked_send_tokens: across nodes, the rows of each signalled put.
+        num_max_rdma_chunked_send_tokens: across nodes, the fewest rows of each signalled chunk.
         num_max_rdma_chunked_recv_tokens: with ``num_max_nvl_chunked_recv_tokens``, sizes the hints' round
             across nodes.
 
     Differs from DeepEP: the kernels move each token straight between the senders' and receivers'
     buffers (no per-channel ring). They go through any batch in rounds of tokens that fit the buffers;
     the chunked receive sizes only size the hints' rounds (as many tokens as DeepEP's rings hold at once).
-    Across nodes ``num_max_rdma_chunked_send_tokens`` is the rows each signalled put (a put, then its
-    signal) carries (raised where a round would need more than ``cuep.kernels.internode.MAX_CHUNKS``
-    signals).
+    Across nodes ``num_max_rdma_chunked_send_tokens`` is the rows each signalled chunk (a put, or rows
+    written straight into a peer NVSHMEM maps, then its signal) carries at least: raised where a round
+    would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals, and for a dispatch towards 32 rows
+    while a round's tokens still make 128 chunks (``cuep.modes.internode.dispatch_chunk_rows``).
     """
 
     num_sms: int = 20

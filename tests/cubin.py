@@ -26,6 +26,8 @@ _SHT_RELA, _SHT_NOBITS = 4, 8
 _STT_FUNC, _STO_CUDA_ENTRY = 2, 0x10  # a symbol's type (low bits of its info); an entry's mark in `other`
 _EIFMT_NVAL, _EIFMT_BVAL, _EIFMT_HVAL, _EIFMT_SVAL = 1, 2, 3, 4  # a record's format: no value, u8, u16, sized
 _EIATTR_KPARAM_INFO = 0x17  # one kernel parameter (EIFMT_SVAL)
+_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT = 0x11, 0x2F  # a function's stack frame bytes, its registers a thread
+_FUNCTION_VALUE = struct.Struct("<II")  # the payload of those two: the function's symbol index, the value
 _KERNEL_INFO = ".nv.info."  # a kernel's attributes: section .nv.info.<kernel>
 
 
@@ -139,3 +141,20 @@ def kernel_params(cubin: bytes) -> dict[str, list[tuple[int, int]]]:
         assert sorted(params) == list(range(len(params))), f"{section.name}: parameter ordinals {sorted(params)}"
         kernels[section.name[len(_KERNEL_INFO):]] = [params[ordinal] for ordinal in range(len(params))]
     return kernels
+
+
+def function_resources(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """Each function's ``(registers a thread, stack frame bytes)``, by symbol, from the EIATTR_REGCOUNT and
+    EIATTR_FRAME_SIZE records of the cubin's ``.nv.info`` section. A frame holds what did not fit the
+    registers (spills) or a local array."""
+    all_sections = sections(cubin)
+    names = _symbol_names(all_sections)
+    registers, frames = {}, {}
+    for section in all_sections:
+        if section.name != ".nv.info":
+            continue
+        for attribute, payload in _info_records(section.body):
+            if attribute in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE):
+                index, value = _FUNCTION_VALUE.unpack(payload)
+                (registers if attribute == _EIATTR_REGCOUNT else frames)[names[index]] = value
+    return {name: (count, frames.get(name, 0)) for name, count in registers.items()}

@@ -7,7 +7,7 @@ from cuep.jit import build, compiler, toolchain
 from cuep.kernels import FAMILIES
 
 from .builds import VARIANTS, compiled
-from .cubin import entry_symbols
+from .cubin import entry_symbols, function_resources
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -125,3 +125,18 @@ def test_combine_pushes_in_bulk_on_few_sms_of_the_hopper_path_only():
     assert intranode.COMBINE_BULK_ENTRY in intranode.spec("sm_90").entries
     assert intranode.COMBINE_BULK_ENTRY not in intranode.spec("sm_80").entries
     assert intranode.COMBINE_BULK_ENTRY not in intranode.spec("sm_90", force_fallback=True).entries
+
+
+@pytest.mark.parametrize("across_hosts", [False, True], ids=["one_host", "across_hosts"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_internode_kernels_keep_their_copies_in_registers(variant, across_hosts):
+    """The internode kernels hold many bytes a lane in flight (the dispatch's row copies, kRowCopyBatch vectors;
+    the combine's sums) in registers, up to the 128 a thread of their 512-thread blocks may take: none spills
+    into a stack frame, where each step of a copy would wait on local memory as well."""
+    spec, artifact = compiled("internode", "sm_90", variant, across_hosts=across_hosts)
+    resources = function_resources(artifact.cubin)
+    entries = entry_symbols(artifact.cubin)
+    assert {name for name in entries if "internode4send" in name or "internode8dispatch" in name}, entries
+    for name in entries:
+        registers, frame = resources[name]
+        assert registers <= 128 and frame == 0, f"{spec.name}: {name} takes {registers} registers, {frame} bytes of frame"

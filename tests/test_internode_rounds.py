@@ -42,7 +42,8 @@ def _context(nvl_bytes: int, rdma_bytes: int) -> internode.Context:
         rdma_layout=internode.RdmaLayout.carve(rdma_bytes, topology.num_ranks, NUM_NODES),
         nvl_layout=internode.NvlLayout.carve(nvl_bytes), node_rdma=FakeArray((2,)), node_nvl=FakeArray((2,)),
         state=FakeArray((2,)), traffic=FakeArray((4,)), status=FakeArray((13,)), status_host_ptr=0x30_0000,
-        device_sms=132, timeout_ns=10**9, barrier=lambda stream: None, raise_if_failed=lambda: None,
+        device_sms=132, direct_peers=True, timeout_ns=10**9, barrier=lambda stream: None,
+        raise_if_failed=lambda: None,
         front=FakeFront())
 
 

@@ -53,7 +53,7 @@ ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
 NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
 DISPATCH_CHUNK_ROWS = 32  # a warp's worth of rows: what a dispatch's chunks grow to (dispatch_chunk_rows)
-MIN_ROUND_CHUNKS = 128    # the chunks a partition's round keeps at least when a dispatch's chunks grow
+MIN_ROUND_CHUNKS = 128    # the chunks a round's tokens make at least when a dispatch's chunks grow
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,16 +188,17 @@ class PlanLayout:
 
 
 def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
-    """Rows per signalled put (a put, then its signal): ``chunk_tokens`` (the Config's RDMA send chunk),
-    raised so that a partition's ``round_rows`` rows need at most ``MAX_CHUNKS`` signals."""
+    """Rows per signalled chunk (a put, or rows written in place, then its signal): ``chunk_tokens`` (the
+    Config's RDMA send chunk), raised so that a partition's ``round_rows`` rows need at most ``MAX_CHUNKS``
+    signals."""
     return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
 
 
 def dispatch_chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     """The dispatch's rows per chunk: :func:`chunk_rows`, raised towards :data:`DISPATCH_CHUNK_ROWS` (the send
     and the pull read a chunk's routing a warp's worth of rows at once, and fence and signal once a chunk) while
-    a partition's ``round_rows`` rows still make :data:`MIN_ROUND_CHUNKS` chunks, enough for every warp of a
-    pull on few SMs to take some."""
+    a round of ``round_rows`` tokens (the most a partition holds) still makes :data:`MIN_ROUND_CHUNKS` chunks,
+    so that on few SMs the pull's warps still share a round's chunks."""
     return chunk_rows(max(chunk_tokens, min(DISPATCH_CHUNK_ROWS, round_rows // MIN_ROUND_CHUNKS)), round_rows)
 
 
@@ -429,8 +430,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
              chunk_tokens: int, max_tokens_per_rank: int | None = None):
     """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
 
-    Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: rows per signalled put
-    (the Config's ``num_max_rdma_chunked_send_tokens``), and ``max_tokens_per_rank``: with
+    Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: the fewest rows per signalled
+    chunk (the Config's ``num_max_rdma_chunked_send_tokens``; :func:`dispatch_chunk_rows`), and ``max_tokens_per_rank``: with
     ``num_worst_tokens``, a bound on every rank's token count, the same on every rank, that sets the rounds
     (``None``: one round).
 
@@ -557,7 +558,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     """Enqueue an internode combine on ``stream`` (outputs are allocated on the current stream), in its
     dispatch's rounds.
 
-    Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (see :func:`dispatch`) and
+    Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (the Config's
+    ``num_max_rdma_chunked_send_tokens``; :func:`chunk_rows`) and
     ``order``: ``None`` for DeepEP V1's sums, or ``(recv_topk_idx, topk_idx, experts_per_rank)`` for
     DeepEP V2's hybrid order (the dispatch's received local ids `[num_rows, num_topk]` and sent global ids
     `[num_tokens, num_topk]`, both `int64`; the order of the sums is described in ``internode.cu``).

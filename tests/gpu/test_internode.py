@@ -42,9 +42,11 @@ def test_staged_puts_across_virtual_nodes(nodes, ranks_per_node):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("puts", ["1", "0"], ids=["staged_puts", "direct_writes"])
 @pytest.mark.parametrize("variant", [None, "CUEP_FORCE_FALLBACK", "CUEP_AGGRESSIVE_PTX"])
-def test_network_build_across_virtual_nodes(variant):
+def test_network_build_across_virtual_nodes(variant, puts):
     """The build a job across hosts gets (NVSHMEM's transfer code linked, IBGDA included), alone and with
-    the fallback or aggressive-PTX path, on one host, with its staged puts (``CUEP_INTERNODE_PUTS``)."""
-    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_INTERNODE_PUTS="1", CUEP_TEST_CASES=BUILD_CASES,
+    the fallback or aggressive-PTX path, on one host: with the staged puts that peers on other hosts get, and
+    with the direct writes that peers NVSHMEM maps get (several nodes of one host, one NVLink domain)."""
+    _run(2, 2, CUEP_NETWORK_BUILD="1", CUEP_INTERNODE_PUTS=puts, CUEP_TEST_CASES=BUILD_CASES,
          **({variant: "1"} if variant else {}))
