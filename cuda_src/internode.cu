@@ -46,8 +46,8 @@
 //            forwarded, and puts one BF16 partial per (token, node) back into partition n of the
 //            source's receive region (chunks with signals, as the dispatch; its own tokens' partials, and
 //            those for a source this GPU addresses, in place); then releases the landing region to its
-//            node's ranks. Before round w > 0 it waits
-//            until every source on its rail has released the partitions.
+//            node's ranks. Before round w > 0 it waits until every source on its rail has released the
+//            partitions.
 //   reduce:  each source sums the partials of every node its tokens of the round went to, and the
 //            biases; then releases the round to the forwarders on its rail.
 // A combine row (a pushed copy, or a partial on the wire) is the BF16 hidden, the top-k weights (float32),
@@ -61,8 +61,8 @@
 // partial of its expert's node.
 //
 // Over a network only NVSHMEM's portable device API crosses nodes (puts, fences, signals, signal waits,
-// quiet), so any transport serves; data is never inferred from the arrival of a later write. Ranks of one node
-// read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl),
+// quiet), so any transport serves; data is never inferred from the arrival of a later write. Ranks of one
+// node read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl),
 // and so do ranks of other nodes that NVSHMEM maps (its P2P transport: nodes of one host or one NVLink
 // domain), where a row written straight into the peer's buffer spares the staging copy and the put
 // (chunk_target; CUEP_INTERNODE_PUTS keeps the network's path there, to test it).
