@@ -3,6 +3,7 @@ as many rounds as the largest batch of any rank needs (the plan's word the CPU w
 num_worst_tokens runs one, and a cached dispatch and a combine run their dispatch's rounds; each round's
 kernels carry its index, the count of rounds and the round's tokens."""
 
+import dataclasses
 import itertools
 import types
 
@@ -110,3 +111,20 @@ def test_a_buffer_below_one_round_is_refused_before_any_kernel(launched, monkeyp
     with pytest.raises(ValueError, match="num_rdma_bytes >= "):
         _dispatch(ctx, 300, 300, monkeypatch=monkeypatch)
     assert launched == []
+
+
+@pytest.mark.parametrize("direct_peers", [True, False], ids=["direct_writes", "staged_puts"])
+def test_sends_and_forwards_take_the_contexts_path_and_their_own_chunks(monkeypatch, direct_peers):
+    """The send and the forward write straight to the peers NVSHMEM maps unless CUEP_INTERNODE_PUTS made the
+    context ask for staged puts; the dispatch's chunks grow towards a warp of rows, the combine's stay the
+    Config's."""
+    kernel_args = {}
+    monkeypatch.setattr(internode, "launch",
+                        lambda library, entry, stream, grid, block, args: kernel_args.update({entry: args}))
+    ctx = dataclasses.replace(_hinted_context(4096), direct_peers=direct_peers)
+    *_, handle = _dispatch(ctx, 4096, 4096, monkeypatch=monkeypatch)
+    internode.combine(ctx, None, FakeArray((handle.num_rows, HIDDEN), np.uint16), handle,
+                      FakeArray((handle.num_rows, TOPK), np.float32), None, None, 20, 6)
+    send, forward = kernel_args["cuep::internode::send"], kernel_args["cuep::internode::forward"]
+    assert send.direct_peers == forward.direct_peers == int(direct_peers)
+    assert (send.chunk_rows, forward.chunk_rows) == (32, 6)
