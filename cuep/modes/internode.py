@@ -431,9 +431,9 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
 
     Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: the fewest rows per signalled
-    chunk (the Config's ``num_max_rdma_chunked_send_tokens``; :func:`dispatch_chunk_rows`), and ``max_tokens_per_rank``: with
-    ``num_worst_tokens``, a bound on every rank's token count, the same on every rank, that sets the rounds
-    (``None``: one round).
+    chunk (the Config's ``num_max_rdma_chunked_send_tokens``; :func:`dispatch_chunk_rows`), and
+    ``max_tokens_per_rank``: with ``num_worst_tokens``, a bound on every rank's token count, the same on every
+    rank, that sets the rounds (``None``: one round).
 
     Returns:
         ``(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``;
