@@ -44,8 +44,8 @@ class Config:
     the chunked receive sizes only size the hints' rounds (as many tokens as DeepEP's rings hold at once).
     Across nodes ``num_max_rdma_chunked_send_tokens`` is the rows each signalled chunk (a put, or rows
     written straight into a peer NVSHMEM maps, then its signal) carries at least: raised where a round
-    would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals, and for a dispatch towards 32 rows
-    while a round's tokens still make 128 chunks (``cuep.modes.internode.dispatch_chunk_rows``).
+    would need more than ``cuep.kernels.internode.MAX_CHUNKS`` signals, and up to 32 rows so that a round's
+    chunks keep every warp of the kernels equally busy (``cuep.modes.internode.balanced_chunk_rows``).
     """
 
     num_sms: int = 20

@@ -52,14 +52,28 @@ def test_chunk_rows_respect_the_signal_table():
     assert internode.chunk_rows(1, 0) == 1
 
 
-def test_dispatch_chunks_grow_to_a_warp_of_rows_while_a_round_keeps_enough_chunks():
-    assert internode.dispatch_chunk_rows(6, 4096) == 32             # one round of 4096 tokens: 128 chunks
-    assert internode.dispatch_chunk_rows(6, 16384) == 32            # no more than a warp's worth of rows
-    assert internode.dispatch_chunk_rows(6, 1024) == 8              # a smaller round keeps 128 chunks
-    assert internode.dispatch_chunk_rows(6, 512) == 6               # never below the Config's chunk
-    assert internode.dispatch_chunk_rows(48, 4096) == 48
-    assert internode.dispatch_chunk_rows(6, 64 * kernels.MAX_CHUNKS) == 64  # unless the signal table needs more
-    assert internode.dispatch_chunk_rows(1, 0) == 1
+@pytest.mark.parametrize("chunk_tokens, round_rows, parts, grid", [
+    (6, 4096, 4, 24), (6, 1280, 4, 24), (6, 4096, 2, 24), (6, 1280, 2, 24), (6, 1280, 2, 128), (6, 4096, 4, 16),
+    (48, 4096, 4, 24), (6, 333, 3, 7), (1, 1, 1, 1)])
+def test_balanced_chunks_give_every_warp_at_most_one_chunk_a_wave(chunk_tokens, round_rows, parts, grid):
+    warps = grid * internode.WARPS_PER_BLOCK
+    rows = internode.balanced_chunk_rows(chunk_tokens, round_rows, parts, grid)
+    chunks = parts * -(-round_rows // rows)
+    waves = -(-chunks // warps)
+    assert chunk_tokens <= rows and (rows <= internode.MOST_CHUNK_ROWS or rows == chunk_tokens)
+    # The fewest waves that chunks of at most MOST_CHUNK_ROWS rows (or the Config's) allow, and no smaller chunk
+    # keeps that many.
+    assert waves == max(1, -(-parts * -(-round_rows // max(chunk_tokens, internode.MOST_CHUNK_ROWS)) // warps))
+    assert rows == chunk_tokens or parts * -(-round_rows // (rows - 1)) > waves * warps
+
+
+def test_balanced_chunks_at_the_measured_sizes():
+    # 2 nodes of 2 ranks, 24 SMs (384 warps): a dispatch's pull (4 partitions) and a combine's forward (2)
+    assert internode.balanced_chunk_rows(6, 4096, 4, 24) == 22   # one round of 4096 tokens: 748 chunks, 2 waves
+    assert internode.balanced_chunk_rows(6, 1280, 4, 24) == 14   # Megatron-sized buffers: 368 chunks, 1 wave
+    assert internode.balanced_chunk_rows(6, 1280, 2, 24) == 7    # the forward there: 366 chunks, 1 wave
+    assert internode.balanced_chunk_rows(6, 64 * kernels.MAX_CHUNKS, 4, 24) == 64  # the signal table's floor
+    assert internode.balanced_chunk_rows(6, 0, 4, 24) == 6
 
 
 def test_rdma_hint_holds_a_round_per_partition_with_no_token_count():

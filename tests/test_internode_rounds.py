@@ -116,8 +116,7 @@ def test_a_buffer_below_one_round_is_refused_before_any_kernel(launched, monkeyp
 @pytest.mark.parametrize("direct_peers", [True, False], ids=["direct_writes", "staged_puts"])
 def test_sends_and_forwards_take_the_contexts_path_and_their_own_chunks(monkeypatch, direct_peers):
     """The send and the forward write straight to the peers NVSHMEM maps unless CUEP_INTERNODE_PUTS made the
-    context ask for staged puts; the dispatch's chunks grow towards a warp of rows, the combine's stay the
-    Config's."""
+    context ask for staged puts; each call's chunks are balanced over its warps."""
     kernel_args = {}
     monkeypatch.setattr(internode, "launch",
                         lambda library, entry, stream, grid, block, args: kernel_args.update({entry: args}))
@@ -127,4 +126,6 @@ def test_sends_and_forwards_take_the_contexts_path_and_their_own_chunks(monkeypa
                       FakeArray((handle.num_rows, TOPK), np.float32), None, None, 20, 6)
     send, forward = kernel_args["cuep::internode::send"], kernel_args["cuep::internode::forward"]
     assert send.direct_peers == forward.direct_peers == int(direct_peers)
-    assert (send.chunk_rows, forward.chunk_rows) == (32, 6)
+    # 2 nodes of 2 ranks, 20 SMs: the pull's 4 partitions and the forward's 2, each balanced over 320 warps
+    assert (send.chunk_rows, forward.chunk_rows) == (internode.balanced_chunk_rows(6, 4096, 4, 20),
+                                                     internode.balanced_chunk_rows(6, 4096, 2, 20)) == (26, 26)

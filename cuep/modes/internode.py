@@ -46,14 +46,14 @@ from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
-           "dispatch", "dispatch_chunk_rows", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes",
+           "balanced_chunk_rows", "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes",
            "round_tokens_for"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
 NVL_CONTROL_BYTES = 4096  # the combine's push and release flags (one each per local rank), then the landing rows
-DISPATCH_CHUNK_ROWS = 32  # a warp's worth of rows: what a dispatch's chunks grow to (dispatch_chunk_rows)
-MIN_ROUND_CHUNKS = 128    # the chunks a round's tokens make at least when a dispatch's chunks grow
+MOST_CHUNK_ROWS = 32      # a warp's worth of rows: the largest chunk balanced_chunk_rows makes
+WARPS_PER_BLOCK = NUM_THREADS // 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,12 +194,22 @@ def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
 
 
-def dispatch_chunk_rows(chunk_tokens: int, round_rows: int) -> int:
-    """The dispatch's rows per chunk: :func:`chunk_rows`, raised towards :data:`DISPATCH_CHUNK_ROWS` (the send
-    and the pull read a chunk's routing a warp's worth of rows at once, and fence and signal once a chunk) while
-    a round of ``round_rows`` tokens (the most a partition holds) still makes :data:`MIN_ROUND_CHUNKS` chunks,
-    so that on few SMs the pull's warps still share a round's chunks."""
-    return chunk_rows(max(chunk_tokens, min(DISPATCH_CHUNK_ROWS, round_rows // MIN_ROUND_CHUNKS)), round_rows)
+def balanced_chunk_rows(chunk_tokens: int, round_rows: int, parts: int, grid: int) -> int:
+    """Rows per chunk for a kernel whose ``grid`` blocks' warps take a round's chunks in turn from ``parts``
+    partitions of up to ``round_rows`` rows each (a dispatch's pull: a partition per local forwarder and source
+    node; a combine's forward: one per source node). Each warp sums or copies its chunk's rows one after another,
+    so a round lasts as long as the warp with the most rows: the chunks are the fewest waves over every warp of
+    chunks of at most :data:`MOST_CHUNK_ROWS` rows (a warp's worth, which the send and the pull read the routing
+    of at once), then as small as still gives every warp at most one chunk a wave, rather than a few warps one
+    more than the rest. At least ``chunk_tokens`` (the Config's) and whatever keeps the signals within
+    ``MAX_CHUNKS`` (:func:`chunk_rows`)."""
+    warps = grid * WARPS_PER_BLOCK
+    total = parts * round_rows
+    waves = max(1, ceil_div(total, warps * MOST_CHUNK_ROWS))
+    rows = max(chunk_tokens, ceil_div(total, waves * warps), 1)
+    while rows < MOST_CHUNK_ROWS and parts * ceil_div(round_rows, rows) > waves * warps:
+        rows += 1  # each partition's last chunk may be partial
+    return chunk_rows(rows, round_rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -431,7 +441,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
     """Enqueue an internode dispatch on ``stream`` (outputs are allocated on the current stream).
 
     Arguments as :func:`cuep.modes.intranode.dispatch`, plus ``chunk_tokens``: the fewest rows per signalled
-    chunk (the Config's ``num_max_rdma_chunked_send_tokens``; :func:`dispatch_chunk_rows`), and
+    chunk (the Config's ``num_max_rdma_chunked_send_tokens``; :func:`balanced_chunk_rows`), and
     ``max_tokens_per_rank``: with ``num_worst_tokens``, a bound on every rank's token count, the same on every
     rank, that sets the rounds (``None``: one round).
 
@@ -457,8 +467,8 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         round_tokens = round_tokens_for(ctx, hidden, num_topk)
         if round_tokens == 0:
             raise _round_refusal("dispatch()", ctx, hidden, num_topk)
-    chunk = dispatch_chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
+    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, L * N, grid)  # balanced for the pull, the heavier
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
 
@@ -559,7 +569,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     dispatch's rounds.
 
     Arguments as :func:`cuep.modes.intranode.combine`, plus ``chunk_tokens`` (the Config's
-    ``num_max_rdma_chunked_send_tokens``; :func:`chunk_rows`) and
+    ``num_max_rdma_chunked_send_tokens``; :func:`balanced_chunk_rows`) and
     ``order``: ``None`` for DeepEP V1's sums, or ``(recv_topk_idx, topk_idx, experts_per_rank)`` for
     DeepEP V2's hybrid order (the dispatch's received local ids `[num_rows, num_topk]` and sent global ids
     `[num_tokens, num_topk]`, both `int64`; the order of the sums is described in ``internode.cu``).
@@ -580,8 +590,8 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
             or ctx.nvl_layout.landing_bytes // row_bytes < L * N * round_tokens):
         raise _round_refusal("combine()", ctx, hidden, num_topk)
     plan_layout = PlanLayout.create(R, N, handle.num_local_experts)
-    chunk = chunk_rows(chunk_tokens, round_tokens)
     grid = _grid(ctx, num_sms)
+    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, N, grid)  # balanced for the forward
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
