@@ -65,7 +65,7 @@
 // node read and write each other's buffers directly (nvshmem_ptr addresses, passed in node_rdma/node_nvl),
 // and so do ranks of other nodes that NVSHMEM maps (its P2P transport: nodes of one host or one NVLink
 // domain), where a row written straight into the peer's buffer spares the staging copy and the put
-// (chunk_target; CUEP_INTERNODE_PUTS keeps the network's path there, to test it).
+// (OutgoingChunk; CUEP_INTERNODE_PUTS keeps the network's path there, to test it).
 //
 // Every call starts with the device barrier (cuda_src/barrier.cu), so no rank writes into a buffer
 // that a peer still reads from the previous call. Calls are numbered on the device (kStateCall, equal
@@ -132,7 +132,7 @@ constexpr int kTrafficDispatchRows = 0, kTrafficDispatchBytes = 1, kTrafficCombi
               kTrafficCombineBytes = 3;
 static_assert(kTrafficCombineBytes < CUEP_TRAFFIC_WORDS, "the host allocates too few traffic words");
 static_assert(kTrafficDispatchBytes == kTrafficDispatchRows + 1 && kTrafficCombineBytes == kTrafficCombineRows + 1,
-              "deliver_chunk counts a chunk's bytes in the word after its rows");
+              "OutgoingChunk::deliver counts a chunk's bytes in the word after its rows");
 // A round's number: the call's in the high bits, one more than the round's index in the low ones.
 constexpr int kRoundBits = CUEP_ROUND_BITS;
 
@@ -253,7 +253,7 @@ struct SendArgs {
     RdmaLayout layout;
     int64_t row_bytes;
     int chunk_rows;
-    int direct_peers;                      // write straight to forwarders this GPU addresses (chunk_target)
+    int direct_peers;                      // write straight to forwarders this GPU addresses (OutgoingChunk)
     Round round;
     const uint64_t* state;
     uint64_t* traffic;
@@ -344,7 +344,7 @@ struct ForwardArgs {
     CombineInput input;         // this rank's own copies (V2's order: the copies summed by tag, else by local rank)
     int64_t landing_row_bytes, row_bytes;
     int chunk_rows;
-    int direct_peers;           // write straight to sources this GPU addresses (chunk_target)
+    int direct_peers;           // write straight to sources this GPU addresses (OutgoingChunk)
     Round round;
     uint64_t* state;
     uint64_t* traffic;
@@ -478,38 +478,51 @@ static __device__ __forceinline__ void put_with_signal(void* dst, const void* sr
     put_then_signal_warp(dst, src, bytes, signal, value, pe);
 }
 
-// A chunk of `rows` rows the calling warp wrote for `dst` on `pe` (a symmetric address). `written`: the warp wrote
-// them at dst itself (this rank's own receive region, or a peer's this GPU addresses, see `chunk_target`), so only
-// `signal` is raised there, behind them; else they are at `staged` and go as a put with the signal
-// (put_with_signal). `traffic` (rows, then bytes; null for this rank's own node) counts rows for other nodes.
-static __device__ __forceinline__ void deliver_chunk(void* dst, const void* staged, int rows, int64_t row_bytes,
-                                                     bool written, uint64_t* signal, uint64_t value, int pe,
-                                                     uint64_t* traffic, int lane) {
-    const int64_t bytes = rows * row_bytes;
-    if (written) {
-        __threadfence_system();  // each lane's rows, before the signal below
-        __syncwarp();
-        if (lane == 0)
-            st_release_sys_global(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), value);
-        __syncwarp();
-    } else {
-        put_with_signal(dst, staged, bytes, signal, value, pe);
-    }
-    if (traffic != nullptr && lane == 0) {
-        atomicAdd(reinterpret_cast<unsigned long long*>(traffic), rows);
-        atomicAdd(reinterpret_cast<unsigned long long*>(traffic + 1), bytes);
-    }
-}
+// A chunk of a round's rows this rank sends to node `node`, at byte `offset` of its partition: the send's rows to
+// their forwarder, the forward's partials to their source, both the rank of this rail there (`pe`), into partition
+// topo.node of its receive region (`target`, a symmetric address). The calling warp writes the rows at `staged`:
+// straight at the target when this GPU addresses it (`written`), that is this rank's own receive region
+// (`to_self`), or, with `direct_peers`, a peer's that NVSHMEM maps (its P2P transport: another node of one host,
+// or of one NVLink domain), which spares a copy of the rows and the put; else in partition `node` of its send
+// region, for a put.
+struct OutgoingChunk {
+    uint8_t* target;
+    uint8_t* staged;
+    int pe;
+    bool to_self, written;
 
-// Where a warp writes a chunk bound for `dst` (a symmetric address) on `pe`: straight there when this GPU
-// addresses it, that is this rank's own receive region (`own`), or, with `direct_peers`, a peer's that NVSHMEM
-// maps (its P2P transport: another node of one host, or of one NVLink domain), which spares a copy of the rows
-// and the put; else null, and the warp stages the chunk for a put.
-static __device__ __forceinline__ uint8_t* chunk_target(uint8_t* dst, int pe, bool own, int direct_peers) {
-    if (own)
-        return dst;
-    return direct_peers ? static_cast<uint8_t*>(nvshmem_ptr(dst, pe)) : nullptr;
-}
+    __device__ __forceinline__ OutgoingChunk(uint8_t* rdma, const RdmaLayout& layout, const Topology& topo, int node,
+                                             int64_t offset, int direct_peers)
+        : target(rdma + layout.recv + topo.node * layout.partition_bytes + offset),
+          pe(node * topo.ranks_per_node + topo.local),
+          to_self(node == topo.node) {
+        uint8_t* direct =
+            to_self ? target : direct_peers ? static_cast<uint8_t*>(nvshmem_ptr(target, pe)) : nullptr;
+        written = direct != nullptr;
+        staged = written ? direct : rdma + layout.send + node * layout.partition_bytes + offset;
+    }
+
+    // Once the warp wrote the chunk's `rows` rows: `signal` (a symmetric address) set to `value` at the target
+    // behind them, raised there if the warp wrote them there, else with a put of the rows (put_with_signal);
+    // rows for another node counted in `traffic` (rows, then bytes).
+    __device__ __forceinline__ void deliver(int rows, int64_t row_bytes, uint64_t* signal, uint64_t value,
+                                            uint64_t* traffic, int lane) const {
+        const int64_t bytes = rows * row_bytes;
+        if (written) {
+            __threadfence_system();  // each lane's rows, before the signal below
+            __syncwarp();
+            if (lane == 0)
+                st_release_sys_global(static_cast<uint64_t*>(nvshmem_ptr(signal, pe)), value);
+            __syncwarp();
+        } else {
+            put_with_signal(target, staged, bytes, signal, value, pe);
+        }
+        if (!to_self && lane == 0) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(traffic), rows);
+            atomicAdd(reinterpret_cast<unsigned long long*>(traffic + 1), bytes);
+        }
+    }
+};
 
 // Chunks of `rows` rows, `chunk_rows` each.
 static __device__ __forceinline__ int chunks_of(int rows, int chunk_rows) {
@@ -617,7 +630,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) counts(const CountsArgs args) 
 // Send (one round): block 0's first warps put the round's headers; then every warp takes chunks
 // (destination node n, chunk c) in turn, writes their rows into the send partition n and puts them to
 // the forwarder (n, local) with the chunk's signal; its own node's rows go straight into its receive
-// region, and those for a forwarder this GPU addresses straight into the forwarder's (chunk_target).
+// region, and those for a forwarder this GPU addresses straight into the forwarder's (OutgoingChunk).
 
 namespace cuep {
 
@@ -700,13 +713,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
         // This rank forwards its own node's rows itself: they are written in place, as are those for a forwarder
-        // this GPU addresses (chunk_target); the others are staged, then put.
-        const bool to_self = n == topo.node;
-        const int forwarder = n * L + topo.local;
-        uint8_t* landing = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
-        uint8_t* direct = chunk_target(landing, forwarder, to_self, args.direct_peers);
-        uint8_t* staged =
-            direct != nullptr ? direct : args.rdma + args.layout.send + n * args.layout.partition_bytes + offset;
+        // this GPU addresses; the others are staged, then put.
+        const OutgoingChunk out(args.rdma, args.layout, topo, n, offset, args.direct_peers);
         const int32_t* tokens =
             args.node_list + static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot;
         for (int first_row = 0; first_row < rows; first_row += kWarpSize) {
@@ -715,11 +723,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
             const int lane_token = lane < batch ? tokens[first_row + lane] : 0;
             for (int b = 0; b < batch; ++b)
                 stage_row(args, shape, __shfl_sync(kFullWarpMask, lane_token, b), n, round_first,
-                          staged + (first_row + b) * args.row_bytes, lane);
+                          out.staged + (first_row + b) * args.row_bytes, lane);
         }
-        deliver_chunk(landing, staged, rows, args.row_bytes, direct != nullptr,
-                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, forwarder,
-                      to_self ? nullptr : args.traffic + kTrafficDispatchRows, lane);
+        out.deliver(rows, args.row_bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
+                    args.traffic + kTrafficDispatchRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)
@@ -1037,7 +1044,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
 // node m, chunk c) of the round's rows this rank forwarded, sums each row's copies (the landed ones, and this
 // rank's own from x) into the send partition m, and puts the chunk back to the source (m, local) with the
 // chunk's signal (this rank's own rows are summed straight into its receive region, and those for a source
-// this GPU addresses into the source's: chunk_target); the last block releases the landing rows to the
+// this GPU addresses into the source's: OutgoingChunk); the last block releases the landing rows to the
 // node's ranks.
 
 __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args) {
@@ -1089,14 +1096,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
         const int first_slot = chunk * args.chunk_rows;
         const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
         const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // The partials of this rank's own tokens are summed in place, as are those for a source this GPU addresses
-        // (chunk_target); the others are staged, then put.
-        const bool to_self = m == topo.node;
-        const int source = m * L + topo.local;
-        uint8_t* target = args.rdma + args.layout.recv + topo.node * args.layout.partition_bytes + offset;
-        uint8_t* direct = chunk_target(target, source, to_self, args.direct_peers);
-        uint8_t* staged =
-            direct != nullptr ? direct : args.rdma + args.layout.send + m * args.layout.partition_bytes + offset;
+        // The partials of this rank's own tokens are summed in place, as are those for a source this GPU addresses;
+        // the others are staged, then put.
+        const OutgoingChunk partials(args.rdma, args.layout, topo, m, offset, args.direct_peers);
         for (int r = 0; r < rows; ++r) {
             const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
@@ -1147,7 +1149,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
             const auto copy_at = [&](int c) {
                 return reinterpret_cast<const uint8_t*>(__shfl_sync(kFullWarpMask, placed, c));
             };
-            uint8_t* out = staged + r * args.row_bytes;
+            uint8_t* out = partials.staged + r * args.row_bytes;
             warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(
                 reinterpret_cast<int4*>(out), num_vectors, num_copies,
                 [&](int c) { return reinterpret_cast<const int4*>(copy_at(c)); }, NoAddend{}, NoAddend{}, lane);
@@ -1172,9 +1174,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                     reinterpret_cast<float*>(out + input.hidden_bytes)[k] = sum;
             }
         }
-        deliver_chunk(target, staged, rows, args.row_bytes, direct != nullptr,
-                      chunk_signal(args.rdma, args.layout, topo.node, chunk), number, source,
-                      to_self ? nullptr : args.traffic + kTrafficCombineRows, lane);
+        partials.deliver(rows, args.row_bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
+                         args.traffic + kTrafficCombineRows, lane);
     }
     // The staging is reused by the next round: every put of this one must have read it.
     if (lane == 0)
