@@ -151,7 +151,8 @@ struct RdmaLayout {
     int64_t header_staging;   // RoundHeader [N]: this rank's outgoing headers, by destination node
     int64_t counts;           // int32 [R][kCountWords]: count messages, by source
     int64_t count_staging;    // int32 [R][kCountWords]: this rank's outgoing count messages
-    int64_t send;             // [N] partitions of partition_bytes: outgoing rows, by destination node
+    int64_t send;             // [N - 1] partitions of partition_bytes: outgoing rows, by destination node (the
+                              // own node's rows go in place: send_partition)
     int64_t recv;             // [N] partitions: incoming rows, by the node they came from
     int64_t partition_bytes;
 };
@@ -166,9 +167,21 @@ static_assert(sizeof(RoundHeader) == CUEP_HEADER_BYTES, "the host lays out heade
 struct NvlLayout {
     int64_t push_done;        // uint64 [L]: the round whose pushes local rank j finished here
     int64_t released;         // uint64 [L]: the round whose landing rows local forwarder i released
-    int64_t landing;          // landing rows: sections of round_tokens rows, by (pushing rank, source node)
+    int64_t landing;          // landing rows: sections of round_tokens rows, by (pushing rank, source node),
+                              // none for the forwarder's own copies (landing_section)
     int64_t landing_bytes;
 };
+
+// The send partition of rows for node `node` (not this rank's own: those are written in place, so the own node has
+// none), and the landing section at local forwarder `forwarder` of pushing rank `pusher`'s copies from source node
+// `node` (not the forwarder's own: its forward reads those from the combine's input, so it has none).
+// cuep/modes/internode.py sizes both regions (send_partitions, landing_sections).
+static __device__ __forceinline__ int send_partition(int node, int own_node) {
+    return node < own_node ? node : node - 1;
+}
+static __device__ __forceinline__ int landing_section(int pusher, int forwarder, int node, int num_nodes) {
+    return (pusher < forwarder ? pusher : pusher - 1) * num_nodes + node;
+}
 
 // Where each part of a dispatch's plan (one int32 array, written by notify) starts, in words.
 struct PlanLayout {
@@ -499,7 +512,8 @@ struct OutgoingChunk {
         uint8_t* direct =
             to_self ? target : direct_peers ? static_cast<uint8_t*>(nvshmem_ptr(target, pe)) : nullptr;
         written = direct != nullptr;
-        staged = written ? direct : rdma + layout.send + node * layout.partition_bytes + offset;
+        staged = written ? direct
+                         : rdma + layout.send + send_partition(node, topo.node) * layout.partition_bytes + offset;
     }
 
     // Once the warp wrote the chunk's `rows` rows: `signal` (a symmetric address) set to `value` at the target
@@ -1018,7 +1032,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
         const int m = source / L, i = source % L;
         const int j = item - round_prefix[source];
         const int64_t k = round_first[source] + j;
-        const int64_t slot = static_cast<int64_t>(topo.local * N + m) * args.round.tokens + j;
+        const int64_t section = landing_section(topo.local, i, m, N);
+        const int64_t slot = section * args.round.tokens + j;
         uint8_t* landing = reinterpret_cast<uint8_t*>(args.node_nvl[i]) + args.nvl.landing + slot * args.landing_row_bytes;
         warp_copy(landing, input.x + k * input.hidden_bytes, input.hidden_bytes, lane);
         const bool held = holds_lane(input, k, lane);
@@ -1113,8 +1128,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                 else
                     own_k = -1;
             } else if (position >= 0) {
-                copy = landing + (static_cast<int64_t>(lane * N + m) * args.round.tokens + position) *
-                                     args.landing_row_bytes;
+                copy = landing + (static_cast<int64_t>(landing_section(lane, topo.local, m, N)) * args.round.tokens +
+                                  position) * args.landing_row_bytes;
             }
             own_k = __shfl_sync(kFullWarpMask, own_k, topo.local);
             const uint32_t holders = __ballot_sync(kFullWarpMask, copy != nullptr);

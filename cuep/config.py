@@ -78,15 +78,15 @@ class Config:
 
         Across nodes (``num_ranks`` more than ``num_ranks_per_node``, which defaults to
         ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows of a round on
-        a forwarder: a section of a round's tokens for each (local rank, source node), BF16 rows with their
-        weights, the round as :meth:`get_rdma_buffer_size_hint`'s.
+        a forwarder: a section of a round's tokens for each other local rank and each source node, BF16 rows
+        with their weights, the round as :meth:`get_rdma_buffer_size_hint`'s.
         """
         hidden = hidden_bytes // 2
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes > 1:
-            return internode.round_bytes(self._internode_round_tokens(num_tokens, num_nodes), hidden, num_topk,
-                                         ranks_per_node, num_nodes)[0]
+            round_tokens = self._internode_round_tokens(num_tokens, ranks_per_node, num_nodes)
+            return internode.round_bytes(round_tokens, hidden, num_topk, ranks_per_node, num_nodes)[0]
         if num_tokens is None:
             ring_tokens = self.num_sms // 2 * self.num_max_nvl_chunked_recv_tokens // 2
             num_tokens = max(intranode.ROUND_UNIT_TOKENS,
@@ -101,33 +101,40 @@ class Config:
         """Bytes of RDMA buffer for internode dispatch and combine; 0 when every rank is on one node.
 
         The buffer's size does not limit the batch: the kernels move any number of tokens in rounds, and the
-        buffer sets how many tokens a round takes. It holds a send and a receive partition per node, each
-        holding one round of one rank's tokens as rows (a BF16 dispatch row with its routing, or a combine
-        row), after the signals and count messages. A round takes ``num_tokens`` tokens (an addition to
-        DeepEP's arguments, rounded up to whole units of 128: fewer rounds, more bytes). By default it takes as
-        many as DeepEP's RDMA rings hold at once (``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``),
-        halved for the send and receive partitions, and no more than keeps the NVL hint's landing region (a
-        round's rows from every node for each local rank) within DeepEP's NVL rings (``num_sms / 2`` channels of
-        ``num_max_nvl_chunked_recv_tokens`` per local rank): both hints are then no larger than DeepEP's, except
-        where those rings hold less than one unit from each node (16 nodes at 8 SMs), where a round takes one
-        unit. At the defaults a round takes 1280 tokens on 2 nodes, 640 on 4. ``num_ranks_per_node`` defaults to
+        buffer sets how many tokens a round takes. It holds a receive partition per node and a send partition
+        per other node, each holding one round of one rank's tokens as rows (a BF16 dispatch row with its
+        routing, or a combine row), after the signals and count messages. A round takes ``num_tokens`` tokens
+        (an addition to DeepEP's arguments, rounded up to whole units of 128: fewer rounds, more bytes). By
+        default it takes as many as DeepEP's RDMA rings hold (a send and a receive ring per node, each of
+        ``num_sms / 2`` channels of ``num_max_rdma_chunked_recv_tokens``) spread over cuep's partitions, and no
+        more than keeps the NVL hint's landing region (a round's rows from every node for each other local
+        rank) within DeepEP's NVL rings (``num_sms / 2`` channels of ``num_max_nvl_chunked_recv_tokens`` per
+        local rank): both hints are then no larger than DeepEP's, except where those rings hold less than one
+        unit from each node (16 nodes at 8 SMs), where a round takes one unit. At the defaults a round takes 1408
+        tokens on 2 nodes of 8 ranks, 640 on 4, and 2560 on 2 nodes of 2. ``num_ranks_per_node`` defaults to
         ``CUEP_RANKS_PER_NODE``, else up to 8 (DeepEP's nodes).
         """
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)
         num_nodes = num_ranks // ranks_per_node
         if num_nodes <= 1:
             return 0
-        return internode.round_bytes(self._internode_round_tokens(num_tokens, num_nodes), hidden_bytes // 2, num_topk,
-                                     ranks_per_node, num_nodes)[1]
+        round_tokens = self._internode_round_tokens(num_tokens, ranks_per_node, num_nodes)
+        return internode.round_bytes(round_tokens, hidden_bytes // 2, num_topk, ranks_per_node, num_nodes)[1]
 
-    def _internode_round_tokens(self, num_tokens: int | None, num_nodes: int) -> int:
+    def _internode_round_tokens(self, num_tokens: int | None, ranks_per_node: int, num_nodes: int) -> int:
         """The tokens of an internode round the hints size the buffers for (see :meth:`get_rdma_buffer_size_hint`)."""
         unit = internode.ROUND_UNIT_TOKENS
         if num_tokens is not None:
             return max(unit, ceil_div(num_tokens, unit) * unit)
         channels = self.num_sms // 2
-        tokens = min(channels * self.num_max_rdma_chunked_recv_tokens // 2,
-                     channels * self.num_max_nvl_chunked_recv_tokens // num_nodes)
+        # DeepEP's RDMA buffer: a send and a receive ring per node; cuep's: a partition each, less the own node's
+        # send partition (internode.send_partitions).
+        partitions = internode.send_partitions(num_nodes) + num_nodes
+        tokens = 2 * num_nodes * channels * self.num_max_rdma_chunked_recv_tokens // partitions
+        # DeepEP's NVL buffer: a ring per local rank; cuep's: a landing section per other local rank and node.
+        sections = internode.landing_sections(ranks_per_node, num_nodes)
+        if sections:
+            tokens = min(tokens, ranks_per_node * channels * self.num_max_nvl_chunked_recv_tokens // sections)
         return max(unit, tokens // unit * unit)
 
 

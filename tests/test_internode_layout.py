@@ -29,7 +29,8 @@ def test_rdma_layout_parts_do_not_overlap_and_fit(num_ranks, num_nodes):
              (layout.partials_released, 8 * num_nodes), (layout.headers, 8 * num_nodes),
              (layout.header_staging, 8 * num_nodes), (layout.counts, 4 * num_ranks * kernels.COUNT_WORDS),
              (layout.count_staging, 4 * num_ranks * kernels.COUNT_WORDS),
-             (layout.send, num_nodes * layout.partition_bytes), (layout.recv, num_nodes * layout.partition_bytes)]
+             (layout.send, (num_nodes - 1) * layout.partition_bytes),  # none for the own node's rows
+             (layout.recv, num_nodes * layout.partition_bytes)]
     for (start, size), (next_start, _) in zip(parts, parts[1:]):
         assert start + size <= next_start
     assert layout.recv + num_nodes * layout.partition_bytes <= total
@@ -77,11 +78,12 @@ def test_balanced_chunks_at_the_measured_sizes():
 
 
 def test_rdma_hint_holds_a_round_per_partition_with_no_token_count():
-    # DeepEP's RDMA rings at its defaults: 20 SMs / 2 channels of 256 tokens, halved for send and receive
-    hint = Config().get_rdma_buffer_size_hint(14336, 16)  # 2 nodes of 8 (DeepEP's default node)
+    # 2 nodes of 8 (DeepEP's default node), its defaults: the NVL rings (20 SMs / 2 channels of 256 tokens for each
+    # of 8 local ranks) over 7 x 2 landing sections bind: 1462 tokens, 1408 in whole units of 128
+    hint = Config().get_rdma_buffer_size_hint(14336, 16)
     layout = internode.RdmaLayout.carve(hint, 16, 2)
-    assert layout.partition_bytes >= 1280 * internode.dispatch_row_bytes(14336, 0, 8, 8)
-    assert hint == Config().get_rdma_buffer_size_hint(14336, 16, num_tokens=1200)  # whole units of 128
+    assert layout.partition_bytes >= 1408 * internode.dispatch_row_bytes(14336, 0, 8, 8)
+    assert hint == Config().get_rdma_buffer_size_hint(14336, 16, num_tokens=1300)  # whole units of 128
     assert Config(num_sms=40).get_rdma_buffer_size_hint(14336, 16) > hint
     assert Config().get_rdma_buffer_size_hint(14336, 8) == 0  # one node
     assert Config().get_rdma_buffer_size_hint(14336, 4, num_ranks_per_node=2) > 0
@@ -91,7 +93,7 @@ def test_rdma_hint_holds_a_round_per_partition_with_no_token_count():
 
 def test_nvl_hint_across_nodes_holds_a_rounds_landing_rows():
     hint = Config().get_nvl_buffer_size_hint(14336, 16)
-    rows = 16 * 1280  # a section of a round per (local rank, source node)
+    rows = 7 * 2 * 1408  # a section of a round per (other local rank, source node)
     assert hint == internode.NVL_CONTROL_BYTES + rows * internode.combine_row_bytes(7168, 8)
 
 
@@ -113,6 +115,12 @@ def test_buffer_sizes_that_cannot_serve_the_nodes_raise_at_construction():
     with pytest.raises(ValueError, match="at most 8 ranks per node"):
         check_internode_sizes(topology(32, 16), 1 << 20, 1 << 30)
     check_internode_sizes(topology(4, 2), 1 << 20, 64 << 20)
+    # Nodes of one rank land no copies: the NVL buffer holds the combine's flags alone, as the hint sizes it.
+    nvl_hint = Config().get_nvl_buffer_size_hint(14336, 4, num_ranks_per_node=1)
+    assert nvl_hint == internode.NVL_CONTROL_BYTES
+    check_internode_sizes(topology(4, 1), nvl_hint, 64 << 20)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        check_internode_sizes(topology(4, 2), nvl_hint, 64 << 20)
 
 
 def test_every_shape_of_cluster_fits_the_kernels_bounds():
@@ -155,8 +163,8 @@ def _context_of(num_ranks: int, ranks_per_node: int, nvl_bytes: int, rdma_bytes:
                                  partition_rows=lambda row_bytes: rdma.partition_bytes // row_bytes)
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node,round_tokens", [(16, 8, 1280), (4, 2, 1280), (8, 2, 640),
-                                                                   (64, 8, 256)])
+@pytest.mark.parametrize("num_ranks,ranks_per_node,round_tokens", [(16, 8, 1408), (4, 2, 2560), (8, 2, 1280),
+                                                                   (64, 8, 256), (4, 1, 2816)])
 def test_buffers_sized_by_the_hints_take_rounds_of_their_tokens(num_ranks, ranks_per_node, round_tokens):
     config = Config()
     nvl = config.get_nvl_buffer_size_hint(14336, num_ranks, num_ranks_per_node=ranks_per_node)

@@ -13,9 +13,10 @@ rounds, and launches each call's kernels through :mod:`cuep.kernels.internode`:
 * :func:`combine`: barrier, then push, forward and reduce per round.
 
 Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` source tokens of every rank
-(:func:`round_tokens_for`): the RDMA buffer holds the signals and count messages, then a send and a
-receive region of one partition per node (:class:`RdmaLayout`), each holding one round of one rank's rows;
-the NVL buffer holds the combine's landing rows of one round (:class:`NvlLayout`). A dispatch with
+(:func:`round_tokens_for`): the RDMA buffer holds the signals and count messages, then a send region of one
+partition per other node and a receive region of one partition per node (:class:`RdmaLayout`), each holding
+one round of one rank's rows; the NVL buffer holds the combine's landing rows of one round from the node's
+other ranks (:class:`NvlLayout`). A dispatch with
 ``num_worst_tokens`` waits for no count on the CPU, so it cannot learn how many rounds the largest batch
 needs: it moves the rounds of a bound the caller gives (``max_tokens_per_rank``; one round without), and
 every rank reports a larger batch (a status word, raised by the next call) while every rank's call still
@@ -46,8 +47,8 @@ from .handles import FlatHandle
 
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
-           "balanced_chunk_rows", "dispatch", "dispatch_row_bytes", "nvl_bytes_for", "rdma_bytes_for", "round_bytes",
-           "round_tokens_for"]
+           "balanced_chunk_rows", "dispatch", "dispatch_row_bytes", "landing_sections", "nvl_bytes_for",
+           "rdma_bytes_for", "round_bytes", "round_tokens_for", "send_partitions"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
@@ -74,14 +75,27 @@ def combine_row_bytes(hidden: int, num_topk: int) -> int:
 
 def round_bytes(round_tokens: int, hidden: int, num_topk: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:
     """``(num_nvl_bytes, num_rdma_bytes)`` that rounds of ``round_tokens`` source tokens of ``hidden``-element rows
-    with ``num_topk`` choices need: the combine's landing rows of a round from every rank of the node for each
-    source node, and a send and a receive partition per node of a round's rows (a BF16 dispatch row or a
-    combine row, the larger)."""
+    with ``num_topk`` choices need: the combine's landing rows of a round from every other rank of the node for
+    each source node, and a receive partition per node and a send partition per other node of a round's rows (a
+    BF16 dispatch row or a combine row, the larger)."""
     num_ranks = ranks_per_node * num_nodes
     combine_row = combine_row_bytes(hidden, num_topk)
     rdma_row = max(dispatch_row_bytes(2 * hidden, 0, num_topk, ranks_per_node), combine_row)
-    return (nvl_bytes_for(num_ranks * round_tokens, combine_row),
+    return (nvl_bytes_for(landing_sections(ranks_per_node, num_nodes) * round_tokens, combine_row),
             rdma_bytes_for(round_tokens * rdma_row, num_ranks, num_nodes))
+
+
+def landing_sections(ranks_per_node: int, num_nodes: int) -> int:
+    """The sections of a round's rows in a forwarder's NVL landing region: one per (other local rank, source
+    node). A forwarder's own copies are not pushed (its forward reads them from the combine's input), so none
+    is kept for them: ``(L - 1) * N``, none on nodes of one rank."""
+    return (ranks_per_node - 1) * num_nodes
+
+
+def send_partitions(num_nodes: int) -> int:
+    """The send partitions of the RDMA buffer: one per other node. A rank's rows for its own node are written
+    in place into its receive region (it is their forwarder), so none is kept for them: ``N - 1``."""
+    return num_nodes - 1
 
 
 def _control_bytes(num_ranks: int, num_nodes: int) -> int:
@@ -94,8 +108,8 @@ class RdmaLayout:
     """Byte offsets in every rank's RDMA buffer (the same on every rank), as ``RdmaLayout`` in
     ``internode.cu``: count signals ``[R]``, chunk signals ``[N][MAX_CHUNKS]``, round signals ``[N]``, the
     dispatch's and the combine's release signals ``[R]`` and ``[N]``, round headers in and out ``[N]`` each,
-    count messages in and out ``[R][COUNT_WORDS]`` each, then ``N`` send partitions and ``N`` receive
-    partitions."""
+    count messages in and out ``[R][COUNT_WORDS]`` each, then ``N - 1`` send partitions (by destination node,
+    this rank's own skipped: :func:`send_partitions`) and ``N`` receive partitions (by source node)."""
 
     count_signals: int
     chunk_signals: int
@@ -122,8 +136,9 @@ class RdmaLayout:
             parts[name] = offset
             offset += size
         send = _control_bytes(num_ranks, num_nodes)
-        partition = max(0, (rdma_bytes - send) // (2 * num_nodes)) // REGION_ALIGN * REGION_ALIGN
-        return cls(**parts, send=send, recv=send + num_nodes * partition, partition_bytes=partition)
+        num_partitions = send_partitions(num_nodes) + num_nodes
+        partition = max(0, (rdma_bytes - send) // num_partitions) // REGION_ALIGN * REGION_ALIGN
+        return cls(**parts, send=send, recv=send + send_partitions(num_nodes) * partition, partition_bytes=partition)
 
     def mirror(self) -> kernels.RdmaLayout:
         return kernels.RdmaLayout(**self.__dict__)
@@ -131,13 +146,14 @@ class RdmaLayout:
 
 def rdma_bytes_for(partition_bytes: int, num_ranks: int, num_nodes: int) -> int:
     """The smallest ``num_rdma_bytes`` whose partitions hold ``partition_bytes`` each."""
-    return _control_bytes(num_ranks, num_nodes) + 2 * num_nodes * align_up(partition_bytes, REGION_ALIGN)
+    num_partitions = send_partitions(num_nodes) + num_nodes
+    return _control_bytes(num_ranks, num_nodes) + num_partitions * align_up(partition_bytes, REGION_ALIGN)
 
 
 @dataclass(frozen=True)
 class NvlLayout:
     """Byte offsets in every rank's NVL buffer: push flags ``[L]``, release flags ``[L]``, then the combine's
-    landing rows."""
+    landing rows (:func:`landing_sections`)."""
 
     push_done: int
     released: int
@@ -390,11 +406,13 @@ def round_tokens_for(ctx: Context, hidden: int, num_topk: int) -> int:
     """The source tokens of each round of a dispatch of ``hidden``-element rows with ``num_topk`` choices and
     of its combines: the most whole units of :data:`ROUND_UNIT_TOKENS` whose rows fit a partition of the RDMA
     buffer (a BF16 dispatch row, the largest; a combine row with ``num_topk`` weights) and whose combine
-    copies fit the NVL landing region (a section per local rank and source node); 0 when not one unit fits."""
+    copies fit the NVL landing region (:func:`landing_sections`); 0 when not one unit fits."""
     t = ctx.topology
     rows = min(ctx.partition_rows(dispatch_row_bytes(2 * hidden, 0, num_topk, t.ranks_per_node)),
-               ctx.partition_rows(combine_row_bytes(hidden, num_topk)),
-               ctx.nvl_layout.landing_bytes // combine_row_bytes(hidden, num_topk) // (t.ranks_per_node * t.num_nodes))
+               ctx.partition_rows(combine_row_bytes(hidden, num_topk)))
+    sections = landing_sections(t.ranks_per_node, t.num_nodes)
+    if sections:
+        rows = min(rows, ctx.nvl_layout.landing_bytes // combine_row_bytes(hidden, num_topk) // sections)
     return rows // ROUND_UNIT_TOKENS * ROUND_UNIT_TOKENS
 
 
@@ -587,7 +605,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
     row_bytes = combine_row_bytes(hidden, num_topk)
     round_tokens = handle.round_tokens
     if (ctx.partition_rows(row_bytes) < round_tokens
-            or ctx.nvl_layout.landing_bytes // row_bytes < L * N * round_tokens):
+            or ctx.nvl_layout.landing_bytes // row_bytes < landing_sections(L, N) * round_tokens):
         raise _round_refusal("combine()", ctx, hidden, num_topk)
     plan_layout = PlanLayout.create(R, N, handle.num_local_experts)
     grid = _grid(ctx, num_sms)

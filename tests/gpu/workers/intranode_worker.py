@@ -42,8 +42,9 @@ EXPERTS = 16 * num_ranks
 all_inputs = SeededInputs(SEED, num_ranks)
 RANKS_PER_NODE = int(os.environ.get("CUEP_RANKS_PER_NODE") or num_ranks)
 ACROSS_NODES = RANKS_PER_NODE < num_ranks
-# Across nodes, the hint with no token count (as frameworks size it): on 2 nodes, rounds of 1280 tokens of hidden
-# 4096, so the larger cases take two rounds (hidden 7168: rounds of 640; fewer tokens a round on more nodes).
+# Across nodes, the hint with no token count (as frameworks size it): on 2 nodes of 2, rounds of 2560 tokens of
+# hidden 4096, and of 1408 at hidden 7168, so the case of 1500-1731 tokens there takes two rounds (fewer tokens a
+# round on more nodes; any_batch_through_a_buffer_of_a_few_rounds takes rounds of 128).
 RDMA_BYTES = cuep.Config().get_rdma_buffer_size_hint(2 * 4096, num_ranks)
 
 
