@@ -39,6 +39,7 @@ from ..kernels import internode as kernels
 from ..kernels.internode import (COUNT_WORDS, HEADER_BYTES, MAX_CHUNKS, MAX_LOCAL_EXPERTS, MAX_RANKS,
                                  MAX_RANKS_PER_NODE, NUM_THREADS, PLAN_MAX_TOKENS, ROUND_UNIT_TOKENS, STATE_WORDS,
                                  TRAFFIC_WORDS)
+from ..kernels.intranode import META_BYTES as MIN_NVL_BYTES
 from ..kernels.launcher import launch
 from ..kernels.status import Status
 from ..runtime.regions import REGION_ALIGN, SymmetricMemory
@@ -169,8 +170,10 @@ class NvlLayout:
 
 
 def nvl_bytes_for(landing_rows: int, row_bytes: int) -> int:
-    """The smallest ``num_nvl_bytes`` whose landing region holds ``landing_rows`` combine rows."""
-    return NVL_CONTROL_BYTES + landing_rows * row_bytes
+    """The smallest ``num_nvl_bytes`` whose landing region holds ``landing_rows`` combine rows, and no less than
+    any Buffer's NVL buffer holds (the normal mode's meta region, which shares it; nodes of one rank land no
+    rows)."""
+    return max(NVL_CONTROL_BYTES + landing_rows * row_bytes, MIN_NVL_BYTES)
 
 
 @dataclass(frozen=True)

@@ -207,11 +207,10 @@ def internode_sizes_refusal(topology, num_nvl_bytes: int, num_rdma_bytes: int) -
         return (f"the ranks span {shape}, so dispatch and combine run in the internode mode, which needs "
                 f"num_rdma_bytes (got {num_rdma_bytes}, less than the {least} its signals alone take); create the "
                 f"Buffer with num_rdma_bytes >= Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks)")
-    # The combine's flags, then (with other ranks on the node) the landing rows.
-    least_nvl = internode.nvl_bytes_for(internode.landing_sections(t.ranks_per_node, t.num_nodes), internode.ROW_ALIGN)
+    least_nvl = internode.nvl_bytes_for(0, 0)  # the combine's flags (its landing rows are checked by each call)
     if num_nvl_bytes < least_nvl:
         return (f"the internode mode's combine keeps its flags and lands rows in the NVL buffer, which needs at "
-                f"least {least_nvl} bytes on {shape}, got num_nvl_bytes={num_nvl_bytes}; use "
+                f"least {least_nvl} bytes, got num_nvl_bytes={num_nvl_bytes}; use "
                 f"Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)")
     return None
 
