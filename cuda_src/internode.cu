@@ -6,15 +6,15 @@
 // along its source's rail.
 //
 // Any batch through buffers of fixed size: the rows move in rounds. Round w takes the source tokens
-// [w * K, (w + 1) * K) of every rank (K, round_tokens, a multiple of kRoundUnitTokens, is what the host
-// worked out from the buffers' sizes), so a partition of the RDMA buffer holds one round of one source's
-// rows, and the combine's landing region one round of every local rank's copies. Every call runs the
-// same rounds on every rank: as many as the largest token count of any rank needs (each count message
-// carries its source's count). The host launches each round's kernels; a round's rows may overwrite the
-// previous round's only once their readers are done with them, and the readers say so (below). The
-// scan keeps, for every multiple of kRoundUnitTokens, how many tokens before it go to each rank and each
-// node (unit_prefix, in the handle), so a round's rows on the sources' side are found without a search (a
-// receiver or forwarder searches its rows' source tokens, which ascend).
+// [w * K, (w + 1) * K) of every rank (K, round_tokens, a multiple of kRoundUnitTokens, is what the host worked
+// out from the buffers' sizes and the largest batch), so a partition of the RDMA buffer holds one round of one
+// source's rows, and the combine's landing region one round of every other local rank's copies. Every call runs the
+// same rounds on every rank: as many as the largest token count of any rank needs (each count message carries its
+// source's count). The host launches each round's kernels; a round's rows may overwrite the previous round's only
+// once their readers are done with them, and the readers say so (below). The scan keeps, for every multiple of
+// kRoundUnitTokens, how many tokens before it go to each rank and each node (unit_prefix, in the handle), so a
+// round's rows on the sources' side are found without a search (a receiver or forwarder searches its rows' source
+// tokens, which ascend).
 //
 // Dispatch (rank s = (m, i) sends its T tokens):
 //   scan:   each token's position among the tokens sent to each rank (send_pos) and to each node

@@ -98,6 +98,21 @@ def test_a_dispatch_runs_the_rounds_of_the_largest_batch(launched, monkeypatch, 
     assert launched == [(name, r, rounds, 128) for r in range(rounds) for name in ("push", "forward", "combine")]
 
 
+@pytest.mark.parametrize("largest_batch, rounds, tokens", [(1000, 2, 512), (1280, 2, 640), (1281, 3, 512),
+                                                            (640, 1, 640), (100, 1, 128)])
+def test_a_dispatch_splits_the_largest_batch_into_even_rounds(launched, monkeypatch, largest_batch, rounds, tokens):
+    """Buffers of rounds of 640 tokens: the fewest rounds that take the batch, each of the fewest whole units of
+    128 that do, instead of full rounds and a remainder; the handle keeps them for the cached dispatch and combine."""
+    ctx = _hinted_context(640)
+    *_, handle = _dispatch(ctx, 300, largest_batch, monkeypatch=monkeypatch)
+    assert launched[3:] == [(name, r, rounds, tokens) for r in range(rounds) for name in ("send", "dispatch")]
+    assert (handle.round_tokens, handle.num_rounds) == (tokens, rounds)
+    launched.clear()
+    internode.combine(ctx, None, FakeArray((handle.num_rows, HIDDEN), np.uint16), handle,
+                      FakeArray((handle.num_rows, TOPK), np.float32), None, None, 20, 6)
+    assert launched == [(name, r, rounds, tokens) for r in range(rounds) for name in ("push", "forward", "combine")]
+
+
 def test_a_dispatch_with_num_worst_tokens_runs_one_round(launched, monkeypatch):
     """It makes no CPU wait, so whatever the batches (the kernels report one past the round on every rank)."""
     ctx = _hinted_context(128)

@@ -12,15 +12,14 @@ rounds, and launches each call's kernels through :mod:`cuep.kernels.internode`:
 * cached dispatch (a handle given): barrier, then send and pull per round;
 * :func:`combine`: barrier, then push, forward and reduce per round.
 
-Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` source tokens of every rank
-(:func:`round_tokens_for`): the RDMA buffer holds the signals and count messages, then a send region of one
-partition per other node and a receive region of one partition per node (:class:`RdmaLayout`), each holding
-one round of one rank's rows; the NVL buffer holds the combine's landing rows of one round from the node's
-other ranks (:class:`NvlLayout`). A dispatch with
-``num_worst_tokens`` waits for no count on the CPU, so it cannot learn how many rounds the largest batch
-needs: it moves the rounds of a bound the caller gives (``max_tokens_per_rank``; one round without), and
-every rank reports a larger batch (a status word, raised by the next call) while every rank's call still
-ends alike.
+Any batch goes through buffers of fixed size, in rounds of ``round_tokens`` source tokens of every rank (at most
+:func:`round_tokens_for`, the largest batch split into even rounds): the RDMA buffer holds the signals and count
+messages, then a send region of one partition per other node and a receive region of one partition per node
+(:class:`RdmaLayout`), each holding one round of one rank's rows; the NVL buffer holds the combine's landing rows
+of one round from the node's other ranks (:class:`NvlLayout`). A dispatch with ``num_worst_tokens`` waits for no
+count on the CPU, so it cannot learn how many rounds the largest batch needs: it moves the rounds of a bound the
+caller gives (``max_tokens_per_rank``; one round without), and every rank reports a larger batch (a status word,
+raised by the next call) while every rank's call still ends alike.
 """
 
 from __future__ import annotations
@@ -431,8 +430,12 @@ def _round_refusal(call: str, ctx: Context, hidden: int, num_topk: int) -> Value
                       f"give sizes for rounds of many units)")
 
 
-def _rounds(max_tokens: int, round_tokens: int) -> int:
-    return max(1, ceil_div(max_tokens, round_tokens))
+def _even_rounds(max_tokens: int, round_tokens: int) -> tuple[int, int]:
+    """``(num_rounds, tokens)``: the fewest rounds of at most ``round_tokens`` (the most the buffers hold) that
+    take ``max_tokens``, each of as few whole units as still take them all, so that no round is left with a
+    remainder (every round costs about as much beyond its tokens' share: waits, launches, the last chunks)."""
+    num_rounds = max(1, ceil_div(max_tokens, round_tokens))
+    return num_rounds, min(round_tokens, align_up(ceil_div(max(max_tokens, 1), num_rounds), ROUND_UNIT_TOKENS))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -489,7 +492,6 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         if round_tokens == 0:
             raise _round_refusal("dispatch()", ctx, hidden, num_topk)
     grid = _grid(ctx, num_sms)
-    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, L * N, grid)  # balanced for the pull, the heavier
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
 
@@ -534,7 +536,10 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             # the CPU wait this call does not make): a batch past them is reported by every rank (the pull records
             # it), not sent.
             num_rows = num_worst_tokens
-            num_rounds = _rounds(max_tokens_per_rank, round_tokens) if max_tokens_per_rank else 1
+            if max_tokens_per_rank:
+                num_rounds, round_tokens = _even_rounds(max_tokens_per_rank, round_tokens)
+            else:
+                num_rounds = 1
             # Each source on this rank's rail sends it at most its rounds' tokens.
             forward_capacity = N * round_tokens * num_rounds
         else:
@@ -542,11 +547,12 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
             ctx.raise_if_failed()  # a peer that never sent its counts leaves a plan that means nothing
             num_recv = num_rows = int(plan_host[PlanLayout.NUM_RECV])
             forward_capacity = int(plan_host[1])
-            num_rounds = _rounds(int(plan_host[PlanLayout.MAX_TOKENS]), round_tokens)
+            num_rounds, round_tokens = _even_rounds(int(plan_host[PlanLayout.MAX_TOKENS]), round_tokens)
             per_expert = plan_host[plan_layout.per_expert:plan_layout.per_expert + num_local_experts].tolist()
         forward_pos = front.empty((forward_capacity, L), np.int32)
         forward_src = front.empty((forward_capacity,), np.int32)
 
+    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, L * N, grid)  # balanced for the pull, the heavier
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
     recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
