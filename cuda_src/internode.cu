@@ -642,8 +642,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) counts(const CountsArgs args) 
 
 // ---------------------------------------------------------------------------------------------
 // Send (one round): block 0's first warps put the round's headers; then every warp takes chunks
-// (destination node n, chunk c) in turn, writes their rows into the send partition n and puts them to
-// the forwarder (n, local) with the chunk's signal; its own node's rows go straight into its receive
+// (destination node n, chunk c) in turn, writes their rows into the send partition of node n and puts them
+// to the forwarder (n, local) with the chunk's signal; its own node's rows go straight into its receive
 // region, and those for a forwarder this GPU addresses straight into the forwarder's (OutgoingChunk).
 
 namespace cuep {
@@ -1057,7 +1057,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) push(const PushArgs args) {
 // ---------------------------------------------------------------------------------------------
 // Combine forward (one round): wait for every local rank's pushes, then every warp takes chunks (source
 // node m, chunk c) of the round's rows this rank forwarded, sums each row's copies (the landed ones, and this
-// rank's own from x) into the send partition m, and puts the chunk back to the source (m, local) with the
+// rank's own from x) into the send partition of node m, and puts the chunk back to the source (m, local) with the
 // chunk's signal (this rank's own rows are summed straight into its receive region, and those for a source
 // this GPU addresses into the source's: OutgoingChunk); the last block releases the landing rows to the
 // node's ranks.

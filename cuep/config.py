@@ -79,7 +79,8 @@ class Config:
         Across nodes (``num_ranks`` more than ``num_ranks_per_node``, which defaults to
         ``CUEP_RANKS_PER_NODE``, else up to 8) the NVL buffer holds the combine's landing rows of a round on
         a forwarder: a section of a round's tokens for each other local rank and each source node, BF16 rows
-        with their weights, the round as :meth:`get_rdma_buffer_size_hint`'s.
+        with their weights, the round as :meth:`get_rdma_buffer_size_hint`'s; on nodes of one rank (no landing
+        rows) the least any Buffer's NVL buffer takes, 64 KiB.
         """
         hidden = hidden_bytes // 2
         ranks_per_node = hint_ranks_per_node(num_ranks, num_ranks_per_node)

@@ -134,7 +134,7 @@ class ElasticBuffer:
         every rank calls each dispatch and combine, in the same order. Across nodes (the internode mode):
         ``allow_hybrid_mode`` and ``allow_multiple_reduction`` stay ``True`` (V2's direct order, each rank's
         row crossing between nodes alone, is not built). A dispatch with ``do_cpu_sync=False`` runs the
-        rounds of ``num_max_tokens_per_rank`` tokens (rounds of the tokens the buffer holds), empty ones
+        rounds of ``num_max_tokens_per_rank`` tokens (as few as the buffer allows, split evenly), empty ones
         included, since no rank knows the others' batches.
 
     Arguments:
@@ -685,8 +685,9 @@ def split_bytes(num_bytes: int, ranks_per_node: int, num_nodes: int, hidden: int
                 num_topk: int = MAX_TOPK_HINT) -> tuple[int, int]:
     """``(num_nvl_bytes, num_rdma_bytes)`` of an ElasticBuffer of ``num_bytes``: all NVLink on one node. Across
     nodes, the RDMA buffer of the largest round of ``hidden``-element rows (0: DeepSeek's 7168) that both buffers
-    then hold (a send and a receive partition per node; the combine's copies from every rank of the node for each
-    source node), the NVL buffer the rest; ``ranks_per_node`` to 2 when not one round fits."""
+    then hold (a receive partition per node and a send partition per other node; the combine's copies from every
+    other rank of the node for each source node), the NVL buffer the rest; when not one round fits, the RDMA
+    buffer takes ``2 / (ranks_per_node + 2)`` of it."""
     if num_nodes <= 1:
         return num_bytes, 0
     unit = internode.ROUND_UNIT_TOKENS

@@ -71,8 +71,13 @@ def test_balanced_chunks_give_every_warp_at_most_one_chunk_a_wave(chunk_tokens, 
 def test_balanced_chunks_at_the_measured_sizes():
     # 2 nodes of 2 ranks, 24 SMs (384 warps): a dispatch's pull (4 partitions) and a combine's forward (2)
     assert internode.balanced_chunk_rows(6, 4096, 4, 24) == 22   # one round of 4096 tokens: 748 chunks, 2 waves
-    assert internode.balanced_chunk_rows(6, 1280, 4, 24) == 14   # Megatron-sized buffers: 368 chunks, 1 wave
-    assert internode.balanced_chunk_rows(6, 1280, 2, 24) == 7    # the forward there: 366 chunks, 1 wave
+    assert internode.balanced_chunk_rows(6, 2048, 4, 24) == 22   # the hints' buffers, 2 even rounds: 376 chunks
+    assert internode.balanced_chunk_rows(6, 2048, 2, 24) == 11   # the forward there: 374 chunks, 1 wave
+    assert internode.balanced_chunk_rows(6, 1280, 4, 24) == 14   # rounds of 1280 tokens: 368 chunks, 1 wave
+    assert internode.balanced_chunk_rows(6, 1280, 2, 24) == 7    # the forward there: 366 chunks, not 427 of 6
+    # 2 nodes of 8, the hints' rounds of 1408 tokens: the pull's 16 partitions in 2 waves, the forward's 2 in 1
+    assert internode.balanced_chunk_rows(6, 1408, 16, 24) == 30  # 752 chunks
+    assert internode.balanced_chunk_rows(6, 1408, 2, 24) == 8    # 352 chunks
     assert internode.balanced_chunk_rows(6, 64 * kernels.MAX_CHUNKS, 4, 24) == 64  # the signal table's floor
     assert internode.balanced_chunk_rows(6, 0, 4, 24) == 6
 

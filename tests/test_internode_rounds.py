@@ -60,7 +60,8 @@ def launched(monkeypatch):
     return calls
 
 
-def _dispatch(ctx, num_tokens: int, largest_batch: int, num_worst_tokens: int = 0, monkeypatch=None):
+def _dispatch(ctx, num_tokens: int, largest_batch: int, num_worst_tokens: int = 0, monkeypatch=None,
+              max_tokens_per_rank=None):
     plan_layout = internode.PlanLayout.create(ctx.topology.num_ranks, NUM_NODES, EXPERTS // ctx.topology.num_ranks)
     plan = np.zeros(plan_layout.words, np.int32)
     plan[[0, 1, internode.PlanLayout.MAX_TOKENS]] = 3 * num_tokens, 2 * num_tokens, largest_batch
@@ -68,7 +69,7 @@ def _dispatch(ctx, num_tokens: int, largest_batch: int, num_worst_tokens: int = 
     x = FakeArray((num_tokens, HIDDEN), np.uint16)
     return internode.dispatch(ctx, None, x, None, FakeArray((num_tokens, TOPK), np.int64),
                               FakeArray((num_tokens, TOPK), np.float32), FakeArray((num_tokens, 4), np.bool_),
-                              FakeArray((EXPERTS,)), EXPERTS, None, 1, num_worst_tokens, 20, 6)
+                              FakeArray((EXPERTS,)), EXPERTS, None, 1, num_worst_tokens, 20, 6, max_tokens_per_rank)
 
 
 def _hinted_context(round_tokens: int) -> internode.Context:
@@ -119,6 +120,16 @@ def test_a_dispatch_with_num_worst_tokens_runs_one_round(launched, monkeypatch):
     *_, handle = _dispatch(ctx, 300, 1000, num_worst_tokens=4000, monkeypatch=monkeypatch)
     assert launched[3:] == [("send", 0, 1, 128), ("dispatch", 0, 1, 128)]
     assert handle.num_rounds == 1 and handle.num_rows == 4000
+
+
+def test_a_dispatch_with_num_worst_tokens_and_a_bound_runs_its_even_rounds(launched, monkeypatch):
+    """With max_tokens_per_rank, the rounds of the bound (whatever the batches), split evenly; each source on this
+    rank's rail sends it at most its rounds' tokens, which the forwarding records hold."""
+    ctx = _hinted_context(640)
+    *_, handle = _dispatch(ctx, 300, 5000, num_worst_tokens=4000, monkeypatch=monkeypatch, max_tokens_per_rank=1000)
+    assert launched[3:] == [(name, r, 2, 512) for r in range(2) for name in ("send", "dispatch")]
+    assert (handle.num_rounds, handle.round_tokens, handle.num_rows) == (2, 512, 4000)
+    assert handle.forward_pos.shape == (NUM_NODES * 2 * 512, RANKS_PER_NODE)
 
 
 def test_a_buffer_below_one_round_is_refused_before_any_kernel(launched, monkeypatch):

@@ -212,16 +212,18 @@ def chunk_rows(chunk_tokens: int, round_rows: int) -> int:
     return max(chunk_tokens, ceil_div(round_rows, MAX_CHUNKS), 1)
 
 
-def balanced_chunk_rows(chunk_tokens: int, round_rows: int, parts: int, grid: int) -> int:
-    """Rows per chunk for a kernel whose ``grid`` blocks' warps take a round's chunks in turn from ``parts``
+def balanced_chunk_rows(chunk_tokens: int, round_rows: int, parts: int, num_sms: int) -> int:
+    """Rows per chunk for a kernel whose ``num_sms`` blocks' warps take a round's chunks in turn from ``parts``
     partitions of up to ``round_rows`` rows each (a dispatch's pull: a partition per local forwarder and source
     node; a combine's forward: one per source node). Each warp sums or copies its chunk's rows one after another,
     so a round lasts as long as the warp with the most rows: the chunks are the fewest waves over every warp of
     chunks of at most :data:`MOST_CHUNK_ROWS` rows (a warp's worth, which the send and the pull read the routing
     of at once), then as small as still gives every warp at most one chunk a wave, rather than a few warps one
     more than the rest. At least ``chunk_tokens`` (the Config's) and whatever keeps the signals within
-    ``MAX_CHUNKS`` (:func:`chunk_rows`)."""
-    warps = grid * WARPS_PER_BLOCK
+    ``MAX_CHUNKS`` (:func:`chunk_rows`). A chunk is written by one rank and read by another, each working out its
+    rows from these arguments, so they must be the same on every rank: the Config's (the same everywhere, as
+    DeepEP requires), ``num_sms`` not capped by this GPU's SMs."""
+    warps = max(1, num_sms) * WARPS_PER_BLOCK
     total = parts * round_rows
     waves = max(1, ceil_div(total, warps * MOST_CHUNK_ROWS))
     rows = max(chunk_tokens, ceil_div(total, waves * warps), 1)
@@ -552,7 +554,7 @@ def dispatch(ctx: Context, stream, x, scales, topk_idx, topk_weights, is_token_i
         forward_pos = front.empty((forward_capacity, L), np.int32)
         forward_src = front.empty((forward_capacity,), np.int32)
 
-    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, L * N, grid)  # balanced for the pull, the heavier
+    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, L * N, num_sms)  # balanced for the pull, the heavier
     recv_x = front.empty((num_rows, x.shape[1]), x.dtype)
     recv_scales = front.empty((num_rows, num_scales), scales.dtype) if scales is not None else None
     recv_topk_idx = front.empty((num_rows, num_topk), np.int64) if topk_idx is not None else None
@@ -618,7 +620,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         raise _round_refusal("combine()", ctx, hidden, num_topk)
     plan_layout = PlanLayout.create(R, N, handle.num_local_experts)
     grid = _grid(ctx, num_sms)
-    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, N, grid)  # balanced for the forward
+    chunk = balanced_chunk_rows(chunk_tokens, round_tokens, N, num_sms)  # balanced for the forward
     topo, layout, status = ctx.topology_mirror(), ctx.rdma_layout.mirror(), ctx.status_mirror()
     state = ctx.state.data.ptr
     combined_x = ctx.front.empty((handle.num_tokens, hidden), x.dtype)
