@@ -34,10 +34,12 @@ def test_fallback_and_aggressive_ptx_builds(nodes, ranks_per_node, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 2), (4, 1), (4, 2), (2, 4)], ids=["2x2", "4x1", "4x2", "2x4"])
 def test_staged_puts_across_virtual_nodes(nodes, ranks_per_node):
     """The path across a network: every row for another node staged, then put through NVSHMEM. Virtual
-    nodes on one host take it only with ``CUEP_INTERNODE_PUTS`` (their peers' buffers are written straight)."""
+    nodes on one host take it only with ``CUEP_INTERNODE_PUTS`` (their peers' buffers are written straight).
+    More than 2 nodes stage into several send partitions, more than 2 ranks a node land copies in several
+    sections (the indices that 2 nodes of 2 reduce to one)."""
     _run(nodes, ranks_per_node, CUEP_INTERNODE_PUTS="1")
 
 
