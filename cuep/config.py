@@ -129,9 +129,9 @@ class Config:
             return max(unit, ceil_div(num_tokens, unit) * unit)
         channels = self.num_sms // 2
         # DeepEP's RDMA buffer: a send and a receive ring per node; cuep's: a partition each, less the own node's
-        # send partition (internode.send_partitions).
-        partitions = internode.send_partitions(num_nodes) + num_nodes
-        tokens = 2 * num_nodes * channels * self.num_max_rdma_chunked_recv_tokens // partitions
+        # send partition (internode.rdma_partitions).
+        rings_tokens = 2 * num_nodes * channels * self.num_max_rdma_chunked_recv_tokens
+        tokens = rings_tokens // internode.rdma_partitions(num_nodes)
         # DeepEP's NVL buffer: a ring per local rank; cuep's: a landing section per other local rank and node.
         sections = internode.landing_sections(ranks_per_node, num_nodes)
         if sections:

@@ -48,7 +48,7 @@ from .handles import FlatHandle
 __all__ = ["HANDLE_ARRAYS", "MAX_LOCAL_EXPERTS", "MAX_RANKS", "MAX_RANKS_PER_NODE", "ROUND_UNIT_TOKENS", "ROW_ALIGN",
            "Context", "Handle", "NvlLayout", "PlanLayout", "RdmaLayout", "chunk_rows", "combine", "combine_row_bytes",
            "balanced_chunk_rows", "dispatch", "dispatch_row_bytes", "landing_sections", "nvl_bytes_for",
-           "rdma_bytes_for", "round_bytes", "round_tokens_for", "send_partitions"]
+           "rdma_bytes_for", "rdma_partitions", "round_bytes", "round_tokens_for", "send_partitions"]
 
 ROW_ALIGN = 16        # rows on the wire and in the landing region start on a 16-byte vector
 SIGNAL_BYTES = 8      # NVSHMEM signals are uint64
@@ -98,6 +98,11 @@ def send_partitions(num_nodes: int) -> int:
     return num_nodes - 1
 
 
+def rdma_partitions(num_nodes: int) -> int:
+    """All the partitions of the RDMA buffer: :func:`send_partitions`, then a receive partition per node."""
+    return send_partitions(num_nodes) + num_nodes
+
+
 def _control_bytes(num_ranks: int, num_nodes: int) -> int:
     signals = SIGNAL_BYTES * (2 * num_ranks + num_nodes * (MAX_CHUNKS + 2))
     return align_up(signals + 2 * HEADER_BYTES * num_nodes + 2 * num_ranks * COUNT_WORDS * 4, REGION_ALIGN)
@@ -136,8 +141,7 @@ class RdmaLayout:
             parts[name] = offset
             offset += size
         send = _control_bytes(num_ranks, num_nodes)
-        num_partitions = send_partitions(num_nodes) + num_nodes
-        partition = max(0, (rdma_bytes - send) // num_partitions) // REGION_ALIGN * REGION_ALIGN
+        partition = max(0, (rdma_bytes - send) // rdma_partitions(num_nodes)) // REGION_ALIGN * REGION_ALIGN
         return cls(**parts, send=send, recv=send + send_partitions(num_nodes) * partition, partition_bytes=partition)
 
     def mirror(self) -> kernels.RdmaLayout:
@@ -146,8 +150,7 @@ class RdmaLayout:
 
 def rdma_bytes_for(partition_bytes: int, num_ranks: int, num_nodes: int) -> int:
     """The smallest ``num_rdma_bytes`` whose partitions hold ``partition_bytes`` each."""
-    num_partitions = send_partitions(num_nodes) + num_nodes
-    return _control_bytes(num_ranks, num_nodes) + num_partitions * align_up(partition_bytes, REGION_ALIGN)
+    return _control_bytes(num_ranks, num_nodes) + rdma_partitions(num_nodes) * align_up(partition_bytes, REGION_ALIGN)
 
 
 @dataclass(frozen=True)
