@@ -30,6 +30,11 @@ the first pass took (the framework makes its Buffer there: NVSHMEM's heap and st
 for DeepEP; the modules of kernels first loaded in that pass count too, alike on both backends), and ``pass MiB``, the most torch's allocator held during a timed pass beyond what it held before
 (the outputs, gradients and any temporaries of the calls, the layer's own tensors alike on both backends).
 
+``--breakdown`` profiles ``--iters`` more passes (``torch.profiler``, CUDA activity) and splits each pass's GPU
+time: the communication library's kernels (cuep's or DeepEP's, by name), memory copies and sets, and every
+other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span; the span less their
+sum is time the GPU waited (for the host, or a CPU wait), where no two ran at once.
+
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
 """
@@ -145,6 +150,23 @@ def forward_backward(layer, x, probs, grad):
     return out.detach(), x.grad, probs.grad
 
 
+COMMUNICATION_KERNELS = ("cuep", "deep_ep")  # the namespaces of the two backends' kernels
+
+
+def gpu_ms_by_kind(profile, passes: int) -> tuple[float, float, float]:
+    """Per pass, the GPU milliseconds of a profile of ``passes`` passes by kind: the communication library's
+    kernels, memory copies and sets, every other kernel."""
+    totals = {"communication": 0.0, "copies": 0.0, "other": 0.0}
+    for event in profile.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = ("communication" if any(space in name for space in COMMUNICATION_KERNELS)
+                else "copies" if name.startswith(("memcpy", "memset")) else "other")
+        totals[kind] += event.time_range.elapsed_us() / 1e3
+    return tuple(totals[kind] / passes for kind in ("communication", "copies", "other"))
+
+
 def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     """Each row within ``rtol`` of the plain layer's, relative to the row's norm (bf16 rounding on each side)."""
     got, want = got.float(), want.float()
@@ -217,8 +239,16 @@ def run_rank(rank: int, args, port: int) -> None:
                 if i >= args.warmup:
                     times.append(start.elapsed_time(end))
             peak_mib = (torch.cuda.max_memory_allocated() - allocated_before) / 2**20
+            kinds = ()
+            if args.breakdown:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                    for _ in range(args.iters):
+                        forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group), x,
+                                         probs, grad)
+                    torch.cuda.synchronize()
+                kinds = gpu_ms_by_kind(profile, args.iters)
             slowest = [None] * args.num_ranks
-            dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib), group=group)
+            dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib, *kinds), group=group)
             rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
@@ -227,11 +257,13 @@ def run_rank(rank: int, args, port: int) -> None:
             else f"Buffer.set_num_sms({args.sms})"
         print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
               f"{sms}; output and gradients match the plain-torch layer", flush=True)
+        kind_columns = f" {'comm ms':>8} {'copies ms':>9} {'other ms':>8}" if args.breakdown else ""
         print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10} {'Buffer MiB':>10} "
-              f"{'pass MiB':>9}", flush=True)
-        for tokens, num_experts, ms, buffer_mib, peak_mib in rows:
-            print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}",
-                  flush=True)
+              f"{'pass MiB':>9}{kind_columns}", flush=True)
+        for tokens, num_experts, ms, buffer_mib, peak_mib, *kinds in rows:
+            kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8)))
+            print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}"
+                  f"{kind_values}", flush=True)
     dist.barrier(group)
     dist.destroy_process_group()
 
@@ -250,6 +282,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--share-gpus", action="store_true", help="ranks share the GPUs there are (cuep only)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="profile --iters more passes: GPU time of the communication kernels and of the rest")
     args = parser.parse_args()
     if args.share_gpus and args.backend != "cuep":
         parser.error("--share-gpus runs cuep only: DeepEP needs a GPU per rank")
