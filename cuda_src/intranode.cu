@@ -88,6 +88,11 @@ constexpr int kMaxExperts = CUEP_MAX_EXPERTS;
 // kMinChunkRows long, so that at most kMaxChunks counters serve any row count.
 constexpr int kMaxChunks = 1024;
 constexpr int kMinChunkRows = 16;
+// The cached dispatch's row copies (the pushers' from x, the copy out into recv_x): 16-byte vectors each lane has
+// in flight per step, 4 KB a warp. On few SMs each warp's memory round trips set the pace; twice warp_copy's
+// default gains there and costs nothing at 128 SMs (docs/performance-log.md, session 60). The combine's pushers
+// keep the default.
+constexpr int kTokenCopyBatch = 8;
 
 // The protocol's flags, at the end of the meta region (zeroed when the Buffer is made).
 struct SenderControl {
@@ -326,7 +331,7 @@ __device__ __forceinline__ CallStart start_call(const uint64_t* state, int64_t r
 // One warp writes `token`'s hidden vector to `dst_x` and its scales (if any) to `dst_scales`.
 __device__ __forceinline__ void copy_token(const TokenRows& rows, int token, uint8_t* dst_x, float* dst_scales,
                                            int lane) {
-    warp_copy(dst_x, rows.x + token * rows.hidden_bytes, rows.hidden_bytes, lane);
+    warp_copy<true, kTokenCopyBatch>(dst_x, rows.x + token * rows.hidden_bytes, rows.hidden_bytes, lane);
     for (int s = lane; s < rows.num_scales; s += kWarpSize)
         dst_scales[s] = rows.scales[token * rows.scale_token_stride + s * rows.scale_channel_stride];
 }
@@ -976,7 +981,7 @@ __device__ __forceinline__ void copy_out_row(const PushShape& shape, const uint8
     // sum, reduce_token). A BF16 row's copy lost 1% to it on 24 SMs and more (docs/performance-log.md, session 54).
     if (shape.num_scales > 0 && lane == 0)
         bulk_prefetch_l2(landed, static_cast<uint32_t>(shape.hidden_bytes));
-    warp_copy<false>(recv_x + row * shape.hidden_bytes, landed, shape.hidden_bytes, lane);
+    warp_copy<false, kTokenCopyBatch>(recv_x + row * shape.hidden_bytes, landed, shape.hidden_bytes, lane);
     const auto* scales_in = reinterpret_cast<const int32_t*>(landed + shape.hidden_bytes);
     auto* scales_out = reinterpret_cast<int32_t*>(recv_scales) + row * shape.num_scales;
     for (int s = lane; s < shape.num_scales; s += kWarpSize)

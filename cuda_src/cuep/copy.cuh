@@ -27,8 +27,9 @@ __device__ __forceinline__ void batched_copy(int first, int step, int count, con
     }
 }
 
-// 16-byte vectors each lane of warp_copy has in flight per step: 2 KB a warp (4 KB measured slower
-// at 128 SMs: NVLink congests). kBatch overrides it (the ceiling probe compares batches).
+// 16-byte vectors each lane of warp_copy has in flight per step: 2 KB a warp (in v0.2 4 KB measured
+// slower at 64+ SMs, NVLink congesting). kBatch overrides it: the ceiling probe compares batches, and
+// the kernels whose copies gain from more in flight name their own (intranode kTokenCopyBatch).
 constexpr int kWarpCopyBatch = 4;
 
 // One warp copies `num_bytes` (a multiple of 16) from src to dst, lane `lane` taking every
