@@ -32,8 +32,8 @@ for DeepEP; the modules of kernels first loaded in that pass count too, alike on
 
 ``--breakdown`` profiles ``--iters`` more passes (``torch.profiler``, CUDA activity) and splits each pass's GPU
 time: the communication library's kernels (cuep's or DeepEP's, by name), memory copies and sets, and every
-other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span; the span less their
-sum is time the GPU waited (for the host, or a CPU wait), where no two ran at once.
+other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span and the time in it when
+nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels.
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
@@ -153,18 +153,39 @@ def forward_backward(layer, x, probs, grad):
 COMMUNICATION_KERNELS = ("cuep", "deep_ep")  # the namespaces of the two backends' kernels
 
 
-def gpu_ms_by_kind(profile, passes: int) -> tuple[float, float, float]:
-    """Per pass, the GPU milliseconds of a profile of ``passes`` passes by kind: the communication library's
-    kernels, memory copies and sets, every other kernel."""
+def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[str, float, float]]]:
+    """Per pass, from a profile of ``passes`` passes: the GPU milliseconds of the communication library's
+    kernels, of memory copies and sets and of every other kernel; the span from the first activity's start to
+    the last one's end; and the time in that span when nothing ran (the GPU waiting for the host). Beside them,
+    each kernel's calls and milliseconds per pass, the longest first."""
     totals = {"communication": 0.0, "copies": 0.0, "other": 0.0}
+    by_name: dict[str, list[float]] = {}
+    intervals = []
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name.lower()
         kind = ("communication" if any(space in name for space in COMMUNICATION_KERNELS)
                 else "copies" if name.startswith(("memcpy", "memset")) else "other")
-        totals[kind] += event.time_range.elapsed_us() / 1e3
-    return tuple(totals[kind] / passes for kind in ("communication", "copies", "other"))
+        ms = event.time_range.elapsed_us() / 1e3
+        totals[kind] += ms
+        calls_and_ms = by_name.setdefault(event.name, [0.0, 0.0])
+        calls_and_ms[0] += 1
+        calls_and_ms[1] += ms
+        intervals.append((event.time_range.start, event.time_range.end))
+    busy_us, covered_until = 0.0, None
+    for start, end in sorted(intervals):  # the union of the activities' intervals
+        if covered_until is None or start > covered_until:
+            busy_us += end - start
+            covered_until = end
+        elif end > covered_until:
+            busy_us += end - covered_until
+            covered_until = end
+    span_us = (max(end for _, end in intervals) - min(start for start, _ in intervals)) if intervals else 0.0
+    kinds = tuple(totals[kind] / passes for kind in ("communication", "copies", "other"))
+    kernels = sorted(((name, calls / passes, ms / passes) for name, (calls, ms) in by_name.items()),
+                     key=lambda kernel: -kernel[2])
+    return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels
 
 
 def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
@@ -209,7 +230,7 @@ def run_rank(rank: int, args, port: int) -> None:
         # torchtitan's DeepEP dispatcher makes its one buffer up front (init_buffer), for its configured
         # largest batch per rank; every dispatch passes the batch's own count.
         module.get_buffer(group, hidden=args.hidden, num_max_tokens_per_rank=max(args.tokens), num_topk=args.topk)
-    rows = []
+    rows, rank0_kernels = [], []
     for num_experts in args.experts:
         for tokens in args.tokens:
             x, idx, probs, grad, factors = inputs(rank, tokens, args.hidden, num_experts, args.topk)
@@ -239,17 +260,18 @@ def run_rank(rank: int, args, port: int) -> None:
                 if i >= args.warmup:
                     times.append(start.elapsed_time(end))
             peak_mib = (torch.cuda.max_memory_allocated() - allocated_before) / 2**20
-            kinds = ()
+            kinds, kernels = (), []
             if args.breakdown:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                     for _ in range(args.iters):
                         forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group), x,
                                          probs, grad)
                     torch.cuda.synchronize()
-                kinds = gpu_ms_by_kind(profile, args.iters)
+                kinds, kernels = gpu_ms_by_kind(profile, args.iters)
             slowest = [None] * args.num_ranks
             dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib, *kinds), group=group)
             rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
+            rank0_kernels.append((tokens, num_experts, kernels))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
@@ -257,13 +279,19 @@ def run_rank(rank: int, args, port: int) -> None:
             else f"Buffer.set_num_sms({args.sms})"
         print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
               f"{sms}; output and gradients match the plain-torch layer", flush=True)
-        kind_columns = f" {'comm ms':>8} {'copies ms':>9} {'other ms':>8}" if args.breakdown else ""
+        kind_columns = (f" {'comm ms':>8} {'copies ms':>9} {'other ms':>8} {'span ms':>8} {'idle ms':>8}"
+                        if args.breakdown else "")
         print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10} {'Buffer MiB':>10} "
               f"{'pass MiB':>9}{kind_columns}", flush=True)
         for tokens, num_experts, ms, buffer_mib, peak_mib, *kinds in rows:
-            kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8)))
+            kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8, 8, 8)))
             print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}"
                   f"{kind_values}", flush=True)
+        for tokens, num_experts, kernels in rank0_kernels:
+            if kernels:
+                print(f"rank 0's kernels, {tokens} tokens, {num_experts} experts (calls and ms per pass):", flush=True)
+            for name, calls, ms in kernels[:args.kernels_listed]:
+                print(f"  {ms:8.3f} ms {calls:5.1f}x  {name[:100]}", flush=True)
     dist.barrier(group)
     dist.destroy_process_group()
 
@@ -284,6 +312,8 @@ def main() -> None:
     parser.add_argument("--share-gpus", action="store_true", help="ranks share the GPUs there are (cuep only)")
     parser.add_argument("--breakdown", action="store_true",
                         help="profile --iters more passes: GPU time of the communication kernels and of the rest")
+    parser.add_argument("--kernels-listed", type=int, default=12,
+                        help="with --breakdown, how many of rank 0's kernels to list, the longest first")
     args = parser.parse_args()
     if args.share_gpus and args.backend != "cuep":
         parser.error("--share-gpus runs cuep only: DeepEP needs a GPU per rank")
