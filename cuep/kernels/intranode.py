@@ -108,12 +108,10 @@ def stage_grid(num_ranks: int, num_sms: int) -> int:
 
 
 # Warps per block of a cached (push) dispatch that push this rank's tokens before copying rows out;
-# the others copy landed rows out from the start. Measured on H200s at 128 SMs (BF16 / FP8 us, graph
-# replays, v0.5.3): at 4 ranks 9, 10, 11, 12 and 13 pushers gave 492.4 / 274.2, 489.4-490.8 /
-# 273.4-274.1, 485.5-488.9 / 272.5-273.1, 487.9-488.9 / 273.2-274.0 and 500.1 / 282.4; at 8 ranks
-# 11 and 12 gave 867.3-867.7 / 485.6-486.5 and 863.1-864.0 / 484.8-486.6; at 2 ranks 8 and 12 were
-# within 1% (v0.5.0).
-_PUSHER_WARPS = {4: 11}
+# the others copy landed rows out from the start. Chosen by measurement (docs/performance-log.md): at 4
+# ranks 10 of 16 led from 16 to 128 SMs once the copies kept 4 KB a warp in flight (session 60; 11 led
+# at 128 SMs before them); at 8 ranks 11 and 12 were within 1%, at 2 ranks 8 and 12.
+_PUSHER_WARPS = {4: 10}
 _DEFAULT_PUSHER_WARPS = 12
 
 
