@@ -486,21 +486,60 @@ __device__ bool load_source_plans(SourcePlan* plans, const uint64_t* peer_bases,
     });
 }
 
-// One warp writes received row `row`'s routing (source token `token`): its top-k ids as this rank's
-// local expert ids (-1 where not local), their weights (0 where not local) and its source index.
-__device__ __forceinline__ void route_row(const SourcePlan& plan, int64_t token, int row, int num_topk,
-                                          const RecvRouting& recv, int64_t first_local, int experts_per_rank,
-                                          int lane) {
-    if (recv.topk_idx != nullptr && lane < num_topk) {
-        const int64_t expert = plan.topk_idx[token * num_topk + lane];
-        const bool local = expert >= first_local && expert < first_local + experts_per_rank;
-        recv.topk_idx[static_cast<int64_t>(row) * num_topk + lane] = local ? expert - first_local : -1;
-        if (recv.topk_weights != nullptr)
-            recv.topk_weights[static_cast<int64_t>(row) * num_topk + lane] =
-                local ? plan.topk_weights[token * num_topk + lane] : 0.0f;
-    }
-    if (lane == 0)
+// Top-k entries each lane of route_rows reads before it writes any: all of a top-8 run's entries at once.
+constexpr int kRoutingBatch = 8;
+
+// One warp writes the routing of received rows [first, first + kWarpSize) below num_recv: each row's
+// source index, and its top-k ids as this rank's local expert ids (-1 where not local) with their weights
+// (0 where not local). Lane l reads row first + l's source token from its source's send list; then the
+// warp reads the rows' entries, consecutive lanes taking consecutive entries of a row, kRoutingBatch of
+// them a lane in flight before any is written (the stores could alias the loads for all the compiler
+// knows). That is two dependent reads across NVLink for 32 rows; a warp per row waited out both for each.
+__device__ __forceinline__ void route_rows(const SourcePlan* plans, const int32_t* rank_prefix, int first,
+                                           int num_recv, int num_topk, const RecvRouting& recv,
+                                           int64_t first_local, int experts_per_rank, int lane) {
+    const int row = first + lane;
+    int source = 0;
+    int64_t token = 0;
+    if (row < num_recv) {
+        while (rank_prefix[source + 1] <= row)
+            ++source;
+        token = plans[source].send_list[row - rank_prefix[source]];
         recv.src_idx[row] = static_cast<int32_t>(token);
+    }
+    if (recv.topk_idx == nullptr)
+        return;
+    const int num_entries = min(num_recv - first, kWarpSize) * num_topk;
+    for (int batch = 0; batch < num_entries; batch += kRoutingBatch * kWarpSize) {
+        int64_t expert[kRoutingBatch];
+        float weight[kRoutingBatch];
+#pragma unroll
+        for (int i = 0; i < kRoutingBatch; ++i) {
+            const int entry = batch + i * kWarpSize + lane;
+            const int holder = (entry / num_topk) % kWarpSize;  // the lane that read the entry's row
+            const int entry_source = __shfl_sync(kFullWarpMask, source, holder);
+            const int64_t entry_token = __shfl_sync(kFullWarpMask, token, holder);
+            expert[i] = -1;
+            weight[i] = 0.0f;
+            if (entry < num_entries) {
+                const int64_t at = entry_token * num_topk + entry % num_topk;
+                expert[i] = plans[entry_source].topk_idx[at];
+                if (recv.topk_weights != nullptr)
+                    weight[i] = plans[entry_source].topk_weights[at];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kRoutingBatch; ++i) {
+            const int entry = batch + i * kWarpSize + lane;
+            if (entry >= num_entries)
+                break;
+            const bool local = expert[i] >= first_local && expert[i] < first_local + experts_per_rank;
+            const int64_t at = static_cast<int64_t>(first) * num_topk + entry;
+            recv.topk_idx[at] = local ? expert[i] - first_local : -1;
+            if (recv.topk_weights != nullptr)
+                recv.topk_weights[at] = local ? weight[i] : 0.0f;
+        }
+    }
 }
 
 // Whether the received arrays (num_rows rows) hold the num_recv rows this rank receives; if not (a
@@ -763,8 +802,8 @@ notify(const uint64_t* args_peer_bases, int args_rank, int args_num_ranks, int a
 }
 
 // ---------------------------------------------------------------------------------------------
-// Non-cached dispatch, step 4: routing. One warp per received row, source tokens from the sources'
-// send lists; rows in order of (source rank, source token). recv_info: the notify kernel's;
+// Non-cached dispatch, step 4: routing. One warp per run of 32 received rows (route_rows), source
+// tokens from the sources' send lists; rows in order of (source rank, source token). recv_info: the notify kernel's;
 // num_rows: the rows of the received arrays (the received count, or num_worst_tokens). The rows
 // themselves follow in dispatch_push, which reads the source indices written here.
 __global__ void __launch_bounds__(kNumThreads, 1)
@@ -805,12 +844,9 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
     if (ok && fits) {
         const int experts_per_rank = args.num_experts / num_ranks;
         const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
-        for_each_row_spread_over_sources<kWarpsPerBlock>(args.next_row, rank_prefix, rank, num_ranks,
-                                                         [&](int source, int row, int j, int lane) {
-            const SourcePlan& plan = plans[source];
-            route_row(plan, plan.send_list[j], row, num_topk, recv, first_local, experts_per_rank, lane);
-            return true;
-        });
+        const int warp = blockIdx.x * kWarpsPerBlock + warp_in_block;
+        for (int first = warp * kWarpSize; first < num_recv; first += num_warps * kWarpSize)
+            route_rows(plans, rank_prefix, first, num_recv, num_topk, recv, first_local, experts_per_rank, lane);
     }
     finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
                     status);
