@@ -33,7 +33,8 @@ for DeepEP; the modules of kernels first loaded in that pass count too, alike on
 ``--breakdown`` profiles ``--iters`` more passes (``torch.profiler``, CUDA activity) and splits each pass's GPU
 time: the communication library's kernels (cuep's or DeepEP's, by name), memory copies and sets, and every
 other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span and the time in it when
-nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels.
+nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels, and each
+communication kernel's time on every rank.
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
@@ -188,6 +189,24 @@ def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[
     return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels
 
 
+def print_kernels(tokens: int, num_experts: int, every_rank_kernels: list, listed: int) -> None:
+    """Rank 0's ``listed`` longest kernels, then each communication kernel's milliseconds on every rank: a kernel
+    that waits for its peers takes longer on the ranks that reach it first."""
+    if not every_rank_kernels[0]:
+        return
+    print(f"rank 0's kernels, {tokens} tokens, {num_experts} experts (calls and ms per pass):", flush=True)
+    for name, calls, ms in every_rank_kernels[0][:listed]:
+        print(f"  {ms:8.3f} ms {calls:5.1f}x  {name[:100]}", flush=True)
+    by_rank = [{name: ms for name, _, ms in kernels} for kernels in every_rank_kernels]
+    names = sorted({name for kernels in by_rank for name in kernels
+                    if any(space in name.lower() for space in COMMUNICATION_KERNELS)},
+                   key=lambda name: -max(kernels.get(name, 0.0) for kernels in by_rank))
+    print("  communication kernels, ms per pass on ranks 0, 1, ...:", flush=True)
+    for name in names:
+        per_rank = " ".join(f"{kernels.get(name, 0.0):7.3f}" for kernels in by_rank)
+        print(f"  {per_rank}  {name[:60]}", flush=True)
+
+
 def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     """Each row within ``rtol`` of the plain layer's, relative to the row's norm (bf16 rounding on each side)."""
     got, want = got.float(), want.float()
@@ -230,7 +249,7 @@ def run_rank(rank: int, args, port: int) -> None:
         # torchtitan's DeepEP dispatcher makes its one buffer up front (init_buffer), for its configured
         # largest batch per rank; every dispatch passes the batch's own count.
         module.get_buffer(group, hidden=args.hidden, num_max_tokens_per_rank=max(args.tokens), num_topk=args.topk)
-    rows, rank0_kernels = [], []
+    rows, kernel_lists = [], []
     for num_experts in args.experts:
         for tokens in args.tokens:
             x, idx, probs, grad, factors = inputs(rank, tokens, args.hidden, num_experts, args.topk)
@@ -271,7 +290,9 @@ def run_rank(rank: int, args, port: int) -> None:
             slowest = [None] * args.num_ranks
             dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib, *kinds), group=group)
             rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
-            rank0_kernels.append((tokens, num_experts, kernels))
+            every_rank_kernels = [None] * args.num_ranks
+            dist.all_gather_object(every_rank_kernels, kernels, group=group)
+            kernel_lists.append((tokens, num_experts, every_rank_kernels))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
@@ -287,11 +308,8 @@ def run_rank(rank: int, args, port: int) -> None:
             kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8, 8, 8)))
             print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}"
                   f"{kind_values}", flush=True)
-        for tokens, num_experts, kernels in rank0_kernels:
-            if kernels:
-                print(f"rank 0's kernels, {tokens} tokens, {num_experts} experts (calls and ms per pass):", flush=True)
-            for name, calls, ms in kernels[:args.kernels_listed]:
-                print(f"  {ms:8.3f} ms {calls:5.1f}x  {name[:100]}", flush=True)
+        for tokens, num_experts, every_rank_kernels in kernel_lists:
+            print_kernels(tokens, num_experts, every_rank_kernels, args.kernels_listed)
     dist.barrier(group)
     dist.destroy_process_group()
 
