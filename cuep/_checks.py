@@ -56,8 +56,19 @@ def as_device_array(call: str, name: str, value: Any):
     return array
 
 
-def check_topk_idx(call: str, topk_idx, num_experts: int, num_tokens: int | None = None) -> None:
-    """Shape, dtype and layout of ``topk_idx`` (no GPU work); ``num_tokens`` also fixes its rows."""
+# The normal mode's kernels give each top-k entry of a row a lane of one warp, as DeepEP's do.
+NORMAL_MAX_TOPK = 32
+
+
+def check_num_topk(call: str, name: str, num_topk: int, max_topk: int) -> None:
+    if num_topk > max_topk:
+        raise ValueError(f"{call}: at most {max_topk} experts per token, {name} has {num_topk} columns")
+
+
+def check_topk_idx(call: str, topk_idx, num_experts: int, num_tokens: int | None = None,
+                   max_topk: int | None = None) -> None:
+    """Shape, dtype and layout of ``topk_idx`` (no GPU work); ``num_tokens`` also fixes its rows, and
+    ``max_topk`` bounds its columns."""
     if topk_idx.dtype not in INDEX_DTYPES:
         raise TypeError(f"{call}: topk_idx must be int32 or int64, got {topk_idx.dtype}")
     if topk_idx.ndim != 2 or (num_tokens is not None and topk_idx.shape[0] != num_tokens):
@@ -65,6 +76,8 @@ def check_topk_idx(call: str, topk_idx, num_experts: int, num_tokens: int | None
         raise ValueError(f"{call}: topk_idx must have shape [{rows}, num_topk], got {tuple(topk_idx.shape)}")
     if topk_idx.shape[1] == 0:
         raise ValueError(f"{call}: topk_idx must have at least one column (num_topk >= 1), got {tuple(topk_idx.shape)}")
+    if max_topk is not None:
+        check_num_topk(call, "topk_idx", topk_idx.shape[1], max_topk)
     if not topk_idx.flags.c_contiguous:
         raise ValueError(f"{call}: topk_idx must be C-contiguous; pass cupy.ascontiguousarray(topk_idx)")
 
@@ -338,7 +351,7 @@ def dispatch_routing(call: str, num_tokens: int, num_ranks: int, num_nodes: int,
         raise ValueError(f"{call}: at most {max_experts} experts, got {num_experts}")
     if topk_idx is not None:
         topk_idx = as_device_array(call, "topk_idx", topk_idx)
-        check_topk_idx(call, topk_idx, num_experts, num_tokens)
+        check_topk_idx(call, topk_idx, num_experts, num_tokens, max_topk=NORMAL_MAX_TOPK)
         # int32 ids are widened by the caller, on the stream the call runs on
         topk_weights = as_device_array(call, "topk_weights", topk_weights)
         check_matrix(call, "topk_weights", topk_weights, [np.float32], num_tokens, topk_idx.shape[1])
@@ -367,6 +380,7 @@ def combine_inputs(call: str, x, handle: Any, topk_weights, bias, num_ranks: int
     if topk_weights is not None:
         topk_weights = as_device_array(call, "topk_weights", topk_weights)
         check_matrix(call, "topk_weights", topk_weights, [np.float32], handle.num_rows)
+        check_num_topk(call, "topk_weights", topk_weights.shape[1], NORMAL_MAX_TOPK)
     return (x, handle, topk_weights, *combine_biases(call, bias, handle.num_tokens, x.shape[1]))
 
 

@@ -258,6 +258,16 @@ def test_topk_idx_rows_must_match_the_tokens():
         _checks.check_topk_idx("dispatch()", HostArray(np.zeros((15, 8), np.int64)), 64, num_tokens=16)
 
 
+def test_normal_mode_takes_at_most_32_experts_per_token():
+    _checks.check_topk_idx("dispatch()", HostArray(np.zeros((4, 32), np.int64)), 64, 4,
+                           max_topk=_checks.NORMAL_MAX_TOPK)
+    with pytest.raises(ValueError, match=r"dispatch\(\): at most 32 experts per token, topk_idx has 33 columns"):
+        _checks.check_topk_idx("dispatch()", HostArray(np.zeros((4, 33), np.int64)), 64, 4,
+                               max_topk=_checks.NORMAL_MAX_TOPK)
+    with pytest.raises(ValueError, match=r"combine\(\): at most 32 experts per token, topk_weights has 40 columns"):
+        _checks.check_num_topk("combine()", "topk_weights", 40, _checks.NORMAL_MAX_TOPK)
+
+
 def _ll_dispatch_check(x_shape=(4, 1024), topk_shape=(4, 8), max_tokens=128, num_experts=64, **options):
     import ml_dtypes
     x = np.zeros(x_shape, dtype=ml_dtypes.bfloat16)

@@ -180,6 +180,15 @@ def without_topk(buffer):
     combine_and_check(buffer, inputs, EXPERTS, recv_x, None, handle)
 
 
+def wide_topk_17_and_32(buffer):
+    """More top-k entries a row than one batch of the routing's loads takes (8 a lane of a warp's 32 rows):
+    17 and 32 (the normal mode's most) columns, each row's ids and weights and each sum checked."""
+    for num_topk in (17, 32):
+        inputs = all_inputs(lambda s: 450 + 9 * s, 1024, EXPERTS, num_topk)
+        recv_x, recv_w, handle = dispatch_and_check(buffer, inputs, EXPERTS)
+        combine_and_check(buffer, inputs, EXPERTS, recv_x, recv_w, handle)
+
+
 def cached_dispatch_new_x(buffer):
     inputs = all_inputs(700, 2048, EXPERTS, 8)
     _, _, handle = dispatch_and_check(buffer, inputs, EXPERTS)
@@ -634,6 +643,7 @@ def main() -> None:
         ("fp8 with packed UE8M0 (int32) scales, then cached", fp8_packed_ue8m0_scales_then_cached),
         ("combine on 1 to 96 SMs: bulk pushes and the warps' copies", combine_on_few_and_many_sms),
         ("without top-k", without_topk),
+        ("top-17 and top-32", wide_topk_17_and_32),
         ("cached dispatch with new x", cached_dispatch_new_x),
         ("cached FP8 dispatches back to back, then a cached BF16 dispatch and combine",
          cached_dispatches_back_to_back_fp8_then_combine),
