@@ -494,7 +494,7 @@ constexpr int kRoutingBatch = 8;
 // (0 where not local). Lane l reads row first + l's source token from its source's send list; then the
 // warp reads the rows' entries, consecutive lanes taking consecutive entries of a row, kRoutingBatch of
 // them a lane in flight before any is written (the stores could alias the loads for all the compiler
-// knows). That is two dependent reads across NVLink for 32 rows; a warp per row waited out both for each.
+// knows). That is two dependent reads across NVLink for 32 rows.
 __device__ __forceinline__ void route_rows(const SourcePlan* plans, const int32_t* rank_prefix, int first,
                                            int num_recv, int num_topk, const RecvRouting& recv,
                                            int64_t first_local, int experts_per_rank, int lane) {

@@ -27,9 +27,10 @@ __device__ __forceinline__ void batched_copy(int first, int step, int count, con
     }
 }
 
-// 16-byte vectors each lane of warp_copy has in flight per step: 2 KB a warp (in v0.2 4 KB measured
-// slower at 64+ SMs, NVLink congesting). kBatch overrides it: the ceiling probe compares batches, and
-// the kernels whose copies gain from more in flight name their own (intranode kTokenCopyBatch).
+// 16-byte vectors each lane of warp_copy has in flight per step: 2 KB a warp, which the combine's pushers
+// keep (more was slower for them: docs/performance-log.md). kBatch overrides it: the ceiling probe
+// compares batches, and the kernels whose copies gain from more in flight name their own (intranode
+// kTokenCopyBatch).
 constexpr int kWarpCopyBatch = 4;
 
 // One warp copies `num_bytes` (a multiple of 16) from src to dst, lane `lane` taking every

@@ -108,9 +108,8 @@ def stage_grid(num_ranks: int, num_sms: int) -> int:
 
 
 # Warps per block of a cached (push) dispatch that push this rank's tokens before copying rows out;
-# the others copy landed rows out from the start. Chosen by measurement (docs/performance-log.md): at 4
-# ranks 10 of 16 led from 16 to 128 SMs once the copies kept 4 KB a warp in flight (session 60; 11 led
-# at 128 SMs before them); at 8 ranks 11 and 12 were within 1%, at 2 ranks 8 and 12.
+# the others copy landed rows out from the start. Chosen by measurement (docs/performance-log.md): the
+# 4-rank count with the copies at 4 KB a warp (session 60), the others before them (v0.5).
 _PUSHER_WARPS = {4: 10}
 _DEFAULT_PUSHER_WARPS = 12
 
