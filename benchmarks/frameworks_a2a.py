@@ -33,8 +33,8 @@ for DeepEP; the modules of kernels first loaded in that pass count too, alike on
 ``--breakdown`` profiles ``--iters`` more passes (``torch.profiler``, CUDA activity) and splits each pass's GPU
 time: the communication library's kernels (cuep's or DeepEP's, by name), memory copies and sets, and every
 other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span and the time in it when
-nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels, and each
-communication kernel's time on every rank.
+nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels, each
+communication kernel's time on every rank, and between which activities its GPU waited longest.
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
@@ -154,11 +154,14 @@ def forward_backward(layer, x, probs, grad):
 COMMUNICATION_KERNELS = ("cuep", "deep_ep")  # the namespaces of the two backends' kernels
 
 
-def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[str, float, float]]]:
+def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[str, float, float]],
+                                                  list[tuple[str, str, float]]]:
     """Per pass, from a profile of ``passes`` passes: the GPU milliseconds of the communication library's
     kernels, of memory copies and sets and of every other kernel; the span from the first activity's start to
     the last one's end; and the time in that span when nothing ran (the GPU waiting for the host). Beside them,
-    each kernel's calls and milliseconds per pass, the longest first."""
+    each kernel's calls and milliseconds per pass, the longest first, and where the GPU waited: the
+    milliseconds per pass with nothing running between one activity and the next, by their names, the
+    longest first."""
     totals = {"communication": 0.0, "copies": 0.0, "other": 0.0}
     by_name: dict[str, list[float]] = {}
     intervals = []
@@ -173,20 +176,25 @@ def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[
         calls_and_ms = by_name.setdefault(event.name, [0.0, 0.0])
         calls_and_ms[0] += 1
         calls_and_ms[1] += ms
-        intervals.append((event.time_range.start, event.time_range.end))
-    busy_us, covered_until = 0.0, None
-    for start, end in sorted(intervals):  # the union of the activities' intervals
+        intervals.append((event.time_range.start, event.time_range.end, event.name))
+    busy_us, covered_until, last_name = 0.0, None, ""
+    gaps: dict[tuple[str, str], float] = {}
+    for start, end, name in sorted(intervals):  # the union of the activities' intervals
         if covered_until is None or start > covered_until:
+            if covered_until is not None:
+                gaps[(last_name, name)] = gaps.get((last_name, name), 0.0) + start - covered_until
             busy_us += end - start
-            covered_until = end
+            covered_until, last_name = end, name
         elif end > covered_until:
             busy_us += end - covered_until
-            covered_until = end
-    span_us = (max(end for _, end in intervals) - min(start for start, _ in intervals)) if intervals else 0.0
+            covered_until, last_name = end, name
+    span_us = (max(end for _, end, _ in intervals) - min(start for start, _, _ in intervals)) if intervals else 0.0
     kinds = tuple(totals[kind] / passes for kind in ("communication", "copies", "other"))
     kernels = sorted(((name, calls / passes, ms / passes) for name, (calls, ms) in by_name.items()),
                      key=lambda kernel: -kernel[2])
-    return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels
+    waits = sorted(((before, after, us / 1e3 / passes) for (before, after), us in gaps.items()),
+                   key=lambda wait: -wait[2])
+    return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels, waits
 
 
 def print_kernels(tokens: int, num_experts: int, every_rank_kernels: list, listed: int) -> None:
@@ -205,6 +213,14 @@ def print_kernels(tokens: int, num_experts: int, every_rank_kernels: list, liste
     for name in names:
         per_rank = " ".join(f"{kernels.get(name, 0.0):7.3f}" for kernels in by_rank)
         print(f"  {per_rank}  {name[:60]}", flush=True)
+
+
+def print_waits(waits: list, listed: int) -> None:
+    """Rank 0's ``listed`` longest waits of the GPU for the host: between which two activities nothing ran."""
+    if waits:
+        print("  where the GPU waited (rank 0, ms per pass): the activity before -> the one after", flush=True)
+    for before, after, ms in waits[:listed]:
+        print(f"  {ms:8.3f} ms  {before[:50]} -> {after[:50]}", flush=True)
 
 
 def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
@@ -279,20 +295,20 @@ def run_rank(rank: int, args, port: int) -> None:
                 if i >= args.warmup:
                     times.append(start.elapsed_time(end))
             peak_mib = (torch.cuda.max_memory_allocated() - allocated_before) / 2**20
-            kinds, kernels = (), []
+            kinds, kernels, waits = (), [], []
             if args.breakdown:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                     for _ in range(args.iters):
                         forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group), x,
                                          probs, grad)
                     torch.cuda.synchronize()
-                kinds, kernels = gpu_ms_by_kind(profile, args.iters)
+                kinds, kernels, waits = gpu_ms_by_kind(profile, args.iters)
             slowest = [None] * args.num_ranks
             dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib, *kinds), group=group)
             rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
             every_rank_kernels = [None] * args.num_ranks
             dist.all_gather_object(every_rank_kernels, kernels, group=group)
-            kernel_lists.append((tokens, num_experts, every_rank_kernels))
+            kernel_lists.append((tokens, num_experts, every_rank_kernels, waits))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
@@ -308,8 +324,9 @@ def run_rank(rank: int, args, port: int) -> None:
             kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8, 8, 8)))
             print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}"
                   f"{kind_values}", flush=True)
-        for tokens, num_experts, every_rank_kernels in kernel_lists:
+        for tokens, num_experts, every_rank_kernels, waits in kernel_lists:
             print_kernels(tokens, num_experts, every_rank_kernels, args.kernels_listed)
+            print_waits(waits, args.kernels_listed)
     dist.barrier(group)
     dist.destroy_process_group()
 
