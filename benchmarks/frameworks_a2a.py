@@ -154,6 +154,10 @@ def forward_backward(layer, x, probs, grad):
 COMMUNICATION_KERNELS = ("cuep", "deep_ep")  # the namespaces of the two backends' kernels
 
 
+def is_communication_kernel(name: str) -> bool:
+    return any(space in name.lower() for space in COMMUNICATION_KERNELS)
+
+
 def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[str, float, float]],
                                                   list[tuple[str, str, float]]]:
     """Per pass, from a profile of ``passes`` passes: the GPU milliseconds of the communication library's
@@ -168,9 +172,8 @@ def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.name.lower()
-        kind = ("communication" if any(space in name for space in COMMUNICATION_KERNELS)
-                else "copies" if name.startswith(("memcpy", "memset")) else "other")
+        kind = ("communication" if is_communication_kernel(event.name)
+                else "copies" if event.name.lower().startswith(("memcpy", "memset")) else "other")
         ms = event.time_range.elapsed_us() / 1e3
         totals[kind] += ms
         calls_and_ms = by_name.setdefault(event.name, [0.0, 0.0])
@@ -206,8 +209,7 @@ def print_kernels(tokens: int, num_experts: int, every_rank_kernels: list, liste
     for name, calls, ms in every_rank_kernels[0][:listed]:
         print(f"  {ms:8.3f} ms {calls:5.1f}x  {name[:100]}", flush=True)
     by_rank = [{name: ms for name, _, ms in kernels} for kernels in every_rank_kernels]
-    names = sorted({name for kernels in by_rank for name in kernels
-                    if any(space in name.lower() for space in COMMUNICATION_KERNELS)},
+    names = sorted({name for kernels in by_rank for name in kernels if is_communication_kernel(name)},
                    key=lambda name: -max(kernels.get(name, 0.0) for kernels in by_rank))
     print("  communication kernels, ms per pass on ranks 0, 1, ...:", flush=True)
     for name in names:

@@ -643,8 +643,7 @@ def combine(ctx: Context, stream, x, handle: Handle, topk_weights, bias0, bias1,
         topo=topo, plan=handle.plan.data.ptr, plan_layout=plan_layout.mirror(), forward_pos=handle.forward_pos.data.ptr,
         forward_src=handle.forward_src.data.ptr, forward_rows=handle.forward_src.shape[0], input=combine_input,
         landing_row_bytes=row_bytes, row_bytes=row_bytes, chunk_rows=chunk, direct_peers=int(ctx.direct_peers),
-        state=state,
-        traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
+        state=state, traffic=ctx.traffic.data.ptr, status=status, timeout_ns=ctx.timeout_ns)
     reduce = kernels.ReduceArgs(
         rdma=ctx.rdma, layout=layout, topo=topo, node_pos=handle.node_pos.data.ptr,
         prefix=kernels.UnitPrefix(counts=handle.unit_prefix.data.ptr, units=handle.unit_prefix.shape[0] - 1),
