@@ -43,6 +43,7 @@ rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``;
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.util
 import os
 import statistics
@@ -159,13 +160,13 @@ def is_communication_kernel(name: str) -> bool:
 
 
 def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[str, float, float]],
-                                                  list[tuple[str, str, float]]]:
+                                                  list[tuple[str, str, float]], list[tuple[float, float, str, str]]]:
     """Per pass, from a profile of ``passes`` passes: the GPU milliseconds of the communication library's
     kernels, of memory copies and sets and of every other kernel; the span from the first activity's start to
     the last one's end; and the time in that span when nothing ran (the GPU waiting for the host). Beside them,
-    each kernel's calls and milliseconds per pass, the longest first, and where the GPU waited: the
+    each kernel's calls and milliseconds per pass, the longest first; where the GPU waited: the
     milliseconds per pass with nothing running between one activity and the next, by their names, the
-    longest first."""
+    longest first; and each such wait as ``(start_us, end_us, before, after)``."""
     totals = {"communication": 0.0, "copies": 0.0, "other": 0.0}
     by_name: dict[str, list[float]] = {}
     intervals = []
@@ -182,10 +183,12 @@ def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[
         intervals.append((event.time_range.start, event.time_range.end, event.name))
     busy_us, covered_until, last_name = 0.0, None, ""
     gaps: dict[tuple[str, str], float] = {}
+    gap_intervals = []
     for start, end, name in sorted(intervals):  # the union of the activities' intervals
         if covered_until is None or start > covered_until:
             if covered_until is not None:
                 gaps[(last_name, name)] = gaps.get((last_name, name), 0.0) + start - covered_until
+                gap_intervals.append((covered_until, start, last_name, name))
             busy_us += end - start
             covered_until, last_name = end, name
         elif end > covered_until:
@@ -197,7 +200,34 @@ def gpu_ms_by_kind(profile, passes: int) -> tuple[tuple[float, ...], list[tuple[
                      key=lambda kernel: -kernel[2])
     waits = sorted(((before, after, us / 1e3 / passes) for (before, after), us in gaps.items()),
                    key=lambda wait: -wait[2])
-    return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels, waits
+    return (*kinds, span_us / 1e3 / passes, (span_us - busy_us) / 1e3 / passes), kernels, waits, gap_intervals
+
+
+def host_in_waits(profile, gap_intervals: list, waits: list, passes: int, listed: int) -> list:
+    """What the host was running while the GPU waited: for each of the ``listed`` longest kinds of wait (``waits``,
+    by the activities around it), the host events (torch operators, autograd nodes, CUDA API calls) that
+    overlapped those waits, with their overlap in milliseconds per pass, the longest first. A host blocked in a
+    synchronisation or an allocation shows as that call; a host busy in Python shows as the operator or
+    autograd node it was inside, or as nothing."""
+    kinds = [(before, after) for before, after, _ in waits[:listed]]
+    by_kind = {kind: sorted((start, end) for start, end, before, after in gap_intervals if (before, after) == kind)
+               for kind in kinds}
+    overlap: dict[tuple[str, str], dict[str, float]] = {kind: {} for kind in kinds}
+    for event in profile.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        for kind, intervals in by_kind.items():
+            first = bisect.bisect_left(intervals, (start, start)) - 1
+            us = 0.0
+            for gap_start, gap_end in intervals[max(first, 0):]:
+                if gap_start >= end:
+                    break
+                us += max(0.0, min(end, gap_end) - max(start, gap_start))
+            if us > 0:
+                overlap[kind][event.name] = overlap[kind].get(event.name, 0.0) + us
+    return [(before, after, sorted(((name, us / 1e3 / passes) for name, us in overlap[(before, after)].items()),
+                                   key=lambda item: -item[1])) for before, after in kinds]
 
 
 def print_kernels(tokens: int, num_experts: int, every_rank_kernels: list, listed: int) -> None:
@@ -223,6 +253,16 @@ def print_waits(waits: list, listed: int) -> None:
         print("  where the GPU waited (rank 0, ms per pass): the activity before -> the one after", flush=True)
     for before, after, ms in waits[:listed]:
         print(f"  {ms:8.3f} ms  {before[:50]} -> {after[:50]}", flush=True)
+
+
+def print_host_in_waits(host_waits: list, listed: int) -> None:
+    """Rank 0's host events during each of its longest kinds of wait (:func:`host_in_waits`)."""
+    if host_waits:
+        print("  what the host ran while the GPU waited (rank 0, ms per pass overlapping the wait):", flush=True)
+    for before, after, events in host_waits:
+        print(f"    {before[:40]} -> {after[:40]}:", flush=True)
+        for name, ms in events[:listed]:
+            print(f"      {ms:8.3f} ms  {name[:90]}", flush=True)
 
 
 def assert_rows_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
@@ -297,20 +337,25 @@ def run_rank(rank: int, args, port: int) -> None:
                 if i >= args.warmup:
                     times.append(start.elapsed_time(end))
             peak_mib = (torch.cuda.max_memory_allocated() - allocated_before) / 2**20
-            kinds, kernels, waits = (), [], []
-            if args.breakdown:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            kinds, kernels, waits, host_waits = (), [], [], []
+            if args.breakdown or args.host_in_waits:
+                activities = [torch.profiler.ProfilerActivity.CUDA]
+                if args.host_in_waits:
+                    activities.append(torch.profiler.ProfilerActivity.CPU)
+                with torch.profiler.profile(activities=activities) as profile:
                     for _ in range(args.iters):
                         forward_backward(layer_of(args.framework, module, idx, factors, num_experts, group), x,
                                          probs, grad)
                     torch.cuda.synchronize()
-                kinds, kernels, waits = gpu_ms_by_kind(profile, args.iters)
+                kinds, kernels, waits, gap_intervals = gpu_ms_by_kind(profile, args.iters)
+                if args.host_in_waits:
+                    host_waits = host_in_waits(profile, gap_intervals, waits, args.iters, args.kernels_listed)
             slowest = [None] * args.num_ranks
             dist.all_gather_object(slowest, (statistics.median(times), buffer_mib, peak_mib, *kinds), group=group)
             rows.append((tokens, num_experts, *(max(column) for column in zip(*slowest))))
             every_rank_kernels = [None] * args.num_ranks
             dist.all_gather_object(every_rank_kernels, kernels, group=group)
-            kernel_lists.append((tokens, num_experts, every_rank_kernels, waits))
+            kernel_lists.append((tokens, num_experts, every_rank_kernels, waits, host_waits))
             del x, idx, probs, grad, want, got
             torch.cuda.empty_cache()
     if rank == 0:
@@ -319,16 +364,17 @@ def run_rank(rank: int, args, port: int) -> None:
         print(f"{args.framework} on {args.backend}: {args.num_ranks} ranks, hidden {args.hidden}, top-{args.topk}, "
               f"{sms}; output and gradients match the plain-torch layer", flush=True)
         kind_columns = (f" {'comm ms':>8} {'copies ms':>9} {'other ms':>8} {'span ms':>8} {'idle ms':>8}"
-                        if args.breakdown else "")
+                        if args.breakdown or args.host_in_waits else "")
         print(f"{'backend':8} {'tokens/rank':>11} {'experts':>7} {'fwd+bwd ms':>10} {'Buffer MiB':>10} "
               f"{'pass MiB':>9}{kind_columns}", flush=True)
         for tokens, num_experts, ms, buffer_mib, peak_mib, *kinds in rows:
             kind_values = "".join(f" {value:{width}.3f}" for value, width in zip(kinds, (8, 9, 8, 8, 8)))
             print(f"{args.backend:8} {tokens:11d} {num_experts:7d} {ms:10.3f} {buffer_mib:10.1f} {peak_mib:9.1f}"
                   f"{kind_values}", flush=True)
-        for tokens, num_experts, every_rank_kernels, waits in kernel_lists:
+        for tokens, num_experts, every_rank_kernels, waits, host_waits in kernel_lists:
             print_kernels(tokens, num_experts, every_rank_kernels, args.kernels_listed)
             print_waits(waits, args.kernels_listed)
+            print_host_in_waits(host_waits, args.kernels_listed)
     dist.barrier(group)
     dist.destroy_process_group()
 
@@ -349,6 +395,9 @@ def main() -> None:
     parser.add_argument("--share-gpus", action="store_true", help="ranks share the GPUs there are (cuep only)")
     parser.add_argument("--breakdown", action="store_true",
                         help="profile --iters more passes: GPU time of the communication kernels and of the rest")
+    parser.add_argument("--host-in-waits", action="store_true",
+                        help="--breakdown with the host's activity profiled too (which slows the host): what the host "
+                             "ran while the GPU waited")
     parser.add_argument("--kernels-listed", type=int, default=12,
                         help="with --breakdown, how many of rank 0's kernels to list, the longest first")
     args = parser.parse_args()
