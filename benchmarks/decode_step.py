@@ -121,18 +121,20 @@ def run_rank(rank: int, args, port: int) -> None:
             values = [r[name] for r in rows]
             print(f"{name:18} {sum(values) / len(values):8.1f} {max(values):8.1f}   "
                   + " ".join(f"{v:7.1f}" for v in values), flush=True)
-    if args.profile and rank == 0:  # where the host's time goes: cProfile over more steps, by own time
+    if args.profile:  # where the host's time goes: cProfile over more steps (every rank steps, rank 0 profiles)
         import cProfile
         import pstats
         profiler = cProfile.Profile()
-        profiler.enable()
+        if rank == 0:
+            profiler.enable()
         for _ in range(args.steps * 4):
             step()
         profiler.disable()
         torch.cuda.synchronize()
-        stats = pstats.Stats(profiler)
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats(45)
+        if rank == 0:
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(45)
     dist.barrier(group)
     dist.destroy_process_group()
 
