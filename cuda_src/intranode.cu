@@ -271,6 +271,7 @@ struct PushArgs {
     const int32_t* recv_src_idx;
     int num_tokens;
     int push_warps;
+    int deal_by_warp;
     int64_t row_bytes;
     const uint64_t* peer_bases;
     const int32_t* recv_info;
@@ -973,10 +974,11 @@ struct RunArrivals {
 };
 
 // Pusher warp `pusher` of `num_pushers`, over this rank's tokens [first_token, last_token): runs of
-// kTokensPerRun tokens, dealt in turn so that every receiver's landing rows fill front to back; each
-// run goes to its receivers in an order staggered by warp, so the links share the load.
+// kTokensPerRun tokens, dealt in turn so that every receiver's landing rows fill front to back (see
+// dispatch_push for how the pushers are numbered). Each run goes to its receivers in an order staggered
+// by `stagger` (a number of its own per warp), so the links share the load.
 __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, const PushTargets& targets, int rank,
-                            int num_ranks, int first_token, int last_token, int pusher, int num_pushers,
+                            int num_ranks, int first_token, int last_token, int pusher, int num_pushers, int stagger,
                             uint64_t call, uint8_t* recv_x, float* recv_scales, int own_first_row, int lane) {
     // recv_x == nullptr: this rank's own rows are not written (see the overflow check in the kernel).
     // Lane d < num_ranks: receiver d's arrival counters for this call.
@@ -985,7 +987,7 @@ __device__ void push_tokens(const PushShape& shape, const int32_t* send_pos, con
     for (int first = first_token + pusher * kTokensPerRun; first < last_token; first += num_pushers * kTokensPerRun) {
         const int last = min(first + kTokensPerRun, last_token);
         for (int i = 0; i < num_ranks; ++i) {
-            const int dst = (rank + 1 + pusher + i) % num_ranks;
+            const int dst = (rank + 1 + stagger + i) % num_ranks;
             auto* base = reinterpret_cast<uint8_t*>(targets.peer_bases[dst]);
             for (int token = first; token < last; ++token) {
                 const int pos = ld_nc_global(send_pos + static_cast<int64_t>(token) * num_ranks + dst);
@@ -1033,21 +1035,26 @@ namespace cuep::intranode {
 // `[num_tokens, num_ranks]`; send_prefix, recv_src_idx: the handle's (see plan_round); recv_info: the
 // notify kernel's; row_bytes: one landing row (push_row_bytes in cuep/modes/intranode.py);
 // region_bytes: the size of each of the two regions (the same on every rank); round_tokens: the
-// source tokens of a round (round_tokens in cuep/modes/intranode.py); num_rows: the rows of recv_x.
+// source tokens of a round (round_tokens in cuep/modes/intranode.py); num_rows: the rows of recv_x;
+// deal_by_warp: number the pushers warp by warp across the blocks (pusher = warp * blocks + block)
+// rather than block by block, so that the runs left over when a round's runs do not divide evenly fall
+// one to a block, not all to the first blocks (the host sets it on few blocks: push_deal_by_warp in
+// cuep/kernels/intranode.py).
 __global__ void __launch_bounds__(kNumThreads, 1)
 dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
               int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,
               int args_rows_num_scales, const int32_t* args_send_pos, const int32_t* args_send_prefix,
-              const int32_t* args_recv_src_idx, int args_num_tokens, int args_push_warps, int64_t args_row_bytes,
-              const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
+              const int32_t* args_recv_src_idx, int args_num_tokens, int args_push_warps, int args_deal_by_warp,
+              int64_t args_row_bytes, const uint64_t* args_peer_bases, const int32_t* args_recv_info, int args_rank,
               int args_num_ranks, int64_t args_region_bytes, int args_round_tokens, int args_num_rows,
               uint8_t* args_recv_x, float* args_recv_scales, uint64_t* args_state, int32_t* args_status_device,
               int32_t* args_status_host, int32_t* args_next_row, uint64_t args_timeout_ns) {
     const PushArgs args{{args_rows_x, args_rows_hidden_bytes, args_rows_scales, args_rows_scale_token_stride,
                          args_rows_scale_channel_stride, args_rows_num_scales},
                         args_send_pos, args_send_prefix, args_recv_src_idx, args_num_tokens, args_push_warps,
-                        args_row_bytes, args_peer_bases, args_recv_info, args_rank, args_num_ranks,
-                        args_region_bytes, args_round_tokens, args_num_rows, args_recv_x, args_recv_scales,
+                        args_deal_by_warp, args_row_bytes, args_peer_bases, args_recv_info, args_rank,
+                        args_num_ranks, args_region_bytes, args_round_tokens, args_num_rows, args_recv_x,
+                        args_recv_scales,
                         args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
@@ -1070,6 +1077,7 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
     // until every peer has pushed all of a round's rows (every_peer_pushed).
     const bool fits_recv_x = received_rows_fit(rank_prefix[num_ranks], args.num_rows, status);
     const int pushers_per_block = min(args.push_warps, kWarpsPerBlock - 1);
+    const int block_major_pusher = blockIdx.x * pushers_per_block + warp_in_block;
     int* warp_confirmed = plan.confirmed[warp_in_block];
     int received_through = 0;
     for (int round = 0; round < rounds.count; ++round) {
@@ -1085,7 +1093,8 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
                         PushTargets{peer_bases, region, rank * rounds.tokens, plan.sent_first, rounds.chunk_rows},
                         rank, num_ranks, static_cast<int>(min(first_token, static_cast<int64_t>(args.num_tokens))),
                         static_cast<int>(min(first_token + rounds.tokens, static_cast<int64_t>(args.num_tokens))),
-                        blockIdx.x * pushers_per_block + warp_in_block, gridDim.x * pushers_per_block, call,
+                        args.deal_by_warp ? warp_in_block * gridDim.x + blockIdx.x : block_major_pusher,
+                        gridDim.x * pushers_per_block, block_major_pusher, call,
                         fits_recv_x ? args.recv_x : nullptr, args.recv_scales, rank_prefix[rank], lane);
             count_pusher_done(args.state, peer_bases, rank, num_ranks, call, gridDim.x * pushers_per_block, lane);
         }

@@ -119,6 +119,19 @@ def pusher_warps(num_ranks: int) -> int:
     return _PUSHER_WARPS.get(num_ranks, _DEFAULT_PUSHER_WARPS)
 
 
+# The most blocks of a cached dispatch whose pushers are numbered warp by warp across the blocks. On few
+# blocks the runs left over in each round, dealt block by block, load the first SMs with a run a warp more
+# than the rest, every round; on many blocks NVLink, not the SMs, sets the pace, and dealing block by block
+# was faster there (docs/performance-log.md, session 61).
+_DEAL_BY_WARP_MAX_BLOCKS = 32
+
+
+def push_deal_by_warp(grid: int) -> int:
+    """``PushArgs.deal_by_warp`` for a launch of ``grid`` blocks: 1 (pushers numbered warp by warp across the
+    blocks) on at most :data:`_DEAL_BY_WARP_MAX_BLOCKS` blocks, else 0 (block by block)."""
+    return int(grid <= _DEAL_BY_WARP_MAX_BLOCKS)
+
+
 # ------------------------------------------------------------------------------------------------
 # Argument structs: ctypes mirrors of intranode.cu's, field for field (_ptr: a device address, 0 for
 # an absent optional array). Status (where a launch records a timeout or an overflow) is shared. Each
@@ -194,7 +207,8 @@ class PushArgs(KernelArgs):
     entry = "cuep::intranode::dispatch_push"
     scalar_parameters = True
     _fields_ = [("rows", TokenRows), ("send_pos", _ptr), ("send_prefix", _ptr), ("recv_src_idx", _ptr),
-                ("num_tokens", _i32), ("push_warps", _i32), ("row_bytes", _i64), ("peer_bases", _ptr),
+                ("num_tokens", _i32), ("push_warps", _i32), ("deal_by_warp", _i32), ("row_bytes", _i64),
+                ("peer_bases", _ptr),
                 ("recv_info", _ptr), ("rank", _i32), ("num_ranks", _i32), ("region_bytes", _i64),
                 ("round_tokens", _i32), ("num_rows", _i32), ("recv_x", _ptr),
                 ("recv_scales", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),

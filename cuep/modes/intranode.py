@@ -426,7 +426,7 @@ def _push_rows(ctx: Context, stream, x, scales, handle: Handle, num_sms: int, ro
     push = ctx.args_of(kernels.PushArgs)
     push.rows, push.num_tokens, push.send_pos = _token_rows(x, scales), x.shape[0], handle.send_pos.data.ptr
     push.send_prefix, push.recv_src_idx = handle.send_prefix.data.ptr, handle.recv_src_idx.data.ptr
-    push.push_warps = pusher_warps(ctx.num_ranks)
+    push.push_warps, push.deal_by_warp = pusher_warps(ctx.num_ranks), kernels.push_deal_by_warp(num_sms)
     push.row_bytes, push.round_tokens = rows
     push.recv_info, push.num_rows = handle.recv_info.data.ptr, handle.num_rows
     push.recv_x, push.recv_scales = recv_x.data.ptr, _ptr(recv_scales)
