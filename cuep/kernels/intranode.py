@@ -121,9 +121,9 @@ def pusher_warps(num_ranks: int) -> int:
 
 # The most blocks of a cached dispatch whose pushers are numbered warp by warp across the blocks. On few
 # blocks the runs left over in each round, dealt block by block, load the first SMs with a run a warp more
-# than the rest, every round; on many blocks NVLink, not the SMs, sets the pace, and dealing block by block
-# was faster there (docs/performance-log.md, session 61).
-_DEAL_BY_WARP_MAX_BLOCKS = 32
+# than the rest, every round; from 32 blocks up dealing block by block was as fast or faster
+# (docs/performance-log.md, session 61).
+_DEAL_BY_WARP_MAX_BLOCKS = 24
 
 
 def push_deal_by_warp(grid: int) -> int:
