@@ -43,6 +43,11 @@ def test_the_intranode_push_and_combine_go_in_clusters_on_the_hopper_path_only(g
     assert intranode.cluster_blocks(intranode.COMBINE_CLUSTER, False, grid) == 1
 
 
+@pytest.mark.parametrize("grid, by_warp", [(1, 1), (8, 1), (20, 1), (24, 1), (25, 0), (32, 0), (132, 0)])
+def test_the_cached_dispatch_deals_its_pushers_warp_by_warp_on_few_blocks_only(grid, by_warp):
+    assert intranode.push_deal_by_warp(grid) == by_warp
+
+
 def _launch(monkeypatch, fits: bool, grid: int = 24, cluster: int = 2) -> Launch:
     from cuep.kernels import launcher
     monkeypatch.setattr(launcher, "_fits_in_clusters", lambda *args: fits)
