@@ -1054,8 +1054,8 @@ dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const 
                         args_send_pos, args_send_prefix, args_recv_src_idx, args_num_tokens, args_push_warps,
                         args_deal_by_warp, args_row_bytes, args_peer_bases, args_recv_info, args_rank,
                         args_num_ranks, args_region_bytes, args_round_tokens, args_num_rows, args_recv_x,
-                        args_recv_scales,
-                        args_state, {args_status_device, args_status_host}, args_next_row, args_timeout_ns};
+                        args_recv_scales, args_state, {args_status_device, args_status_host}, args_next_row,
+                        args_timeout_ns};
     const Status status = args.status;
     const uint64_t* peer_bases = args.peer_bases;
     const int rank = args.rank, num_ranks = args.num_ranks;

@@ -208,9 +208,8 @@ class PushArgs(KernelArgs):
     scalar_parameters = True
     _fields_ = [("rows", TokenRows), ("send_pos", _ptr), ("send_prefix", _ptr), ("recv_src_idx", _ptr),
                 ("num_tokens", _i32), ("push_warps", _i32), ("deal_by_warp", _i32), ("row_bytes", _i64),
-                ("peer_bases", _ptr),
-                ("recv_info", _ptr), ("rank", _i32), ("num_ranks", _i32), ("region_bytes", _i64),
-                ("round_tokens", _i32), ("num_rows", _i32), ("recv_x", _ptr),
+                ("peer_bases", _ptr), ("recv_info", _ptr), ("rank", _i32), ("num_ranks", _i32),
+                ("region_bytes", _i64), ("round_tokens", _i32), ("num_rows", _i32), ("recv_x", _ptr),
                 ("recv_scales", _ptr), ("state", _ptr), ("status", Status), ("next_row", _ptr),
                 ("timeout_ns", _u64)]
 
