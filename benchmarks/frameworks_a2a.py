@@ -35,6 +35,10 @@ time: the communication library's kernels (cuep's or DeepEP's, by name), memory 
 other kernel (the layer's own: the expert, permutes, autograd), beside the pass's span and the time in it when
 nothing ran (the GPU waiting for the host, or for a CPU wait); rank 0 then lists its longest kernels, each
 communication kernel's time on every rank, and between which activities its GPU waited longest.
+``--host-in-waits`` does the same with the host's activity profiled too (which slows the host), and lists for each
+of those waits the host events that overlapped it: a wait spent in a synchronisation or an allocation shows as
+that call, one spent in Python as the operator or autograd node it ran in. Nested events each count their whole
+overlap, so the rows do not add up.
 
 One process per rank (``torch.multiprocessing``), one GPU each (an NCCL group); ``--share-gpus`` puts every
 rank on the GPUs there are, over a gloo group (cuep only: ``CUEP_SHARE_GPUS=1``; it proves results, not speed).
@@ -258,7 +262,8 @@ def print_waits(waits: list, listed: int) -> None:
 def print_host_in_waits(host_waits: list, listed: int) -> None:
     """Rank 0's host events during each of its longest kinds of wait (:func:`host_in_waits`)."""
     if host_waits:
-        print("  what the host ran while the GPU waited (rank 0, ms per pass overlapping the wait):", flush=True)
+        print("  what the host ran while the GPU waited (rank 0, ms per pass overlapping the wait; nested events "
+              "each count, so the rows do not add up):", flush=True)
     for before, after, events in host_waits:
         print(f"    {before[:40]} -> {after[:40]}:", flush=True)
         for name, ms in events[:listed]:
@@ -399,7 +404,8 @@ def main() -> None:
                         help="--breakdown with the host's activity profiled too (which slows the host): what the host "
                              "ran while the GPU waited")
     parser.add_argument("--kernels-listed", type=int, default=12,
-                        help="with --breakdown, how many of rank 0's kernels to list, the longest first")
+                        help="with --breakdown or --host-in-waits, how many of rank 0's kernels, waits and (per "
+                             "wait) host events to list, the longest first")
     args = parser.parse_args()
     if args.share_gpus and args.backend != "cuep":
         parser.error("--share-gpus runs cuep only: DeepEP needs a GPU per rank")

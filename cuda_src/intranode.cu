@@ -1037,9 +1037,9 @@ namespace cuep::intranode {
 // region_bytes: the size of each of the two regions (the same on every rank); round_tokens: the
 // source tokens of a round (round_tokens in cuep/modes/intranode.py); num_rows: the rows of recv_x;
 // deal_by_warp: number the pushers warp by warp across the blocks (pusher = warp * blocks + block)
-// rather than block by block, so that the runs left over when a round's runs do not divide evenly fall
-// one to a block, not all to the first blocks (the host sets it on few blocks: push_deal_by_warp in
-// cuep/kernels/intranode.py).
+// rather than block by block, so that the runs left over when a round's runs do not divide evenly spread
+// evenly over the blocks instead of all falling to the first ones (the host sets it on few blocks:
+// push_deal_by_warp in cuep/kernels/intranode.py).
 __global__ void __launch_bounds__(kNumThreads, 1)
 dispatch_push(const uint8_t* args_rows_x, int64_t args_rows_hidden_bytes, const float* args_rows_scales,
               int64_t args_rows_scale_token_stride, int64_t args_rows_scale_channel_stride,

@@ -119,7 +119,7 @@ def pusher_warps(num_ranks: int) -> int:
     return _PUSHER_WARPS.get(num_ranks, _DEFAULT_PUSHER_WARPS)
 
 
-# The most blocks of a cached dispatch whose pushers are numbered warp by warp across the blocks. On few
+# The most blocks of a dispatch's push whose pushers are numbered warp by warp across the blocks. On few
 # blocks the runs left over in each round, dealt block by block, load the first SMs with a run a warp more
 # than the rest, every round; from 32 blocks up dealing block by block was as fast or faster
 # (docs/performance-log.md, session 61).
