@@ -68,12 +68,19 @@ def main() -> None:
         _checks.optional_vector(call, "cumulative_local_expert_recv_stats", None, None, 0)
         _checks.check_hook_options(call, False, False)
 
+    def dispatch_known():
+        return low_latency.checked_dispatch(call, ctx, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)
+
+    shape, *addresses = dispatch_known()
+
     def dispatch_build():
-        return low_latency.dispatch(ctx, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)
+        return low_latency.dispatch(ctx, shape, *addresses)
 
     handle = dispatch()[2]
     # One launch, relaunched: each run is a new call, whose buffer the kernel picks.
-    launch = low_latency.dispatch(ctx, x, topk_idx, TOKENS, EXPERTS, None, None, True, False, False)[4]
+    run = dispatch_build()[-1]
+    both = low_latency.SEND_PHASE | low_latency.RECV_PHASE
+    launch = run.launch
 
     stream = cupy.cuda.get_current_stream()
     expert_out = cupy.zeros((EXPERTS // num_ranks, num_ranks * TOKENS, HIDDEN), dtype=x.dtype)
@@ -85,13 +92,16 @@ def main() -> None:
         "floor: empty kernel launch": lambda: empty((1,), (1,), ()),
         "low_latency_dispatch FP8, whole call": dispatch,
         "  its checks in full (a new signature), dispatch": dispatch_checks,
-        "  its build (plan, outputs, handle, arguments, Launch)": dispatch_build,
-        "  its launch through run_with_hook": lambda: buffer._run_low_latency(launch, False, False, ()),
+        "  its checks, the signature known (checked_dispatch)": dispatch_known,
+        "  its build (plan, outputs, handle, arguments)": dispatch_build,
+        "  its launch through run_with_hook": lambda: buffer._streams.run_with_hook(
+            run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, False, False, (), buffer._check_alive),
+        "  its Run (phases set, then the launch)": lambda: run(stream, both),
         "  its launch alone": lambda: launch(stream),
         "low_latency_combine BF16, whole call": lambda: buffer.low_latency_combine(expert_out, topk_idx, weights,
                                                                                  handle),
         "  its checks in full (a new signature), combine": lambda: _checks.low_latency_combine_inputs(
-            "low_latency_combine()", expert_out, topk_idx, weights, handle, None, num_ranks, low_latency.Handle),
+            "low_latency_combine()", expert_out, topk_idx, weights, handle, None, num_ranks),
         "  its output (front.empty)": lambda: ctx.front.empty((TOKENS, HIDDEN), x.dtype),
         "parts: raise_if_failed (status words)": resources.raise_if_failed,
         "parts: as_device_array": lambda: _checks.as_device_array(call, "x", x),

@@ -46,14 +46,12 @@ def main() -> None:
     cupy_handle = cupy_buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS)[2]
     torch_handle = torch_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[2]
     recv, _, core_handle, event, _ = torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)
-    storage = core_handle.storage
+    storage = core_handle.core.storage  # the torch front hands out DeepEP's handle over the core's
     calls = {
         "dispatch: CuPy API, CuPy arrays": lambda: cupy_buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS),
         "dispatch: CuPy API, torch tensors": lambda: cupy_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
         "dispatch: cuep.torch core": lambda: torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
         "dispatch: cuep.torch": lambda: torch_buffer.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS),
-        "dispatch: cuep.torch core, then DeepEP's handle": lambda: torch_buffer._low_latency_handle(
-            torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[2]),
         "dispatch: cuep.torch core, then the EventOverlap": lambda: wrap(
             torch_buffer._core.low_latency_dispatch(tx, ttopk, TOKENS, EXPERTS)[3]),
         "combine: CuPy API, CuPy arrays": lambda: cupy_buffer.low_latency_combine(cupy_out, topk_idx, weights,
@@ -69,8 +67,8 @@ def main() -> None:
         "raw Tensor.as_strided": lambda: storage.tensor.as_strided((local, rows), (rows, 1), 4096),
         "a torch tensor read in place (TensorView)": lambda: _interop.as_array(tx),
         "FP8 view of the received rows": lambda: recv[0].view(torch.float8_e4m3fn),
-        "DeepEP's low-latency handle": lambda: torch_buffer._low_latency_handle(core_handle),
-        "DeepEP's low-latency handle, its tensors read": lambda: torch_buffer._low_latency_handle(core_handle)[0],
+        "DeepEP's low-latency handle (made once per pooled allocation)": lambda: torch_buffer._front.export_handle(
+            core_handle.core),
         "EventOverlap of a call": lambda: wrap(event),
     }
     pieces.update(_phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk))
@@ -93,24 +91,22 @@ def _phases(cupy_buffer, torch_buffer, x, topk_idx, tx, ttopk) -> dict:
 
         def checks(buffer=buffer, a=a, b=b, ctx=ctx) -> tuple:
             buffer._resources.low_latency_ready(call)
-            return _checks.low_latency_dispatch_inputs(call, a, b, TOKENS, EXPERTS, buffer.group_size,
-                                                       low_latency.MAX_TOPK, low_latency.MAX_TOKENS_PER_RANK, True,
-                                                       False, False, ctx.checked)
+            return low_latency.checked_dispatch(call, ctx, a, b, TOKENS, EXPERTS, None, None, True, False, False)
 
-        xa, ia = _checks.as_device_array(call, "x", a), _checks.as_device_array(call, "topk_idx", b)
+        shape, *addresses = checks()
         # One launch, relaunched: each run is a new call, whose buffer the kernel picks.
-        launch = low_latency.dispatch(ctx, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)[4]
+        run = low_latency.dispatch(ctx, shape, *addresses)[-1]
 
-        def build(ctx=ctx, xa=xa, ia=ia):
-            return low_latency.dispatch(ctx, xa, ia, TOKENS, EXPERTS, None, None, True, False, False)
+        def build(ctx=ctx, shape=shape, addresses=addresses):
+            return low_latency.dispatch(ctx, shape, *addresses)
 
         plan = next(plan for key, plan in ctx.plans.items() if key[0] == "dispatch")
         storage = front.storage(plan.storage_bytes, plan.outputs[0].dtype)
         rows.update({
             f"{api}: checks (two inputs read, signature known)": checks,
-            f"{api}: build (plan, outputs, handle, arguments, Launch)": build,
-            f"{api}: launch through run_with_hook": lambda buffer=buffer, launch=launch:
-                buffer._run_low_latency(launch, False, False, ()),
+            f"{api}: build (plan, pooled outputs, handle, arguments)": build,
+            f"{api}: launch through run_with_hook": lambda buffer=buffer, run=run: buffer._streams.run_with_hook(
+                run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, False, False, (), buffer._check_alive),
             f"{api}: front.current_stream()": front.current_stream,
             f"{api}: front.storage": lambda front=front, plan=plan: front.storage(plan.storage_bytes,
                                                                                  plan.outputs[0].dtype),

@@ -13,25 +13,29 @@ from .kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
-class CheckedSignatures:
-    """The argument signatures (shapes, dtypes, strides, options) that passed a call's shape checks, so a
-    later call with the same signature skips re-deriving the same verdict: every check that depends
-    only on those values would pass again. What a signature does not cover (the array's kind and
-    device, the Buffer's state) is still checked on every call. Bounded: a loop of ever-new shapes
-    clears it now and then."""
+class KnownCalls:
+    """What the checks concluded for each argument signature that passed them (shapes, dtypes, strides,
+    devices, options: what :meth:`cuep._front.Front.signature` reads), so that a later call with the same
+    signature skips the checks and reads only its arrays' addresses: every check that depends only on those
+    values would pass again, with the same conclusion. What a signature does not cover (the Buffer's state)
+    is still checked on every call. Bounded: a loop of ever-new shapes forgets now and then."""
 
     _LIMIT = 64
 
     def __init__(self):
-        self._passed: set = set()
+        self._known: dict = {}
 
-    def __contains__(self, signature: tuple) -> bool:
-        return signature in self._passed
+    def get(self, signature: tuple) -> Any:
+        """The conclusion kept for ``signature``, or ``None``."""
+        return self._known.get(signature)
 
-    def add(self, signature: tuple) -> None:
-        if len(self._passed) >= self._LIMIT:
-            self._passed.clear()
-        self._passed.add(signature)
+    def add(self, signature: tuple, conclusion: Any) -> None:
+        """Keep ``conclusion`` for ``signature``, unless the front could not read part of it (``None`` in it)."""
+        if None in signature:
+            return
+        if len(self._known) >= self._LIMIT:
+            self._known.clear()
+        self._known[signature] = conclusion
 
 
 def as_device_array(call: str, name: str, value: Any):
@@ -147,19 +151,12 @@ def check_hidden(call: str, hidden: int, fp8: bool) -> None:
 
 def low_latency_dispatch_inputs(call: str, x, topk_idx, max_tokens: Any, num_experts: Any, num_ranks: int,
                                 max_topk: int, max_tokens_limit: int, use_fp8: bool, round_scale: bool,
-                                use_ue8m0: bool, checked: CheckedSignatures | None = None) -> tuple[Any, Any]:
-    """A low-latency dispatch's ``x`` and ``topk_idx`` as device arrays, checked
-    (:func:`check_low_latency_dispatch`) unless their signature is in ``checked`` (this call's is added once
-    it passes)."""
+                                use_ue8m0: bool) -> tuple[Any, Any]:
+    """A low-latency dispatch's ``x`` and ``topk_idx`` as device arrays, checked (:func:`check_low_latency_dispatch`)."""
     x = as_device_array(call, "x", x)
     topk_idx = as_device_array(call, "topk_idx", topk_idx)
-    signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides, type(max_tokens),
-                 max_tokens, type(num_experts), num_experts, use_fp8, round_scale, use_ue8m0)
-    if checked is None or signature not in checked:
-        check_low_latency_dispatch(call, x, topk_idx, max_tokens, num_experts, num_ranks, max_topk, max_tokens_limit,
-                                   use_fp8, round_scale, use_ue8m0)
-        if checked is not None:
-            checked.add(signature)
+    check_low_latency_dispatch(call, x, topk_idx, max_tokens, num_experts, num_ranks, max_topk, max_tokens_limit,
+                               use_fp8, round_scale, use_ue8m0)
     return x, topk_idx
 
 
@@ -397,27 +394,16 @@ def combine_biases(call: str, bias, num_tokens: int, hidden: int) -> tuple[Any, 
     return biases[0], biases[1]
 
 
-def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int,
-                               handle_type: type, checked: CheckedSignatures | None = None
+def low_latency_combine_inputs(call: str, x, topk_idx, topk_weights, handle: Any, out, num_ranks: int
                                ) -> tuple[Any, Any, Any, Any]:
-    """A low-latency combine's arguments against its dispatch's ``handle``; returns ``(x, topk_idx,
-    topk_weights, out)``, ``out`` ``None`` when not given. ``checked``: the signatures whose shapes
-    already passed (this call's is added once it passes)."""
-    if not isinstance(handle, handle_type):
-        raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
+    """A low-latency combine's arguments, as device arrays, checked against its dispatch's ``handle``; returns
+    ``(x, topk_idx, topk_weights, out)``, ``out`` ``None`` when not given."""
     x = as_device_array(call, "x", x)
     topk_idx = as_device_array(call, "topk_idx", topk_idx)
     topk_weights = as_device_array(call, "topk_weights", topk_weights)
     if out is not None:
         out = as_device_array(call, "out", out)
-    signature = (x.shape, x.dtype, x.strides, topk_idx.shape, topk_idx.dtype, topk_idx.strides, topk_weights.shape,
-                 topk_weights.dtype, topk_weights.strides, None if out is None else (out.shape, out.dtype, out.strides),
-                 handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_tokens,
-                 handle.num_topk)
-    if checked is None or signature not in checked:
-        _low_latency_combine_shapes(call, x, topk_idx, topk_weights, handle, out, num_ranks)
-        if checked is not None:
-            checked.add(signature)
+    _low_latency_combine_shapes(call, x, topk_idx, topk_weights, handle, out, num_ranks)
     return x, topk_idx, topk_weights, out
 
 

@@ -23,6 +23,10 @@ _ARRAY_ALIGN = 128  # each carved array starts a cache line of its own
 _POOL_ENTRIES = 4   # allocations kept per key and stream: two results in flight, and the two the caller still holds
 _POOL_KEYS = 8      # keys kept (a decode loop uses one per call kind and shape); the oldest goes first
 
+#: ``attach(storage, views) -> (attached, handed_out)``: what a caller keeps with a pooled allocation, and which
+#: of those objects it hands to its own callers (:class:`OutputPool`).
+Attach = Callable[[Any, list], tuple[Any, tuple]]
+
 
 class Front(Protocol):
     """The array library and stream convention of one Buffer's callers.
@@ -52,11 +56,23 @@ class Front(Protocol):
         """:meth:`views`, as the core reads arrays (as :meth:`empty` hands them out): for outputs that a kernel
         of this call or a later one is given too."""
 
-    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
-                readable: bool = False) -> tuple[Any, list]:
-        """``(storage, views)``: :meth:`storage` and :meth:`views` (:meth:`readable_views` if ``readable``), or the
-        same pair an earlier call with this ``key`` on ``stream`` got, once nothing outside the front holds it
-        any more (:class:`OutputPool`); ``key`` ``None``: a new pair, not kept."""
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool = False,
+                attach: Attach | None = None) -> tuple[Any, list, Any]:
+        """``(storage, views, attached)``: :meth:`storage` and :meth:`views` (:meth:`readable_views` if
+        ``readable``) with what ``attach(storage, views)`` made of them, or the same three an earlier call with
+        this ``key`` on ``stream`` got, once nothing outside the front holds any of them (:class:`OutputPool`);
+        ``key`` ``None``: new ones, not kept. ``attached`` is ``None`` without ``attach``."""
+
+    def signature(self, value: Any) -> Any:
+        """What the checks of a call read of ``value``, cheaply, where it is this front's own kind of array
+        (its type, shape, dtype, strides and device, hashable; ``()`` for ``None``), else ``None``: a call whose
+        arguments have a signature it has checked before skips the checks (:class:`KnownCalls`)."""
+
+    def pointer(self, value: Any) -> int:
+        """The device address of ``value``: an array with a :meth:`signature`, or one the checks read."""
+
+    def export_handle(self, handle: Any) -> Any:
+        """What the callers get for a low-latency dispatch's handle (made once per pooled allocation)."""
 
     def release_outputs(self) -> None:
         """Forget the allocations :meth:`outputs` keeps for reuse."""
@@ -94,19 +110,25 @@ class OutputPool:
     (the outputs, the storage, what an output wraps or shares, the likeliest held first); ``counts()``, what
     refers to them from elsewhere (a caller's views of the memory; references held in C++); and ``spoiled()``,
     asked of an entry no caller holds, whether a caller changed one of its objects in a way the next call must
-    not inherit (that entry is dropped)."""
+    not inherit (that entry is dropped).
+
+    The caller may attach objects of its own to an allocation when it is made (``attach``: the call's handle,
+    its filled kernel arguments), which come back with it: they are made once per allocation instead of once
+    per call, and the ones it hands out (``attach``'s second result) count as holders too."""
 
     def __init__(self, allocate: Callable[..., tuple[Any, list]], watch: Callable[[Any, list], tuple],
                  enabled: bool = True):
         self._allocate, self._watch, self.enabled = allocate, watch, enabled
         self._entries: dict[tuple, list[_PoolEntry]] = {}
 
-    def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
-        """``(storage, views)`` for a call with ``key`` on ``stream``: an entry no caller holds, else a new
-        allocation (kept if there is room). Allocated and not kept when the pool is off, ``key`` is ``None``
+    def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool,
+             attach: Attach | None = None) -> tuple[Any, list, Any]:
+        """``(storage, views, attached)`` for a call with ``key`` on ``stream``: an entry no caller holds, else a
+        new allocation (kept if there is room). Allocated and not kept when the pool is off, ``key`` is ``None``
         (a one-off call) or ``stream`` is being captured."""
         if not self.enabled or key is None or stream.is_capturing():
-            return self._allocate(nbytes, dtype, regions, readable)
+            storage, views = self._allocate(nbytes, dtype, regions, readable)
+            return storage, views, attach(storage, views)[0] if attach is not None else None
         key = (key, stream.ptr)
         entries = self._entries.get(key)
         if entries is None:
@@ -116,30 +138,34 @@ class OutputPool:
         for entry in entries:
             if entry.unheld():
                 if not entry.spoiled():
-                    return entry.storage, entry.views
+                    return entry.storage, entry.views, entry.attached
                 entries.remove(entry)  # let go of, but changed by its caller: its memory goes back
                 break
-        entry = self._new_entry(nbytes, dtype, regions, readable)
+        entry = self._new_entry(nbytes, dtype, regions, readable, attach)
         # Counted now, while only the entry holds its objects: every later count is taken the same way.
         entry.count_unheld()
         if len(entries) < _POOL_ENTRIES:
             entries.append(entry)
-        return entry.storage, entry.views
+        return entry.storage, entry.views, entry.attached
 
-    def _new_entry(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> _PoolEntry:
+    def _new_entry(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool,
+                   attach: Attach | None) -> _PoolEntry:
         storage, views = self._allocate(nbytes, dtype, regions, readable)
-        return _PoolEntry(storage, views, *self._watch(storage, views))
+        attached, handed_out = attach(storage, views) if attach is not None else (None, ())
+        watched, counts, spoiled = self._watch(storage, views)
+        return _PoolEntry(storage, views, attached, [*handed_out, *watched], counts, spoiled)
 
     def clear(self) -> None:
         self._entries.clear()
 
 
 class _PoolEntry:
-    __slots__ = ("storage", "views", "watched", "counts", "spoiled", "_references", "_counts")
+    __slots__ = ("storage", "views", "attached", "watched", "counts", "spoiled", "_references", "_counts")
 
-    def __init__(self, storage: Any, views: list, watched: list, counts: Callable[[], tuple],
+    def __init__(self, storage: Any, views: list, attached: Any, watched: list, counts: Callable[[], tuple],
                  spoiled: Callable[[], bool]):
-        self.storage, self.views, self.watched, self.counts, self.spoiled = storage, views, tuple(watched), counts, spoiled
+        self.storage, self.views, self.attached = storage, views, attached
+        self.watched, self.counts, self.spoiled = tuple(watched), counts, spoiled
         self._references: tuple[int, ...] = ()
         self._counts: tuple[int, ...] = ()
 
@@ -194,9 +220,9 @@ class CupyFront:
 
     readable_views = views  # the core reads CuPy arrays as they are
 
-    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
-                readable: bool = False) -> tuple[Any, list]:
-        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool = False,
+                attach: Attach | None = None) -> tuple[Any, list, Any]:
+        return self._pool.take(key, stream, nbytes, dtype, regions, readable, attach)
 
     def release_outputs(self) -> None:
         self._pool.clear()
@@ -204,6 +230,19 @@ class CupyFront:
     def _allocate(self, nbytes: int, dtype, regions: tuple[View, ...], readable: bool) -> tuple[Any, list]:
         storage = self.storage(nbytes, dtype)
         return storage, self.views(storage, regions)
+
+    def signature(self, value: Any) -> Any:
+        if value is None:
+            return ()
+        if type(value) is _deps.cupy().ndarray:
+            return value.shape, value.dtype, value.strides, value.data.device_id
+        return None  # a subclass, or another library's array: read through the checks
+
+    def pointer(self, value: Any) -> int:
+        return value.data.ptr
+
+    def export_handle(self, handle: Any) -> Any:
+        return handle  # CuPy callers get the core's handle
 
     def current_stream(self) -> Any:
         return _deps.cupy().cuda.get_current_stream()

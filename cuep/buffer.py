@@ -98,13 +98,6 @@ class Buffer:
         self._streams, self._check_alive = r.streams, r.check_alive
         self.barrier()
 
-    def _run_low_latency(self, launch, async_finish: bool, return_recv_hook: bool, keep: tuple):
-        def run(stream, phases: int) -> None:
-            launch.args.phases = phases
-            launch(stream)
-        return self._streams.run_with_hook(run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish,
-                                           return_recv_hook, keep, self._check_alive)
-
     # ----------------------------------------------------------------------------------------------
     # Public API
     @staticmethod
@@ -463,19 +456,14 @@ class Buffer:
         """
         call = "low_latency_dispatch()"
         ctx = self._resources.low_latency_ready(call)
-        x, topk_idx = _checks.low_latency_dispatch_inputs(
-            call, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size, low_latency.MAX_TOPK,
-            low_latency.MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0, ctx.checked)
-        stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                        np.int32, num_experts // self.group_size)
-        wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
-                                             np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
-        recv_x, recv_scales, recv_count, handle, launch = low_latency.dispatch(
-            ctx, x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), stats,
-            wait_stats, use_fp8, round_scale, use_ue8m0)
-        event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
-                                            (x, topk_idx, stats, wait_stats, recv_x, recv_scales, recv_count, handle))
+        stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                         num_experts, stats, wait_stats, use_fp8, round_scale, use_ue8m0)
+        recv_x, recv_scales, recv_count, _, handle, run = low_latency.dispatch(ctx, shape, *addresses)
+        event, hook = self._streams.run_with_hook(
+            run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
+            (x, topk_idx, stats, wait_stats, recv_x, recv_scales, recv_count, handle), self._check_alive)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: low_latency.Handle, use_logfmt: bool = False,
@@ -515,20 +503,16 @@ class Buffer:
         """
         call = "low_latency_combine()"
         ctx = self._resources.low_latency_ready(call)
-        x, topk_idx, topk_weights, out = _checks.low_latency_combine_inputs(
-            call, x, topk_idx, topk_weights, handle, out, self.group_size, low_latency.Handle, ctx.checked)
-        wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
-                                             np.int64, self.group_size)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
-        if out is None:  # reused once the caller has let go of an earlier one (Front.outputs)
-            regions, nbytes = _combined_outputs(handle.num_tokens, handle.hidden)
-            _, (out,) = self._front.outputs(regions, self._front.current_stream(), nbytes, regions[0].dtype, regions,
-                                            readable=True)
-        launch = low_latency.combine(ctx, x, topk_idx, topk_weights, handle, out, bool(use_logfmt),
-                                     wait_stats)
-        event, hook = self._run_low_latency(launch, async_finish, return_recv_hook,
-                                            (x, topk_idx, topk_weights, handle, out, wait_stats))
-        return self._front.export(out), event, hook
+        wait_stats = combine_wait_recv_cost_stats
+        shape, x_address, ids_address, weights_address, out_array, wait_address = low_latency.checked_combine(
+            call, ctx, x, topk_idx, topk_weights, handle, out, wait_stats)
+        out_array, run = low_latency.combine(ctx, shape, handle, x_address, ids_address, weights_address, out_array,
+                                             wait_address, bool(use_logfmt))
+        event, hook = self._streams.run_with_hook(
+            run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
+            (x, topk_idx, topk_weights, handle, out_array, wait_stats), self._check_alive)
+        return self._front.export(out_array), event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: low_latency.Handle):
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` array for
@@ -582,11 +566,14 @@ class Buffer:
         front, bf16 = self._front, _checks.bf16_dtype()
         x, out = front.empty((0, hidden), bf16), front.empty((0, hidden), bf16)
         topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
-        stream = front.current_stream()
-        *_, handle, dispatch = low_latency.dispatch(ctx, x, topk_idx, max_tokens, num_experts, None,
-                                                    None, False, False, False, reuse_outputs=False)
-        dispatch(stream)
-        low_latency.combine(ctx, x, topk_idx, weights, handle, out)(stream)
+        stream, both = front.current_stream(), low_latency.SEND_PHASE | low_latency.RECV_PHASE
+        call = "clean_low_latency_buffer()"
+        shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, max_tokens, num_experts, None, None,
+                                                         False, False, False)
+        *_, handle, _, dispatch = low_latency.dispatch(ctx, shape, *addresses, reuse_outputs=False)
+        dispatch(stream, both)
+        shape, *addresses = low_latency.checked_combine(call, ctx, x, topk_idx, weights, handle, out, None)
+        low_latency.combine(ctx, shape, handle, *addresses)[1](stream, both)
         stream.synchronize()
         self._resources.raise_if_failed()
 
@@ -678,14 +665,6 @@ def _layout_outputs(num_ranks: int, num_nodes: int, num_experts: int, num_tokens
     per_node = [("per_node", (num_nodes,), np.int32, None)] if num_nodes > 1 else []
     regions, nbytes = carve([("per_rank", (num_ranks,), np.int32, None), ("per_expert", (num_experts,), np.int32, None),
                              ("in_rank", (num_tokens, num_ranks), np.bool_, None), *per_node])
-    return tuple(regions.values()), nbytes
-
-
-@functools.lru_cache(maxsize=64)
-def _combined_outputs(num_tokens: int, hidden: int) -> tuple[tuple, int]:
-    """A low-latency combine's output as one region of its own allocation, and its bytes (the tuple is the key
-    its allocations are kept under)."""
-    regions, nbytes = carve([("combined_x", (num_tokens, hidden), _checks.bf16_dtype(), None)])
     return tuple(regions.values()), nbytes
 
 

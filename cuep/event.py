@@ -37,6 +37,11 @@ class EventOverlap:
         return overlap
 
     @property
+    def stands_for_work(self) -> bool:
+        """Whether this EventOverlap stands for work to wait for (its event recorded, or to be when asked for)."""
+        return self._event is not None or self._stream is not None
+
+    @property
     def event(self):
         """The ``cupy.cuda.Event``, or ``None`` when this EventOverlap stands for no work."""
         if self._event is None and self._stream is not None:

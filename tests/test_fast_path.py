@@ -67,46 +67,64 @@ def test_packed_output_addresses_equal_the_fields_set_one_by_one():
     assert bytes(packed) == bytes(by_field)
 
 
-def test_remembered_signatures_are_bounded():
-    checked = _checks.CheckedSignatures()
-    for i in range(_checks.CheckedSignatures._LIMIT):
-        checked.add(("shape", i))
-    assert ("shape", 0) in checked and ("shape", _checks.CheckedSignatures._LIMIT - 1) in checked
-    checked.add(("shape", "one more"))
-    assert ("shape", 0) not in checked and ("shape", "one more") in checked
+def test_known_calls_are_bounded_and_keep_no_signature_the_front_could_not_read():
+    known = _checks.KnownCalls()
+    for i in range(_checks.KnownCalls._LIMIT):
+        known.add(("shape", i), i)
+    assert known.get(("shape", 0)) == 0 and known.get(("shape", _checks.KnownCalls._LIMIT - 1)) is not None
+    known.add(("shape", "one more"), "more")
+    assert known.get(("shape", 0)) is None and known.get(("shape", "one more")) == "more"
+    known.add(("shape", None), "unread")  # an argument the front cannot read cheaply: checked on every call
+    assert known.get(("shape", None)) is None
 
 
 def test_a_signature_tells_apart_what_the_checks_tell_apart():
     """An int and a float of the same value, or two stride patterns of one shape, are different signatures."""
-    checked = _checks.CheckedSignatures()
-    checked.add(((128, 7168), (14336, 2), int, 128))
-    assert ((128, 7168), (14336, 2), float, 128.0) not in checked
-    assert ((128, 7168), (2, 256), int, 128) not in checked
+    known = _checks.KnownCalls()
+    known.add(((128, 7168), (14336, 2), int, 128), "checked")
+    assert known.get(((128, 7168), (14336, 2), float, 128.0)) is None
+    assert known.get(((128, 7168), (2, 256), int, 128)) is None
+
+
+class SignatureFront:
+    """A front over stand-in arrays: their signature is what the checks read of them."""
+
+    def signature(self, value):
+        if value is None:
+            return ()
+        return value.shape, value.dtype, value.strides
+
+    def pointer(self, value):
+        return value.data.ptr
 
 
 def test_a_low_latency_dispatch_checks_each_new_signature_once_and_every_other_one_in_full(monkeypatch):
-    """The real signature: a repeat skips the shape checks; a float token count, or other strides, is checked
-    (and raises) although an equal int, or the same shape, passed before."""
+    """A repeat skips the checks and reads only the addresses; a float token count, or other strides, is
+    checked (and raises) although an equal int, or the same shape, passed before."""
     monkeypatch.setattr(_checks, "as_device_array", lambda call, name, value: value)
     full_checks = []
     real = _checks.check_low_latency_dispatch
     monkeypatch.setattr(_checks, "check_low_latency_dispatch", lambda *a: (full_checks.append(a), real(*a)))
 
-    def matrix(shape, dtype, strides):
+    def matrix(shape, dtype, strides, ptr=0x1000):
         return types.SimpleNamespace(shape=shape, dtype=np.dtype(dtype), strides=strides, ndim=len(shape),
-                                     itemsize=np.dtype(dtype).itemsize,
+                                     itemsize=np.dtype(dtype).itemsize, data=types.SimpleNamespace(ptr=ptr),
                                      flags=types.SimpleNamespace(c_contiguous=strides[-1] == np.dtype(dtype).itemsize))
 
-    x = matrix((8, 256), _checks.bf16_dtype(), (512, 2))
-    ids = matrix((8, 4), np.int64, (32, 8))
-    checked = _checks.CheckedSignatures()
+    x = matrix((8, 256), _checks.bf16_dtype(), (512, 2), 0x1000)
+    ids = matrix((8, 4), np.int64, (32, 8), 0x2000)
+    ctx = types.SimpleNamespace(front=SignatureFront(), known=_checks.KnownCalls(), num_ranks=4)
 
     def dispatch(x, max_tokens=16):
-        return _checks.low_latency_dispatch_inputs("low_latency_dispatch()", x, ids, max_tokens, 64, 4, 32, 1024,
-                                                   True, False, False, checked)
+        return low_latency.checked_dispatch("low_latency_dispatch()", ctx, x, ids, max_tokens, 64, None, None, True,
+                                            False, False)
 
-    assert dispatch(x) == (x, ids) and dispatch(x) == (x, ids)
+    first = dispatch(x)
+    moved = dispatch(matrix((8, 256), _checks.bf16_dtype(), (512, 2), 0x3000))
     assert len(full_checks) == 1
+    assert first[1:] == (0x1000, 0x2000, 0, 0) and moved[1:] == (0x3000, 0x2000, 0, 0) and moved[0] is first[0]
+    assert first[0].plan_key == ("dispatch", 16, 256, 64, 4, True, False, False)
+    assert (first[0].num_tokens, first[0].ids_are_int64, first[0].use_fp8) == (8, 1, True)
     with pytest.raises(TypeError, match="num_max_dispatch_tokens_per_rank"):
         dispatch(x, 16.0)
     with pytest.raises(ValueError, match="C-contiguous"):
@@ -143,51 +161,25 @@ def test_the_torch_front_judges_contiguity_as_torch_does():
         assert _c_contiguous(shape, strides) == tensor.is_contiguous(), (shape, strides)
 
 
-def test_the_torch_low_latency_handle_makes_its_tensors_once_when_first_read(monkeypatch):
-    """cuep.torch's low-latency handle makes its two tensors when first read, not in the dispatch; whatever
-    reads it (indexing, unpacking, iteration, membership, comparison, concatenation, copies) gets DeepEP's
-    items, the same tensors each time, views of the dispatch's allocation at their regions."""
+def test_the_torch_low_latency_handle_is_deepep_s_tuple_of_the_dispatch_s_tensors():
+    """cuep.torch's low-latency handle is DeepEP's five items, its two tensors the core handle's views of the
+    dispatch's allocation; a copy keeps its core handle, a tuple rebuilt from its items does not."""
     torch = pytest.importorskip("torch")
     import copy
 
     from cuep.torch.buffer import LowLatencyHandle
-    from cuep.torch.front import Storage, TorchFront
-    num_ranks, max_tokens, hidden, num_experts = 2, 8, 512, 8
-    regions, nbytes = low_latency.dispatch_regions(num_ranks, max_tokens, hidden, num_experts, 2, True, False,
-                                                   np.dtype(np.uint16))
-    storage = Storage(torch.empty(nbytes, dtype=torch.uint8))
-    core = types.SimpleNamespace(storage=storage, items=(regions["recv_src_info"], regions["layout_range"]),
-                                 num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
-    front, made = TorchFront(0), []
-
-    def views(*args):
-        made.append(args)
-        return front.views(*args)
-
-    owner = object()
-    handle = LowLatencyHandle.of(core, owner, views)
-    assert not made and len(handle) == 5 and isinstance(handle, tuple)
-    src_info, layout_range, tokens, hidden_, experts = handle
-    assert len(made) == 1
-    local, rows = num_experts // num_ranks, num_ranks * max_tokens
-    assert src_info.dtype == torch.int32 and tuple(src_info.shape) == (local, rows) and src_info.is_contiguous()
-    assert layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (local, num_ranks)
-    assert src_info.data_ptr() == storage.ptr + regions["recv_src_info"].offset
-    assert layout_range.data_ptr() == storage.ptr + regions["layout_range"].offset
-    assert (tokens, hidden_, experts) == (max_tokens, hidden, num_experts)
-    assert handle[0] is src_info and handle[1] is layout_range and handle[-1] == num_experts
-    assert list(handle) == list(tuple(handle)) and handle[2:] == (max_tokens, hidden, num_experts)
-    assert [*handle][1] is layout_range and list(reversed(handle))[-1] is src_info
-    assert src_info in handle and handle.index(src_info) == 0
-    assert handle == handle and handle == (src_info, layout_range, max_tokens, hidden, num_experts)
-    assert (handle + (1,))[0] is src_info and ((1,) + handle)[1] is src_info and (handle * 2)[5] is src_info
-    assert "made when first read" not in repr(handle) and hash(handle) == hash(handle._made_items())
+    max_tokens, hidden, num_experts = 8, 512, 8
+    src_info, layout_range = torch.zeros((4, 16), dtype=torch.int32), torch.zeros((4, 2), dtype=torch.int64)
+    core = types.SimpleNamespace(items=(src_info, layout_range), num_max_dispatch_tokens_per_rank=max_tokens,
+                                 hidden=hidden, num_experts=num_experts)
+    front = object()
+    handle = LowLatencyHandle.of(core, front)
+    assert isinstance(handle, tuple) and len(handle) == 5
+    assert handle[0] is src_info and handle[1] is layout_range and handle[2:] == (max_tokens, hidden, num_experts)
     copied = copy.copy(handle)
-    assert copied[0] is src_info and copied.core is core and copied.buffer is owner
+    assert copied[0] is src_info and copied.core is core and copied.front is front
     rebuilt = LowLatencyHandle((src_info, layout_range, max_tokens, hidden, num_experts))
-    assert rebuilt[1] is layout_range and tuple.__getitem__(rebuilt, 0) is src_info and rebuilt.core is None
-    assert len(made) == 1
+    assert rebuilt[1] is layout_range and rebuilt.core is None
 
 
 def test_the_layout_launches_equal_a_launch_built_whole_for_every_call(monkeypatch):

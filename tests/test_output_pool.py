@@ -53,16 +53,19 @@ class Taker:
         self.front = front
         self._entries = front._pool._entries
 
-    def take(self, key, stream, nbytes, dtype, regions, readable):
-        return self.front.outputs(key, stream, nbytes, dtype, regions, readable)
+    def take(self, key, stream, nbytes, dtype, regions, readable, attach=None):
+        return self.front.outputs(key, stream, nbytes, dtype, regions, readable, attach)
 
     def clear(self):
         self.front.release_outputs()
 
 
 def take(pool, shape, stream=STREAM, key="dispatch", readable=False):
+    """``(storage, views)`` of a call that attaches nothing."""
     nbytes, dtype, regions = shape
-    return pool.take(key, stream, nbytes, dtype, regions, readable)
+    storage, views, attached = pool.take(key, stream, nbytes, dtype, regions, readable)
+    assert attached is None
+    return storage, views
 
 
 def test_outputs_let_go_of_come_back_as_the_same_objects(torch_pool):
@@ -173,6 +176,52 @@ def test_allocations_are_kept_per_key_and_stream_and_bounded(torch_pool):
         take(pool, shape, key=key)
     assert len(pool._entries) == _front._POOL_KEYS
     pool.clear()
+    assert not pool._entries
+
+
+class Attacher:
+    """A call's ``attach``: a handle over the allocation (as the low-latency dispatch's holds the storage and two
+    of its views), handed out, and a private object; it counts how often it ran."""
+
+    def __init__(self):
+        self.made = 0
+
+    def __call__(self, storage, views):
+        self.made += 1
+        handle = types.SimpleNamespace(storage=storage, items=tuple(views[-2:]))
+        return (handle, object()), (handle,)
+
+
+def take_attached(pool, shape, attach, stream=STREAM):
+    nbytes, dtype, regions = shape
+    return pool.take("dispatch", stream, nbytes, dtype, regions, False, attach)
+
+
+@pytest.mark.parametrize("hold", ["the handle", "a tensor of the handle", "an output"])
+def test_what_a_call_attaches_comes_back_with_its_allocation_and_holds_it_while_handed_out(torch_pool, hold):
+    _, pool, shape = torch_pool
+    attach = Attacher()
+    storage, views, attached = take_attached(pool, shape, attach)
+    pointer, first = storage.ptr, attached
+    del storage, views, attached
+    storage, views, attached = take_attached(pool, shape, attach)
+    assert storage.ptr == pointer and attached is first and attach.made == 1  # made once per allocation
+    held = {"the handle": lambda: attached[0], "a tensor of the handle": lambda: attached[0].items[0],
+            "an output": lambda: views[0]}[hold]()
+    del storage, views, attached, first
+    gc.collect()
+    again, _, other = take_attached(pool, shape, attach)
+    assert again.ptr != pointer and attach.made == 2, f"held through {hold}, handed out again"
+    del again, _, other, held
+    gc.collect()
+    assert take_attached(pool, shape, attach)[0].ptr == pointer
+
+
+def test_a_captured_call_attaches_anew_each_time(torch_pool):
+    _, pool, shape = torch_pool
+    attach, capturing = Attacher(), FakeStream(1, capturing=True)
+    first = take_attached(pool, shape, attach, capturing)[2]
+    assert take_attached(pool, shape, attach, capturing)[2] is not first and attach.made == 2
     assert not pool._entries
 
 

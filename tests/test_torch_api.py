@@ -102,8 +102,9 @@ def test_a_low_latency_handle_goes_back_only_as_its_dispatch_returned_it(deep_ep
     state); a plain tuple or a handle rebuilt from its items raises, naming the call, before any kernel runs."""
     import types
     buffer, other = deep_ep.Buffer.__new__(deep_ep.Buffer), deep_ep.Buffer.__new__(deep_ep.Buffer)
-    core = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, hidden=512, num_experts=8)
-    handle = deep_ep.LowLatencyHandle.of(core, buffer, views=None)
+    buffer._front, other._front = object(), object()
+    core = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, hidden=512, num_experts=8, items=("src", "range"))
+    handle = deep_ep.LowLatencyHandle.of(core, buffer._front)
     assert buffer._core_low_latency_handle("low_latency_combine()", handle) is core
     rebuilt = deep_ep.LowLatencyHandle(("src", "range", 8, 512, 8))
     for bad, what in ((rebuilt, "a handle rebuilt from its items"), (("src", "range", 8, 512, 8), "tuple")):

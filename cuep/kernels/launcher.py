@@ -160,7 +160,7 @@ class Launch:
     launch again."""
 
     __slots__ = ("entry", "function", "grid", "block", "shared_bytes", "args", "cluster", "_held", "_params",
-                 "_extra", "_config", "_launch_ex")
+                 "_extra", "_config", "_launch_ex", "_launch")
 
     def __init__(self, functions: Functions, entry: str, grid: int, block: int, args: KernelArgs,
                  shared_bytes: int = 0, cluster: int = 1):
@@ -171,6 +171,7 @@ class Launch:
         if cluster > 1 and not _fits_in_clusters(self.function, grid, block, shared_bytes, cluster):
             cluster = 1
         self.cluster, self._config, self._launch_ex = cluster, None, None
+        self._launch = _deps.cupy().cuda.driver.launchKernel  # looked up once: a decode step launches twice
         # The driver reads these arrays at each launch: they live as long as this object (`_held`).
         if args.scalar_parameters:  # `extra`: the parameter buffer and its size, then the end marker
             size = ctypes.c_size_t(_parameter_bytes(type(args)))
@@ -186,19 +187,18 @@ class Launch:
             self._launch_ex = _driver_function("cuLaunchKernelEx", *(ctypes.c_void_p,) * 4)
 
     def __call__(self, stream) -> None:
-        cupy = _deps.cupy()
         if self._config is not None:
             self._config.stream = stream.ptr
             status = self._launch_ex(ctypes.addressof(self._config), self.function, self._params, self._extra)
             if status:
                 raise CuepError(f"cuep: launching {self.entry} (grid {self.grid} in clusters of {self.cluster}, "
                                 f"block {self.block}, {self.shared_bytes} B shared) failed: "
-                                f"{cupy.cuda.driver.CUDADriverError(status)}")
+                                f"{_deps.cupy().cuda.driver.CUDADriverError(status)}")
             return
         try:
-            cupy.cuda.driver.launchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes,
-                                          stream.ptr, self._params, self._extra)
-        except cupy.cuda.driver.CUDADriverError as exc:
+            self._launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes, stream.ptr, self._params,
+                         self._extra)
+        except _deps.cupy().cuda.driver.CUDADriverError as exc:
             raise CuepError(f"cuep: launching {self.entry} (grid {self.grid}, block {self.block}, "
                             f"{self.shared_bytes} B shared) failed: {exc}") from None
 

@@ -32,6 +32,7 @@ call and kept (:class:`Plan`): a later call copies a filled struct and sets its 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import struct
 from collections.abc import Callable
@@ -41,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from .. import _deps, _interop, env, logfmt
-from .._checks import CheckedSignatures, bf16_dtype
+from .. import _checks
+from .._checks import KnownCalls, bf16_dtype
 from .._front import Front, View, carve
 from .._status import StatusWords
 from .._math import align_up
@@ -171,7 +173,7 @@ class Context:
 
     functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
-    checked: CheckedSignatures = field(default_factory=CheckedSignatures)  # argument signatures that passed
+    known: KnownCalls = field(default_factory=KnownCalls)  # argument signatures that passed: DispatchCall, CombineCall
     combine_buffers: dict = field(default_factory=dict)  # (parity, shape) -> array, for zero-copy callers
     combine_parity: int = 0       # which of the two zero-copy arrays of a shape the next caller gets
 
@@ -274,7 +276,6 @@ class Context:
         return self._buffer_start + fixed_bytes(self.num_ranks)
 
 
-@dataclass
 class Handle:
     """What a low-latency dispatch leaves for its combine (opaque to users).
 
@@ -285,17 +286,24 @@ class Handle:
     rank ``s`` (-1 when the expert is elsewhere); ``source_tokens[s]``, tokens rank ``s`` sent;
     ``call_record[i]``, the call number of the dispatch (``i = 0``) and of its latest combine (``1``),
     written by their sends on the device, from which a receive-only launch (a hook, or a receive replayed
-    from its own graph) learns which call, and so which buffer, it completes.
+    from its own graph) learns which call, and so which buffer, it completes. ``items``: the front's arrays
+    of ``recv_src_info`` and ``layout_range`` (DeepEP's handle items 0 and 1).
+
+    A handle comes with its allocation from the front's pool (made once per allocation): ``num_tokens`` is
+    the latest dispatch's.
     """
 
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
-    num_tokens: int
-    num_topk: int
-    storage: Any                  # the dispatch's one allocation, from Front.storage (its outputs are views of it too)
-    regions: dict                 # name -> View
-    items: tuple                  # the Views of recv_src_info and layout_range, for a front that hands them out
+    __slots__ = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_tokens", "num_topk", "storage",
+                 "regions", "items", "combine_rows", "source_tokens", "call_record")
+
+    def __init__(self, max_tokens: int, hidden: int, num_experts: int, num_tokens: int, num_topk: int, storage: Any,
+                 regions: dict, items: tuple):
+        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = max_tokens, hidden, num_experts
+        self.num_tokens, self.num_topk, self.storage, self.regions, self.items = (num_tokens, num_topk, storage,
+                                                                                  regions, items)
+        # The addresses every combine of this handle passes, worked out once.
+        self.combine_rows, self.source_tokens, self.call_record = (self.address(name) for name in
+                                                                   ("combine_rows", "source_tokens", "call_record"))
 
     def address(self, name: str) -> int:
         """Device address of region ``name`` of the dispatch's allocation."""
@@ -322,6 +330,7 @@ class Plan:
     first call (the eager decode path counts microseconds): the argument struct with everything but
     the call's own arrays filled in, and where the call's outputs sit in its one allocation."""
 
+    key: tuple
     entry: str
     grid: int
     args: bytes
@@ -329,17 +338,18 @@ class Plan:
     regions: dict = field(default_factory=dict)   # name -> View
     storage_bytes: int = 0
     output_offsets: tuple[int, ...] = ()          # of the regions named by _OUTPUT_FIELDS, in that order
-    outputs: tuple[View, ...] = ()                # recv_x, recv_count, then recv_scales with FP8
-    handle_items: tuple[View, ...] = ()           # recv_src_info, layout_range: DeepEP's handle items 0 and 1
+    outputs: tuple[View, ...] = ()                # recv_x, recv_count, [recv_scales with FP8,] recv_src_info, layout_range
+    choice_slots: int = 0                         # the combine's choice slots (0: a pair of several rows waits)
+    attach: Any = None                            # what a pooled allocation keeps (cuep._front.Attach), bound to this plan
 
     def arguments(self, struct: type[KernelArgs]) -> KernelArgs:
-        """A fresh copy of the planned struct, for one call to complete."""
+        """A fresh copy of the planned struct, for one call (or one pooled allocation) to complete."""
         return struct.from_buffer_copy(self.args)
 
 
 _MAX_PLANS = 64  # per Context; a decode loop uses a handful of shapes
 
-# A dispatch's output addresses: adjacent pointer fields of DispatchArgs, written with one pack per call.
+# A dispatch's output addresses: adjacent pointer fields of DispatchArgs, written with one pack per allocation.
 _OUTPUT_FIELDS = ("recv_x", "recv_scales", "recv_count", "recv_src_info", "layout_range", "combine_rows",
                   "source_tokens")
 _RECORD_BYTES = 8  # a call record's word
@@ -349,12 +359,15 @@ assert [getattr(DispatchArgs, name).offset for name in _OUTPUT_FIELDS] == \
     [_OUTPUT_START + i * ctypes.sizeof(ctypes.c_void_p) for i in range(len(_OUTPUT_FIELDS))], "DispatchArgs order"
 
 
-def _plan(ctx: Context, key: tuple, build: Callable[[], Plan]) -> Plan:
+
+def _plan(ctx: Context, key: tuple, build: Callable[[], Plan], attach: Callable[..., tuple[tuple, tuple]]) -> Plan:
+    """The plan of ``key``, built on its first call, with ``attach(ctx, plan, storage, views)`` bound to it."""
     plan = ctx.plans.get(key)
     if plan is None:
         if len(ctx.plans) >= _MAX_PLANS:
             ctx.plans.clear()
-        plan = ctx.plans[key] = build()
+        built = build()
+        plan = ctx.plans[key] = dataclasses.replace(built, attach=functools.partial(attach, ctx, built))
     return plan
 
 
@@ -366,6 +379,20 @@ def _common(ctx: Context, args) -> None:
     args.status = MaskedStatus(ctx.status.data.ptr, ctx.status_host_ptr, ctx.mask.data.ptr if ctx.shrink else 0,
                                ctx.rank, ctx.num_ranks)
     args.trace = ctx.trace.data.ptr if ctx.trace is not None else 0
+
+
+class Run:
+    """A call's kernel, ``run(stream, phases)``: launched with the phases given (both, the send alone, or the
+    receive alone) set in its argument struct, ``args``."""
+
+    __slots__ = ("launch", "args")
+
+    def __init__(self, launch: Launch):
+        self.launch, self.args = launch, launch.args
+
+    def __call__(self, stream, phases: int) -> None:
+        self.args.phases = phases
+        self.launch(stream)
 
 
 def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool,
@@ -389,9 +416,51 @@ def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: 
         ("call_record", (2,), np.int64, None)])  # uint64 call numbers to the kernels; int64 for every front
 
 
-def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
-                   use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> Plan:
+@dataclass(frozen=True)
+class DispatchCall:
+    """What a dispatch's checked arguments fix, kept per signature of them (:class:`~cuep._checks.KnownCalls`)."""
+
+    plan_key: tuple               # ("dispatch", max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+    num_tokens: int
+    ids_are_int64: int
+    use_fp8: bool
+    x_dtype: Any
+
+
+def checked_dispatch(call: str, ctx: Context, x, topk_idx, max_tokens, num_experts, cumulative_stats, wait_stats,
+                     use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> tuple[DispatchCall, int, int, int, int]:
+    """A dispatch's :class:`DispatchCall` and the device addresses of ``x``, ``topk_idx``, ``cumulative_stats``
+    and ``wait_stats`` (0 for ``None``): what an earlier call whose arguments had the same signature concluded,
+    else the checks' conclusion (:func:`cuep._checks.low_latency_dispatch_inputs`), kept for the next call.
+
+    Arguments are the Buffer's: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx`` `[num_tokens, num_topk]`
+    `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or ``None``; ``wait_stats``
+    `[num_ranks]` `int64` or ``None``."""
+    front = ctx.front
+    signature = front.signature
+    key = ("dispatch", signature(x), signature(topk_idx), signature(cumulative_stats), signature(wait_stats),
+           type(max_tokens), max_tokens, type(num_experts), num_experts, use_fp8, round_scale, use_ue8m0)
+    known = ctx.known.get(key)
+    if known is None:
+        x, topk_idx = _checks.low_latency_dispatch_inputs(call, x, topk_idx, max_tokens, num_experts, ctx.num_ranks,
+                                                          MAX_TOPK, MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0)
+        cumulative_stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_stats,
+                                                   np.int32, num_experts // ctx.num_ranks)
+        wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", wait_stats, np.int64,
+                                             ctx.num_ranks)
+        num_tokens, hidden = x.shape
+        plan_key = ("dispatch", int(max_tokens), hidden, int(num_experts), topk_idx.shape[1], bool(use_fp8),
+                    bool(round_scale), bool(use_ue8m0))
+        known = DispatchCall(plan_key, num_tokens, int(topk_idx.itemsize == 8), bool(use_fp8), x.dtype)
+        ctx.known.add(key, known)
+    pointer = front.pointer
+    return (known, pointer(x), pointer(topk_idx), 0 if cumulative_stats is None else pointer(cumulative_stats),
+            0 if wait_stats is None else pointer(wait_stats))
+
+
+def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
     """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
+    _, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0 = key
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
     shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks, num_experts,
                                                block_shared_bytes())
@@ -412,55 +481,111 @@ def _dispatch_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int,
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
     allow_shared_bytes(ctx, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
     outputs = ("recv_x", "recv_count", "recv_scales") if use_fp8 else ("recv_x", "recv_count")
-    return Plan(DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
-                tuple(regions[name].offset for name in _OUTPUT_FIELDS), tuple(regions[name] for name in outputs),
-                (regions["recv_src_info"], regions["layout_range"]))
+    return Plan(key, DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
+                tuple(regions[name].offset for name in _OUTPUT_FIELDS),
+                tuple(regions[name] for name in (*outputs, "recv_src_info", "layout_range")))
 
 
-def dispatch(ctx: Context, x, topk_idx, max_tokens: int, num_experts: int, cumulative_stats, wait_stats,
-             use_fp8: bool, round_scale: bool, use_ue8m0: bool, reuse_outputs: bool = True):
-    """Allocate a dispatch's outputs (on the current stream; reused, see ``Front.outputs``) and build its launch.
-
-    Arguments are the Buffer's, checked: ``x`` `[num_tokens, hidden]` `bfloat16`; ``topk_idx``
-    `[num_tokens, num_topk]` `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or
-    ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``. The kernel picks the call's buffer.
-
-    ``reuse_outputs``: take the outputs from the front's pool (``Front.outputs``); ``False`` for a one-off call
-    whose allocation should not be kept.
-
-    Returns:
-        ``(recv_x, recv_scales, recv_count, handle, launch)``: the outputs (views of one allocation that
-        ``handle`` holds; ``recv_scales`` ``None`` without FP8) and the :class:`Launch`, its phases set to
-        both (the caller sets ``launch.args.phases`` for a hook).
-    """
-    front = ctx.front
-    num_tokens, hidden = x.shape
-    num_topk = topk_idx.shape[1]
-    key = ("dispatch", max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
-    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, max_tokens, hidden, num_experts, num_topk, use_fp8,
-                                                  round_scale, use_ue8m0, x.dtype))
-    # One allocation for every output of the call (each allocation costs host time on the decode path), the
-    # same one again once the caller has let go of it.
-    storage, (recv_x, recv_count, *scales) = front.outputs(key if reuse_outputs else None, front.current_stream(),
-                                                           plan.storage_bytes, plan.outputs[0].dtype, plan.outputs)
-    recv_scales = scales[0] if use_fp8 else None
-    handle = Handle(max_tokens, hidden, num_experts, num_tokens, num_topk, storage, plan.regions, plan.handle_items)
+def _attach_dispatch(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:
+    """What a dispatch keeps with its allocation (``attach`` of :class:`cuep._front.OutputPool`): the handle, the
+    front's export of it, the argument struct with the outputs' addresses, and its :data:`Run`; the exported
+    handle (and the core's) count as holders of the allocation."""
+    _, max_tokens, hidden, num_experts, num_topk, use_fp8, *_ = plan.key
+    handle = Handle(max_tokens, hidden, num_experts, 0, num_topk, storage, plan.regions, tuple(views[-2:]))
     a = plan.arguments(DispatchArgs)
     base = storage.ptr
     _OUTPUT_POINTERS.pack_into(a, _OUTPUT_START, *[base + offset for offset in plan.output_offsets])
     if not use_fp8:
         a.recv_scales = 0
-    a.call_record = base + plan.regions["call_record"].offset
-    a.x, a.num_tokens = x.data.ptr, num_tokens
-    a.topk_idx, a.ids_are_int64 = topk_idx.data.ptr, int(topk_idx.itemsize == 8)
-    a.cumulative_stats = cumulative_stats.data.ptr if cumulative_stats is not None else 0
-    a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
+    a.call_record = handle.call_record
+    exported = ctx.front.export_handle(handle)
     # ctx stands in for the Library: its function() is a dict lookup.
-    launch = Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
-    return recv_x, recv_scales, recv_count, handle, launch
+    run = Run(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes))
+    return (handle, exported, a, run), ((exported,) if exported is handle else (exported, handle))
 
 
-def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> Plan:
+def dispatch(ctx: Context, call: DispatchCall, x: int, topk_idx: int, cumulative_stats: int, wait_stats: int,
+             reuse_outputs: bool = True):
+    """A dispatch's outputs (on the current stream; reused, see ``Front.outputs``) and its launch, for the
+    device addresses of its arrays (from :func:`checked_dispatch`; 0 for an absent one). The kernel picks the
+    call's buffer.
+
+    ``reuse_outputs``: take the outputs from the front's pool (``Front.outputs``); ``False`` for a one-off call
+    whose allocation should not be kept.
+
+    Returns:
+        ``(recv_x, recv_scales, recv_count, handle, exported, run)``: the outputs (views of one allocation that
+        ``handle`` holds; ``recv_scales`` ``None`` without FP8), the handle and the front's export of it (what
+        the callers get), and the call's :data:`Run`.
+    """
+    key = call.plan_key
+    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, key, call.x_dtype), _attach_dispatch)
+    front = ctx.front
+    # One allocation for every output of the call (each allocation costs host time on the decode path), the
+    # same one again, with its handle and filled arguments, once the caller has let go of it.
+    _, views, (handle, exported, a, run) = front.outputs(
+        key if reuse_outputs else None, front.current_stream(), plan.storage_bytes, plan.outputs[0].dtype,
+        plan.outputs, attach=plan.attach)
+    num_tokens = handle.num_tokens = call.num_tokens
+    a.x, a.num_tokens, a.topk_idx, a.ids_are_int64 = x, num_tokens, topk_idx, call.ids_are_int64
+    a.cumulative_stats, a.wait_stats = cumulative_stats, wait_stats
+    return views[0], views[2] if call.use_fp8 else None, views[1], handle, exported, run
+
+
+@dataclass(frozen=True)
+class CombineCall:
+    """What a combine's checked arguments fix, kept per signature of them (:class:`~cuep._checks.KnownCalls`)."""
+
+    plan_key: tuple               # ("combine", max_tokens, hidden, num_experts)
+    num_tokens: int
+    num_topk: int
+    ids_are_int64: int
+    out_regions: tuple[View, ...]  # the combined output, where the caller passes no ``out``
+    out_bytes: int
+
+
+@functools.lru_cache(maxsize=64)
+def combined_regions(num_tokens: int, hidden: int) -> tuple[tuple[View, ...], int]:
+    """The combine's output, `[num_tokens, hidden]` `bfloat16`, as a call's one region, and its bytes (one tuple
+    per shape: it keys the pooled allocations)."""
+    regions, nbytes = carve([("combined_x", (num_tokens, hidden), bf16_dtype(), None)])
+    return tuple(regions.values()), nbytes
+
+
+def checked_combine(call: str, ctx: Context, x, topk_idx, topk_weights, handle: Handle, out,
+                    wait_stats) -> tuple[CombineCall, int, int, int, Any, int]:
+    """A combine's :class:`CombineCall`, the device addresses of ``x``, ``topk_idx``, ``topk_weights``, ``out``
+    as an array (``None`` when not given) and the address of ``wait_stats`` (0 for ``None``): what an earlier
+    call whose arguments had the same signature concluded, else the checks' conclusion
+    (:func:`cuep._checks.low_latency_combine_inputs`), kept for the next call.
+
+    Arguments are the Buffer's: ``x`` `[num_local_experts, num_ranks * max_tokens, hidden]` `bfloat16`;
+    ``topk_idx`` and ``topk_weights`` `[num_tokens, num_topk]`; ``handle`` from the matching dispatch; ``out``
+    `[num_tokens, hidden]` `bfloat16` or ``None``; ``wait_stats`` `[num_ranks]` `int64` or ``None``."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
+    front = ctx.front
+    signature = front.signature
+    key = ("combine", signature(x), signature(topk_idx), signature(topk_weights), signature(out),
+           signature(wait_stats), handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+           handle.num_tokens, handle.num_topk)
+    known = ctx.known.get(key)
+    if known is None:
+        x, topk_idx, topk_weights, out = _checks.low_latency_combine_inputs(call, x, topk_idx, topk_weights, handle,
+                                                                            out, ctx.num_ranks)
+        wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", wait_stats, np.int64,
+                                             ctx.num_ranks)
+        out_regions, out_bytes = combined_regions(handle.num_tokens, handle.hidden)
+        known = CombineCall(("combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts),
+                            handle.num_tokens, handle.num_topk, int(topk_idx.itemsize == 8), out_regions, out_bytes)
+        ctx.known.add(key, known)
+    pointer = front.pointer
+    return (known, pointer(x), pointer(topk_idx), pointer(topk_weights), out,
+            0 if wait_stats is None else pointer(wait_stats))
+
+
+def _combine_plan(ctx: Context, key: tuple) -> Plan:
+    _, max_tokens, hidden, num_experts = key
     layout = check_fits("low_latency_combine()", ctx, max_tokens, hidden, num_experts)
     _, weight_flags, _, token_flags, choice_flags = ctx.flags()
     data = ctx.data()
@@ -477,39 +602,54 @@ def _combine_plan(ctx: Context, max_tokens: int, hidden: int, num_experts: int) 
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
     ctx.function(COMBINE_ENTRY)
-    return Plan(COMBINE_ENTRY, grid(ctx.num_sms), bytes(a))
+    return Plan(key, COMBINE_ENTRY, grid(ctx.num_sms), bytes(a), choice_slots=a.choice_slots)
 
 
-def combine(ctx: Context, x, topk_idx, topk_weights, handle: Handle, out, use_logfmt: bool = False,
-            wait_stats=None) -> Launch:
-    """Build a combine's launch, writing into ``out``.
+def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs, Run]:
+    """A combine's argument struct writing into ``out`` (an address), and its :data:`Run`."""
+    a = plan.arguments(CombineArgs)
+    a.combined_x = out
+    return a, Run(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes))
 
-    Arguments are the Buffer's, checked: ``x`` `[num_local_experts, num_ranks * max_tokens, hidden]`
-    `bfloat16`; ``topk_idx`` and ``topk_weights`` `[num_tokens, num_topk]`; ``handle`` from the
-    matching :func:`dispatch`; ``out`` `[num_tokens, hidden]` `bfloat16`; ``use_logfmt``: partials
-    travel as LogFMT (:mod:`cuep.logfmt`); ``wait_stats`` `[num_ranks]` `int64` or ``None``.
+
+def _attach_combine(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:
+    """What a combine keeps with its pooled output (``attach`` of :class:`cuep._front.OutputPool`)."""
+    return _combine_arguments(ctx, plan, views[0].data.ptr), ()
+
+
+def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: int, topk_weights: int, out,
+            wait_stats: int, use_logfmt: bool = False) -> tuple[Any, Run]:
+    """A combine's output and launch, for the device addresses of its arrays (from :func:`checked_combine`).
+
+    ``out``: the array to write into (from :func:`checked_combine`), or ``None`` for one from the front's pool
+    (reused once the caller has let go of an earlier one, see ``Front.outputs``); ``use_logfmt``: partials
+    travel as LogFMT (:mod:`cuep.logfmt`).
 
     Returns:
-        the :class:`Launch`, its phases set to both (the caller sets ``launch.args.phases`` for a hook).
+        ``(out, run)``: the combined output, `[num_tokens, hidden]` `bfloat16`, and the call's :data:`Run`.
     """
-    max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-    plan = _plan(ctx, ("combine", max_tokens, hidden, num_experts),
-                 lambda: _combine_plan(ctx, max_tokens, hidden, num_experts))
-    a = plan.arguments(CombineArgs)
-    a.x, a.topk_idx, a.ids_are_int64 = x.data.ptr, topk_idx.data.ptr, int(topk_idx.itemsize == 8)
-    a.topk_weights = topk_weights.data.ptr
-    a.num_tokens, a.num_topk = handle.num_tokens, handle.num_topk
-    if handle.num_topk > CHOICE_SLOTS:  # such a token's rows cannot go one by one: a pair of several waits
-        a.choice_slots = 0
-    a.combine_rows, a.source_tokens = handle.address("combine_rows"), handle.address("source_tokens")
-    a.call_record = handle.address("call_record") + _RECORD_BYTES
-    a.combined_x = out.data.ptr
-    a.use_logfmt = int(use_logfmt)
-    a.wait_stats = wait_stats.data.ptr if wait_stats is not None else 0
-    return Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+    key = call.plan_key
+    plan = _plan(ctx, key, lambda: _combine_plan(ctx, key), _attach_combine)
+    front = ctx.front
+    if out is None:
+        regions = call.out_regions
+        _, (out,), (a, run) = front.outputs(regions, front.current_stream(), call.out_bytes, regions[0].dtype, regions,
+                                            readable=True, attach=plan.attach)
+    else:
+        a, run = _combine_arguments(ctx, plan, front.pointer(out))
+    num_topk = call.num_topk
+    a.x, a.topk_idx, a.ids_are_int64, a.topk_weights = x, topk_idx, call.ids_are_int64, topk_weights
+    a.num_tokens, a.num_topk = call.num_tokens, num_topk
+    # A token of more choices than slots cannot send its rows one by one: a pair of several rows waits.
+    a.choice_slots = plan.choice_slots if num_topk <= CHOICE_SLOTS else 0
+    a.combine_rows, a.source_tokens = handle.combine_rows, handle.source_tokens
+    a.call_record = handle.call_record + _RECORD_BYTES
+    a.use_logfmt, a.wait_stats = use_logfmt, wait_stats
+    return out, run
 
 
 __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
-           "TRACE_POINTS", "WEIGHT_WORDS", "Context", "DataLayout", "Handle", "Plan", "View", "buffer_bytes",
-           "check_fits", "combine", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
+           "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "Context", "DataLayout", "DispatchCall", "Handle", "Plan",
+           "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch", "combine",
+           "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
            "flags_bytes", "mask_bytes", "size_hint"]

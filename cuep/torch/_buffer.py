@@ -21,6 +21,7 @@ from ..config import Config
 from ..modes import low_latency
 from .event import EventHandle, EventOverlap, core_event, wrap
 from .front import TorchFront
+from .handles import DispatchHandle, LowLatencyHandle
 
 
 def _torch_function_off(method):
@@ -39,113 +40,6 @@ def _torch_function_off(method):
         with torch_function_off():
             return method(*args, **kwargs)
     return call
-
-
-class DispatchHandle(tuple):
-    """A normal-mode dispatch's handle: a tuple of tensors, as DeepEP's, that torch can save and hand back.
-
-    Item 0 is the rank prefix matrix, `[num_ranks, num_ranks]` `int32` (entry `[i][j]`: the tokens that
-    ranks `0..i` send to rank `j`); across nodes, item -4 is `recv_gbl_rank_prefix_sum`, `[num_ranks]`
-    `int32` (the rows received from ranks `0..i`). The other items are cuep's own; a tuple of the same items
-    (rebuilt after saving, say) is taken back too."""
-
-    core: Any
-    buffer: Any
-
-
-class LowLatencyHandle(tuple):
-    """A low-latency dispatch's handle, DeepEP's five items: `recv_src_info` `[num_local_experts, num_ranks *
-    num_max_dispatch_tokens_per_rank]` `int32` (each received row's token index on its source rank),
-    `layout_range` `[num_local_experts, num_ranks]` `int64` (``(first row << 32) | rows`` from each source
-    rank), ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts``.
-
-    The two tensors are views of the dispatch's outputs made when the handle is first read from Python
-    (indexed, unpacked, iterated, searched, compared, concatenated or copied), not by the dispatch: a decode
-    step hands most handles straight to the combine, and a torch view costs host time on every call. C code
-    that reads the tuple's slots directly (``%``-formatting does) finds placeholders until then. Only the
-    handle a dispatch returned (or a copy of it) goes back to this Buffer's combine."""
-
-    core: Any = None     # the core's low_latency.Handle
-    buffer: Any = None   # the Buffer whose dispatch made it
-
-    def __new__(cls, items=()):
-        handle = super().__new__(cls, items)
-        handle._made = tuple.__getitem__(handle, slice(None))
-        return handle
-
-    @classmethod
-    def of(cls, core_handle: low_latency.Handle, buffer: Buffer, views) -> LowLatencyHandle:
-        """The handle of ``core_handle``, its tensors made by ``views(storage, regions)`` when first read."""
-        handle = tuple.__new__(cls, (_NOT_MADE, _NOT_MADE, core_handle.num_max_dispatch_tokens_per_rank,
-                                     core_handle.hidden, core_handle.num_experts))
-        handle.core, handle.buffer, handle._views, handle._made = core_handle, buffer, views, None
-        return handle
-
-    def _made_items(self) -> tuple:
-        """The five items as a plain tuple, the two tensors made now if not yet."""
-        made = self._made
-        if made is None:
-            core = self.core
-            src_info, layout_range = self._views(core.storage, core.items)
-            made = self._made = (src_info, layout_range, *tuple.__getitem__(self, slice(2, None)))
-        return made
-
-    # The ways Python reads a tuple's items, each through _made_items().
-    def __getitem__(self, index):
-        return self._made_items()[index]
-
-    def __iter__(self):
-        return iter(self._made_items())
-
-    def __reversed__(self):
-        return reversed(self._made_items())
-
-    def __contains__(self, value) -> bool:
-        return value in self._made_items()
-
-    def count(self, value) -> int:
-        return self._made_items().count(value)
-
-    def index(self, value, *bounds) -> int:
-        return self._made_items().index(value, *bounds)
-
-    def __eq__(self, other) -> bool:
-        return self._made_items() == (other._made_items() if isinstance(other, LowLatencyHandle) else other)
-
-    def __ne__(self, other) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash(self._made_items())
-
-    def __add__(self, other):
-        return self._made_items() + (other._made_items() if isinstance(other, LowLatencyHandle) else other)
-
-    def __radd__(self, other):
-        return other + self._made_items()
-
-    def __mul__(self, times):
-        return self._made_items() * times
-
-    __rmul__ = __mul__
-
-    def __getnewargs__(self) -> tuple:  # copy and pickle rebuild the tuple from its real items
-        return (self._made_items(),)
-
-    def __repr__(self) -> str:
-        return f"LowLatencyHandle{self._made_items()!r}"
-
-
-class _NotMade:
-    """What a :class:`LowLatencyHandle` holds in place of a tensor not yet made (never handed out)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<tensor made when first read>"
-
-
-_NOT_MADE = _NotMade()
 
 
 def record_on_current_stream(torch, tensors) -> None:
@@ -369,11 +263,11 @@ class Buffer:
         `float8_e4m3fn` data and its scales (`float32` `[..., hidden // 128]`, or packed UE8M0 `int32`
         `[..., hidden // 512]`, column-major in the last two dims); ``handle`` a :class:`LowLatencyHandle`.
         """
-        recv_x, recv_count, core_handle, event, hook = self._core.low_latency_dispatch(
+        recv_x, recv_count, handle, event, hook = self._core.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        # The front made recv_x (FP8 as float8_e4m3fn), its scales and recv_count as torch tensors already.
-        return recv_x, recv_count, self._low_latency_handle(core_handle), wrap(event), hook
+        # The front made recv_x (FP8 as float8_e4m3fn), its scales, recv_count and the handle for torch already.
+        return recv_x, recv_count, handle, wrap(event), hook
 
     @_torch_function_off
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: tuple, use_logfmt: bool = False,
@@ -441,15 +335,12 @@ class Buffer:
             return handle.core
         return handle  # None, or a rebuilt tuple the core checks item by item
 
-    def _low_latency_handle(self, core_handle: low_latency.Handle) -> LowLatencyHandle:
-        return LowLatencyHandle.of(core_handle, self, self._front.views)
-
     def _core_low_latency_handle(self, call: str, handle: Any) -> low_latency.Handle:
         if not isinstance(handle, LowLatencyHandle) or handle.core is None:
             what = "a handle rebuilt from its items" if isinstance(handle, LowLatencyHandle) else type(handle).__name__
             raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned, "
                             f"got {what}")
-        if handle.buffer is not self:
+        if handle.front is not self._front:
             raise ValueError(f"{call}: handle comes from another Buffer's low_latency_dispatch(); pass a handle of "
                              f"this one")
         return handle.core

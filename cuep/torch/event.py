@@ -89,5 +89,6 @@ def core_event(call: str, event: Any) -> CoreEventOverlap | None:
 
 
 def wrap(overlap: CoreEventOverlap) -> EventOverlap:
-    """The torch EventOverlap of a core call's event."""
-    return EventOverlap(EventHandle(overlap))
+    """The torch EventOverlap of a core call's event: of no event where the call left no work to wait for (a
+    low-latency call without ``async_finish``), as DeepEP returns it."""
+    return EventOverlap(EventHandle(overlap)) if overlap.stands_for_work else EventOverlap()

@@ -16,8 +16,9 @@ import numpy as np
 
 from .. import _deps, env
 from .._checks import bf16_dtype
-from .._front import OutputPool, View
+from .._front import Attach, OutputPool, View
 from .._interop import TensorView
+from .handles import LowLatencyHandle
 
 
 _MAX_VIEWS = 256    # views of single regions remembered; a decode loop uses a handful
@@ -45,7 +46,7 @@ class TorchFront:
                  (np.int8, torch.int8), (np.float64, torch.float64), (bf16_dtype(), torch.bfloat16)]
         # Keyed by the NumPy scalar type and by its dtype (the modes pass either): (torch dtype, NumPy dtype).
         self._dtypes = {key: (theirs, np.dtype(ours)) for ours, theirs in pairs for key in (ours, np.dtype(ours))}
-        self._uint8 = torch.uint8
+        self._uint8, self._tensor = torch.uint8, torch.Tensor
         # Outputs made under inference mode are inference tensors: they go to calls under it only.
         self._inference_mode = torch.is_inference_mode_enabled
         counts_holders = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
@@ -89,11 +90,24 @@ class TorchFront:
                       device, view.strides, contiguous)
                 for torch_dtype, shape, strides, offset, (view, numpy_dtype, contiguous) in self._steps(regions)]
 
-    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...],
-                readable: bool = False) -> tuple[Any, list]:
+    def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool = False,
+                attach: Attach | None = None) -> tuple[Any, list, Any]:
         if key is not None:
             key = (key, self._inference_mode())
-        return self._pool.take(key, stream, nbytes, dtype, regions, readable)
+        return self._pool.take(key, stream, nbytes, dtype, regions, readable, attach)
+
+    def signature(self, value: Any) -> Any:
+        if value is None:
+            return ()
+        if type(value) is self._tensor:  # four queries, each a C call: a TensorView asks five and makes an object
+            return value.shape, value.dtype, value.stride(), value.get_device()
+        return None  # a subclass, or another library's array: read through the checks
+
+    def pointer(self, value: Any) -> int:
+        return value.data_ptr() if type(value) is self._tensor else value.data.ptr
+
+    def export_handle(self, handle: Any) -> LowLatencyHandle:
+        return LowLatencyHandle.of(handle, self)
 
     def release_outputs(self) -> None:
         self._pool.clear()

@@ -1,0 +1,139 @@
+"""A low-latency call's host path (issue 46, item 3): what the checks concluded for a signature, and what a pooled
+allocation keeps (the handle, the front's export of it, the filled kernel arguments), come back call after call,
+and every field a call sets is that call's own. No GPU needed: the torch front runs on CPU tensors, the Context's
+device state is stand-in addresses, and no kernel is launched."""
+
+import gc
+import types
+
+import numpy as np
+import pytest
+
+from cuep import _checks
+from cuep.kernels.low_latency import CHOICE_SLOTS, CombineArgs, DispatchArgs
+from cuep.modes import low_latency
+
+torch = pytest.importorskip("torch")
+
+MAX_TOKENS, HIDDEN, NUM_EXPERTS, NUM_RANKS = 8, 512, 8, 2
+
+
+class FakeStream:
+    ptr = 1
+
+    def is_capturing(self) -> bool:
+        return False
+
+
+def _device_array(ptr: int):
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr))
+
+
+@pytest.fixture
+def ctx(monkeypatch):
+    """A Context over the torch front's own pool, on CPU tensors read as if they were on GPU 0."""
+    from cuep.torch import front as torch_front
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
+    monkeypatch.delenv("CUEP_REUSE_OUTPUTS", raising=False)
+    monkeypatch.setattr(low_latency, "block_shared_bytes", lambda: 227 * 1024)
+    monkeypatch.setattr(low_latency, "allow_shared_bytes", lambda *args: None)
+    front = torch_front.TorchFront(0)
+    front.current_stream = FakeStream
+    real_signature = front.signature
+    # CPU tensors stand in for GPU 0's: the signature reads the device as 0, the checks read them as they are.
+    front.signature = lambda value: (*real_signature(value)[:3], 0) if isinstance(value, torch.Tensor) \
+        else real_signature(value)
+    monkeypatch.setattr(_checks, "as_device_array", lambda call, name, value: _interop_view(value))
+
+    def allocate(nbytes, dtype, regions, readable):
+        storage = torch_front.Storage(torch.empty(nbytes // np.dtype(dtype).itemsize, dtype=front._dtypes[dtype][0]))
+        return storage, (front.readable_views if readable else front.views)(storage, regions)
+
+    front._pool._allocate = allocate
+    library = types.SimpleNamespace(function=lambda entry: 0x5000 + len(entry))
+    return low_latency.Context(
+        library=library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
+        region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS), num_sms=4, force_put=False,
+        timeout_ns=10 ** 9, split_after_ns=0, seq_state=_device_array(0x2000), status=_device_array(0x3000),
+        status_host_ptr=0x4000)
+
+
+def _interop_view(value):
+    from cuep._interop import TensorView, _torch_to_numpy_dtypes
+    return TensorView(value, _torch_to_numpy_dtypes()[value.dtype])
+
+
+def inputs(num_tokens: int = 5, num_topk: int = 2):
+    x = torch.zeros((num_tokens, HIDDEN), dtype=torch.bfloat16)
+    topk_idx = torch.zeros((num_tokens, num_topk), dtype=torch.int64)
+    return x, topk_idx
+
+
+def dispatch(ctx, x, topk_idx, stats=None):
+    shape, *addresses = low_latency.checked_dispatch("low_latency_dispatch()", ctx, x, topk_idx, MAX_TOKENS,
+                                                     NUM_EXPERTS, stats, None, True, False, False)
+    return low_latency.dispatch(ctx, shape, *addresses)
+
+
+def test_a_dispatch_let_go_of_comes_back_with_its_handle_and_arguments_and_this_call_s_fields(ctx):
+    x, topk_idx = inputs()
+    recv_x, scales, count, handle, exported, run = dispatch(ctx, x, topk_idx)
+    args = run.args
+    first = (id(handle), id(exported), id(args), recv_x.data_ptr())
+    assert exported.core is handle and exported[0] is handle.items[0] and exported[2:] == (MAX_TOKENS, HIDDEN,
+                                                                                          NUM_EXPERTS)
+    del recv_x, scales, count, handle, exported, run, args
+    gc.collect()
+    stats = torch.zeros(NUM_EXPERTS // NUM_RANKS, dtype=torch.int32)
+    fewer, ids = inputs(num_tokens=3)
+    recv_x, scales, count, handle, exported, run = dispatch(ctx, fewer, ids, stats)
+    args = run.args
+    assert (id(handle), id(exported), id(args), recv_x.data_ptr()) == first
+    assert handle.num_tokens == 3 and args.num_tokens == 3
+    assert (args.x, args.topk_idx, args.cumulative_stats, args.wait_stats) == (fewer.data_ptr(), ids.data_ptr(),
+                                                                              stats.data_ptr(), None)  # NULL
+    # Every other field is what a struct built whole for this allocation holds.
+    plan = next(iter(ctx.plans.values()))
+    whole = low_latency._attach_dispatch(ctx, plan, handle.storage, [recv_x, count, scales, *handle.items])[0][2]
+    whole.x, whole.topk_idx, whole.num_tokens, whole.ids_are_int64 = fewer.data_ptr(), ids.data_ptr(), 3, 1
+    whole.cumulative_stats = stats.data_ptr()
+    assert bytes(args) == bytes(whole)
+    assert args.call_record == handle.storage.ptr + handle.regions["call_record"].offset
+
+
+def test_a_held_handle_keeps_its_allocation_from_the_next_dispatch(ctx):
+    x, topk_idx = inputs()
+    *_, exported, _ = dispatch(ctx, x, topk_idx)
+    gc.collect()
+    other = dispatch(ctx, x, topk_idx)
+    assert other[4] is not exported and other[3].storage.ptr != exported.core.storage.ptr
+    assert exported.core.num_tokens == 5  # the held handle is left as its call made it
+
+
+def test_a_combine_sets_its_handle_s_addresses_and_its_choices_on_its_pooled_output(ctx):
+    for num_topk in (2, CHOICE_SLOTS + 1, 2):
+        x, topk_idx = inputs(num_topk=num_topk)
+        *_, handle, exported, _ = dispatch(ctx, x, topk_idx)
+        expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+        weights = torch.zeros((5, num_topk), dtype=torch.float32)
+        shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx, weights,
+                                                        handle, None, None)
+        out, run = low_latency.combine(ctx, shape, handle, *addresses)
+        args = run.args
+        plan = ctx.plans[shape.plan_key]
+        assert tuple(out.shape) == (5, HIDDEN) and args.combined_x == out.data.ptr
+        assert (args.x, args.topk_idx, args.topk_weights) == (expert_x.data_ptr(), topk_idx.data_ptr(),
+                                                              weights.data_ptr())
+        assert (args.num_tokens, args.num_topk) == (5, num_topk)
+        assert (args.combine_rows, args.source_tokens, args.call_record - 8) == (
+            handle.address("combine_rows"), handle.address("source_tokens"), handle.address("call_record"))
+        assert (args.choice_slots or 0) == (plan.choice_slots if num_topk <= CHOICE_SLOTS else 0) and plan.choice_slots
+        del out, run, args, handle, exported
+        gc.collect()
+
+
+def test_a_combine_refuses_a_handle_that_is_not_a_dispatch_s(ctx):
+    x, topk_idx = inputs()
+    with pytest.raises(TypeError, match="low_latency_combine\\(\\): handle must be"):
+        low_latency.checked_combine("low_latency_combine()", ctx, x, topk_idx, topk_idx, ("not", "a handle"), None,
+                                    None)
