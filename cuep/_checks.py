@@ -18,7 +18,8 @@ class KnownCalls:
     devices, options: what :meth:`cuep._front.Front.signature` reads), so that a later call with the same
     signature skips the checks and reads only its arrays' addresses: every check that depends only on those
     values would pass again, with the same conclusion. What a signature does not cover (the Buffer's state)
-    is still checked on every call. Bounded: a loop of ever-new shapes forgets now and then."""
+    is still checked on every call. A tensor's device is in its signature, compared with the current device
+    when the signature is first checked. Bounded: a loop of ever-new shapes forgets now and then."""
 
     _LIMIT = 64
 

@@ -562,18 +562,23 @@ class Buffer:
     def _empty_low_latency_round(self, ctx: low_latency.Context, max_tokens: int, hidden: int,
                                  num_experts: int) -> None:
         """A dispatch and a combine of no tokens, waited for: the live ranks meet on the device, and the
-        waits mask the ranks that do not come. No row is read or written, so no array needs its full shape."""
+        waits mask the ranks that do not come. No row is read or written, so no array needs its full shape
+        and the calls' checks are not run (their shapes are stated here)."""
         front, bf16 = self._front, _checks.bf16_dtype()
         x, out = front.empty((0, hidden), bf16), front.empty((0, hidden), bf16)
         topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
+        pointer = front.pointer
         stream, both = front.current_stream(), low_latency.SEND_PHASE | low_latency.RECV_PHASE
-        call = "clean_low_latency_buffer()"
-        shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, max_tokens, num_experts, None, None,
-                                                         False, False, False)
-        *_, handle, _, dispatch = low_latency.dispatch(ctx, shape, *addresses, reuse_outputs=False)
+        no_tokens = low_latency.DispatchCall(("dispatch", max_tokens, hidden, num_experts, 1, False, False, False),
+                                             num_tokens=0, ids_are_int64=1, use_fp8=False, x_dtype=bf16)
+        *_, handle, _, dispatch = low_latency.dispatch(ctx, no_tokens, pointer(x), pointer(topk_idx), 0, 0,
+                                                       reuse_outputs=False)
         dispatch(stream, both)
-        shape, *addresses = low_latency.checked_combine(call, ctx, x, topk_idx, weights, handle, out, None)
-        low_latency.combine(ctx, shape, handle, *addresses)[1](stream, both)
+        out_regions, out_bytes = low_latency.combined_regions(0, hidden)
+        combine = low_latency.CombineCall(("combine", max_tokens, hidden, num_experts), num_tokens=0, num_topk=1,
+                                          ids_are_int64=1, out_regions=out_regions, out_bytes=out_bytes)
+        low_latency.combine(ctx, combine, handle, pointer(x), pointer(topk_idx), pointer(weights), out, 0)[1](stream,
+                                                                                                             both)
         stream.synchronize()
         self._resources.raise_if_failed()
 

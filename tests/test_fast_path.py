@@ -78,14 +78,6 @@ def test_known_calls_are_bounded_and_keep_no_signature_the_front_could_not_read(
     assert known.get(("shape", None)) is None
 
 
-def test_a_signature_tells_apart_what_the_checks_tell_apart():
-    """An int and a float of the same value, or two stride patterns of one shape, are different signatures."""
-    known = _checks.KnownCalls()
-    known.add(((128, 7168), (14336, 2), int, 128), "checked")
-    assert known.get(((128, 7168), (14336, 2), float, 128.0)) is None
-    assert known.get(((128, 7168), (2, 256), int, 128)) is None
-
-
 class SignatureFront:
     """A front over stand-in arrays: their signature is what the checks read of them."""
 

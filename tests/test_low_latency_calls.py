@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cuep import _checks
-from cuep.kernels.low_latency import CHOICE_SLOTS, CombineArgs, DispatchArgs
+from cuep.kernels.low_latency import CHOICE_SLOTS, RECV_PHASE, SEND_PHASE
 from cuep.modes import low_latency
 
 torch = pytest.importorskip("torch")
@@ -69,9 +69,9 @@ def inputs(num_tokens: int = 5, num_topk: int = 2):
     return x, topk_idx
 
 
-def dispatch(ctx, x, topk_idx, stats=None):
-    shape, *addresses = low_latency.checked_dispatch("low_latency_dispatch()", ctx, x, topk_idx, MAX_TOKENS,
-                                                     NUM_EXPERTS, stats, None, True, False, False)
+def dispatch(ctx, x, topk_idx, stats=None, wait_stats=None, max_tokens=MAX_TOKENS, num_experts=NUM_EXPERTS):
+    shape, *addresses = low_latency.checked_dispatch("low_latency_dispatch()", ctx, x, topk_idx, max_tokens,
+                                                     num_experts, stats, wait_stats, True, False, False)
     return low_latency.dispatch(ctx, shape, *addresses)
 
 
@@ -99,6 +99,15 @@ def test_a_dispatch_let_go_of_comes_back_with_its_handle_and_arguments_and_this_
     whole.cumulative_stats = stats.data_ptr()
     assert bytes(args) == bytes(whole)
     assert args.call_record == handle.storage.ptr + handle.regions["call_record"].offset
+    assert args.recv_x == recv_x.data_ptr() and args.recv_count == count.data_ptr()
+    assert args.recv_scales == scales.data_ptr() and args.recv_src_info == handle.items[0].data_ptr()
+    del recv_x, scales, count, handle, exported, run, args
+    gc.collect()
+    # A third call, without statistics but with wait statistics: nothing of the second's is left.
+    waits = torch.zeros(NUM_RANKS, dtype=torch.int64)
+    *_, handle, exported, run = dispatch(ctx, x, topk_idx, wait_stats=waits)
+    assert id(run.args) == first[2] and run.args.cumulative_stats is None and run.args.wait_stats == waits.data_ptr()
+    assert run.args.num_tokens == handle.num_tokens == 5 and run.args.x == x.data_ptr()
 
 
 def test_a_held_handle_keeps_its_allocation_from_the_next_dispatch(ctx):
@@ -137,3 +146,54 @@ def test_a_combine_refuses_a_handle_that_is_not_a_dispatch_s(ctx):
     with pytest.raises(TypeError, match="low_latency_combine\\(\\): handle must be"):
         low_latency.checked_combine("low_latency_combine()", ctx, x, topk_idx, topk_idx, ("not", "a handle"), None,
                                     None)
+
+
+def test_a_combine_s_pooled_output_keeps_the_struct_of_its_own_plan(ctx):
+    """Two plans whose outputs have one shape (the same tokens and hidden size, other experts and token
+    capacity) do not share the pooled struct, which holds the plan's layout."""
+    structs = []
+    for max_tokens, num_experts in ((MAX_TOKENS, NUM_EXPERTS), (MAX_TOKENS // 2, NUM_EXPERTS // 2)):
+        x, topk_idx = inputs(num_tokens=4)
+        *_, handle, _, _ = dispatch(ctx, x, topk_idx, max_tokens=max_tokens, num_experts=num_experts)
+        expert_x = torch.zeros((num_experts // NUM_RANKS, NUM_RANKS * max_tokens, HIDDEN), dtype=torch.bfloat16)
+        weights = torch.zeros((4, 2), dtype=torch.float32)
+        shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx, weights,
+                                                        handle, None, None)
+        _, run = low_latency.combine(ctx, shape, handle, *addresses)
+        assert (run.args.max_tokens, run.args.num_experts) == (max_tokens, num_experts)
+        structs.append(id(run.args))
+        del run, handle, _
+        gc.collect()
+    assert structs[0] != structs[1]
+
+
+def test_the_empty_round_of_a_shrink_mode_clean_launches_a_dispatch_and_a_combine_of_no_tokens(ctx, monkeypatch):
+    """``clean_low_latency_buffer`` in shrink mode runs a dispatch and a combine of no tokens, with no checks (its
+    arrays are empty: no row is read): both launch with both phases, the combine on the dispatch's handle."""
+    import cuep
+    from cuep._interop import TensorView
+    from cuep.kernels import launcher
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(
+        (self.entry, self.args.phases, self.args.num_tokens, getattr(self.args, "call_record", None))))
+    front = ctx.front
+    front.empty = lambda shape, dtype: TensorView(torch.empty(shape, dtype=front._dtypes[dtype][0]),
+                                                  front._dtypes[dtype][1])
+    stream = types.SimpleNamespace(ptr=1, is_capturing=lambda: False, synchronize=lambda: None)
+    front.current_stream = lambda: stream
+    buffer = cuep.Buffer.__new__(cuep.Buffer)
+    buffer._front, buffer._resources = front, types.SimpleNamespace(raise_if_failed=lambda: None)
+    buffer._empty_low_latency_round(ctx, MAX_TOKENS, HIDDEN, NUM_EXPERTS)
+    both = SEND_PHASE | RECV_PHASE
+    (dispatch_entry, *dispatch_args), (combine_entry, *combine_args) = launched
+    assert dispatch_entry.endswith("dispatch") and combine_entry.endswith("combine")
+    assert dispatch_args[:2] == [both, 0] and combine_args[:2] == [both, 0]
+    assert combine_args[2] == dispatch_args[2] + 8  # the combine's call record follows its dispatch's
+
+
+def test_a_call_that_left_no_work_returns_deepep_s_event_overlap_of_no_event():
+    from cuep.event import EventOverlap as CoreEventOverlap
+    from cuep.torch.event import wrap
+    assert wrap(CoreEventOverlap()).event is None
+    assert not CoreEventOverlap().stands_for_work and CoreEventOverlap(event="recorded").stands_for_work
+    assert wrap(CoreEventOverlap(event="recorded")).event.overlap.event == "recorded"

@@ -171,7 +171,7 @@ class Launch:
         if cluster > 1 and not _fits_in_clusters(self.function, grid, block, shared_bytes, cluster):
             cluster = 1
         self.cluster, self._config, self._launch_ex = cluster, None, None
-        self._launch = _deps.cupy().cuda.driver.launchKernel  # looked up once: a decode step launches twice
+        self._launch = None  # CuPy's launchKernel, looked up on the first launch (a decode step launches twice)
         # The driver reads these arrays at each launch: they live as long as this object (`_held`).
         if args.scalar_parameters:  # `extra`: the parameter buffer and its size, then the end marker
             size = ctypes.c_size_t(_parameter_bytes(type(args)))
@@ -195,9 +195,12 @@ class Launch:
                                 f"block {self.block}, {self.shared_bytes} B shared) failed: "
                                 f"{_deps.cupy().cuda.driver.CUDADriverError(status)}")
             return
+        launch = self._launch
+        if launch is None:
+            launch = self._launch = _deps.cupy().cuda.driver.launchKernel
         try:
-            self._launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes, stream.ptr, self._params,
-                         self._extra)
+            launch(self.function, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes, stream.ptr, self._params,
+                   self._extra)
         except _deps.cupy().cuda.driver.CUDADriverError as exc:
             raise CuepError(f"cuep: launching {self.entry} (grid {self.grid}, block {self.block}, "
                             f"{self.shared_bytes} B shared) failed: {exc}") from None

@@ -1,13 +1,14 @@
 """Low-latency (decode) mode: the host side of ``cuda_src/low_latency.cu``'s protocol.
 
 It lays out the low-latency region of a Buffer, sizes it (:func:`size_hint`, :func:`check_fits`),
-and turns each call into one kernel launch: :func:`dispatch` and :func:`combine` fill the argument
-struct of :mod:`cuep.kernels.low_latency` and return a :class:`~cuep.kernels.launcher.Launch`, which
+and turns each call into one kernel launch: :func:`checked_dispatch` and :func:`checked_combine` check the
+arguments (or find their signature checked before) and give their addresses, then :func:`dispatch` and
+:func:`combine` fill the argument struct of :mod:`cuep.kernels.low_latency` and return a :class:`Run`, which
 the Buffer runs with the phases it wants (both, or the send now and the receive from a hook)::
 
-    launch = low_latency.dispatch(ctx, x, topk_idx, ...)[-1]
-    launch.args.phases = SEND_PHASE | RECV_PHASE
-    launch(stream)
+    shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, ...)
+    run = low_latency.dispatch(ctx, shape, *addresses)[-1]
+    run(stream, SEND_PHASE | RECV_PHASE)
 
 Region layout (byte offsets from the start of the low-latency region, the same on every rank)::
 
@@ -26,7 +27,9 @@ words of earlier calls, never message bytes that could pass for a tag. Data regi
 ``(max_tokens, hidden)`` and are never polled.
 
 The eager decode path is host-bound, so what every call of one shape shares is worked out on its first
-call and kept (:class:`Plan`): a later call copies a filled struct and sets its own arrays.
+call and kept (:class:`Plan`), what the checks concluded is kept per signature of the arguments
+(:class:`DispatchCall`, :class:`CombineCall`), and each pooled allocation keeps its filled struct (and a
+dispatch's its handle): a later call sets only its own fields.
 """
 
 from __future__ import annotations
@@ -359,7 +362,6 @@ assert [getattr(DispatchArgs, name).offset for name in _OUTPUT_FIELDS] == \
     [_OUTPUT_START + i * ctypes.sizeof(ctypes.c_void_p) for i in range(len(_OUTPUT_FIELDS))], "DispatchArgs order"
 
 
-
 def _plan(ctx: Context, key: tuple, build: Callable[[], Plan], attach: Callable[..., tuple[tuple, tuple]]) -> Plan:
     """The plan of ``key``, built on its first call, with ``attach(ctx, plan, storage, views)`` bound to it."""
     plan = ctx.plans.get(key)
@@ -488,7 +490,7 @@ def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
 
 def _attach_dispatch(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:
     """What a dispatch keeps with its allocation (``attach`` of :class:`cuep._front.OutputPool`): the handle, the
-    front's export of it, the argument struct with the outputs' addresses, and its :data:`Run`; the exported
+    front's export of it, the argument struct with the outputs' addresses, and its :class:`Run`; the exported
     handle (and the core's) count as holders of the allocation."""
     _, max_tokens, hidden, num_experts, num_topk, use_fp8, *_ = plan.key
     handle = Handle(max_tokens, hidden, num_experts, 0, num_topk, storage, plan.regions, tuple(views[-2:]))
@@ -516,7 +518,7 @@ def dispatch(ctx: Context, call: DispatchCall, x: int, topk_idx: int, cumulative
     Returns:
         ``(recv_x, recv_scales, recv_count, handle, exported, run)``: the outputs (views of one allocation that
         ``handle`` holds; ``recv_scales`` ``None`` without FP8), the handle and the front's export of it (what
-        the callers get), and the call's :data:`Run`.
+        the callers get), and the call's :class:`Run`.
     """
     key = call.plan_key
     plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, key, call.x_dtype), _attach_dispatch)
@@ -606,7 +608,7 @@ def _combine_plan(ctx: Context, key: tuple) -> Plan:
 
 
 def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs, Run]:
-    """A combine's argument struct writing into ``out`` (an address), and its :data:`Run`."""
+    """A combine's argument struct writing into ``out`` (an address), and its :class:`Run`."""
     a = plan.arguments(CombineArgs)
     a.combined_x = out
     return a, Run(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes))
@@ -626,15 +628,16 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
     travel as LogFMT (:mod:`cuep.logfmt`).
 
     Returns:
-        ``(out, run)``: the combined output, `[num_tokens, hidden]` `bfloat16`, and the call's :data:`Run`.
+        ``(out, run)``: the combined output, `[num_tokens, hidden]` `bfloat16`, and the call's :class:`Run`.
     """
     key = call.plan_key
     plan = _plan(ctx, key, lambda: _combine_plan(ctx, key), _attach_combine)
     front = ctx.front
     if out is None:
         regions = call.out_regions
-        _, (out,), (a, run) = front.outputs(regions, front.current_stream(), call.out_bytes, regions[0].dtype, regions,
-                                            readable=True, attach=plan.attach)
+        # Keyed by the plan too: the attached struct holds the plan's layout (max_tokens, experts, its slots).
+        _, (out,), (a, run) = front.outputs((key, regions), front.current_stream(), call.out_bytes, regions[0].dtype,
+                                            regions, readable=True, attach=plan.attach)
     else:
         a, run = _combine_arguments(ctx, plan, front.pointer(out))
     num_topk = call.num_topk
