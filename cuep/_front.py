@@ -66,7 +66,7 @@ class Front(Protocol):
     def signature(self, value: Any) -> Any:
         """What the checks of a call read of ``value``, cheaply, where it is this front's own kind of array
         (its type, shape, dtype, strides and device, hashable; ``()`` for ``None``), else ``None``: a call whose
-        arguments have a signature it has checked before skips the checks (:class:`KnownCalls`)."""
+        arguments have a signature it has checked before skips the checks (:class:`cuep._checks.KnownCalls`)."""
 
     def pointer(self, value: Any) -> int:
         """The device address of ``value``: an array with a :meth:`signature`, or one the checks read."""

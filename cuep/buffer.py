@@ -459,7 +459,8 @@ class Buffer:
         _checks.check_hook_options(call, async_finish, return_recv_hook)
         stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                                         num_experts, stats, wait_stats, use_fp8, round_scale, use_ue8m0)
+                                                         num_experts, stats, wait_stats, use_fp8, round_scale,
+                                                         use_ue8m0)
         recv_x, recv_scales, recv_count, _, handle, run = low_latency.dispatch(ctx, shape, *addresses)
         event, hook = self._streams.run_with_hook(
             run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
@@ -569,14 +570,11 @@ class Buffer:
         topk_idx, weights = front.empty((0, 1), np.int64), front.empty((0, 1), np.float32)
         pointer = front.pointer
         stream, both = front.current_stream(), low_latency.SEND_PHASE | low_latency.RECV_PHASE
-        no_tokens = low_latency.DispatchCall(("dispatch", max_tokens, hidden, num_experts, 1, False, False, False),
-                                             num_tokens=0, ids_are_int64=1, use_fp8=False, x_dtype=bf16)
+        no_tokens = low_latency.DispatchCall.of(max_tokens, hidden, num_experts, 0, 1, True, False, False, False, bf16)
         *_, handle, _, dispatch = low_latency.dispatch(ctx, no_tokens, pointer(x), pointer(topk_idx), 0, 0,
                                                        reuse_outputs=False)
         dispatch(stream, both)
-        out_regions, out_bytes = low_latency.combined_regions(0, hidden)
-        combine = low_latency.CombineCall(("combine", max_tokens, hidden, num_experts), num_tokens=0, num_topk=1,
-                                          ids_are_int64=1, out_regions=out_regions, out_bytes=out_bytes)
+        combine = low_latency.CombineCall.of(max_tokens, hidden, num_experts, 0, 1, True)
         low_latency.combine(ctx, combine, handle, pointer(x), pointer(topk_idx), pointer(weights), out, 0)[1](stream,
                                                                                                              both)
         stream.synchronize()

@@ -341,9 +341,9 @@ class Plan:
     regions: dict = field(default_factory=dict)   # name -> View
     storage_bytes: int = 0
     output_offsets: tuple[int, ...] = ()          # of the regions named by _OUTPUT_FIELDS, in that order
-    outputs: tuple[View, ...] = ()                # recv_x, recv_count, [recv_scales with FP8,] recv_src_info, layout_range
+    outputs: tuple[View, ...] = ()                # recv_x, recv_count, [FP8: recv_scales,] recv_src_info, layout_range
     choice_slots: int = 0                         # the combine's choice slots (0: a pair of several rows waits)
-    attach: Any = None                            # what a pooled allocation keeps (cuep._front.Attach), bound to this plan
+    attach: Any = None                            # what a pooled allocation keeps (cuep._front.Attach), bound here
 
     def arguments(self, struct: type[KernelArgs]) -> KernelArgs:
         """A fresh copy of the planned struct, for one call (or one pooled allocation) to complete."""
@@ -422,11 +422,19 @@ def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: 
 class DispatchCall:
     """What a dispatch's checked arguments fix, kept per signature of them (:class:`~cuep._checks.KnownCalls`)."""
 
-    plan_key: tuple               # ("dispatch", max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
+    plan_key: tuple   # ("dispatch", max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0)
     num_tokens: int
     ids_are_int64: int
     use_fp8: bool
     x_dtype: Any
+
+    @classmethod
+    def of(cls, max_tokens: int, hidden: int, num_experts: int, num_tokens: int, num_topk: int, ids_are_int64: bool,
+           use_fp8: bool, round_scale: bool, use_ue8m0: bool, x_dtype) -> DispatchCall:
+        """The call of these shapes and options (which the caller has checked)."""
+        plan_key = ("dispatch", int(max_tokens), hidden, int(num_experts), num_topk, bool(use_fp8), bool(round_scale),
+                    bool(use_ue8m0))
+        return cls(plan_key, num_tokens, int(ids_are_int64), bool(use_fp8), x_dtype)
 
 
 def checked_dispatch(call: str, ctx: Context, x, topk_idx, max_tokens, num_experts, cumulative_stats, wait_stats,
@@ -445,15 +453,15 @@ def checked_dispatch(call: str, ctx: Context, x, topk_idx, max_tokens, num_exper
     known = ctx.known.get(key)
     if known is None:
         x, topk_idx = _checks.low_latency_dispatch_inputs(call, x, topk_idx, max_tokens, num_experts, ctx.num_ranks,
-                                                          MAX_TOPK, MAX_TOKENS_PER_RANK, use_fp8, round_scale, use_ue8m0)
+                                                          MAX_TOPK, MAX_TOKENS_PER_RANK, use_fp8, round_scale,
+                                                          use_ue8m0)
         cumulative_stats = _checks.optional_vector(call, "cumulative_local_expert_recv_stats", cumulative_stats,
                                                    np.int32, num_experts // ctx.num_ranks)
         wait_stats = _checks.optional_vector(call, "dispatch_wait_recv_cost_stats", wait_stats, np.int64,
                                              ctx.num_ranks)
         num_tokens, hidden = x.shape
-        plan_key = ("dispatch", int(max_tokens), hidden, int(num_experts), topk_idx.shape[1], bool(use_fp8),
-                    bool(round_scale), bool(use_ue8m0))
-        known = DispatchCall(plan_key, num_tokens, int(topk_idx.itemsize == 8), bool(use_fp8), x.dtype)
+        known = DispatchCall.of(max_tokens, hidden, num_experts, num_tokens, topk_idx.shape[1], topk_idx.itemsize == 8,
+                                use_fp8, round_scale, use_ue8m0, x.dtype)
         ctx.known.add(key, known)
     pointer = front.pointer
     return (known, pointer(x), pointer(topk_idx), 0 if cumulative_stats is None else pointer(cumulative_stats),
@@ -545,6 +553,14 @@ class CombineCall:
     out_regions: tuple[View, ...]  # the combined output, where the caller passes no ``out``
     out_bytes: int
 
+    @classmethod
+    def of(cls, max_tokens: int, hidden: int, num_experts: int, num_tokens: int, num_topk: int,
+           ids_are_int64: bool) -> CombineCall:
+        """The call of these shapes (which the caller has checked)."""
+        out_regions, out_bytes = combined_regions(num_tokens, hidden)
+        return cls(("combine", max_tokens, hidden, num_experts), num_tokens, num_topk, int(ids_are_int64), out_regions,
+                   out_bytes)
+
 
 @functools.lru_cache(maxsize=64)
 def combined_regions(num_tokens: int, hidden: int) -> tuple[tuple[View, ...], int]:
@@ -577,9 +593,8 @@ def checked_combine(call: str, ctx: Context, x, topk_idx, topk_weights, handle: 
                                                                             out, ctx.num_ranks)
         wait_stats = _checks.optional_vector(call, "combine_wait_recv_cost_stats", wait_stats, np.int64,
                                              ctx.num_ranks)
-        out_regions, out_bytes = combined_regions(handle.num_tokens, handle.hidden)
-        known = CombineCall(("combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts),
-                            handle.num_tokens, handle.num_topk, int(topk_idx.itemsize == 8), out_regions, out_bytes)
+        known = CombineCall.of(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+                               handle.num_tokens, handle.num_topk, topk_idx.itemsize == 8)
         ctx.known.add(key, known)
     pointer = front.pointer
     return (known, pointer(x), pointer(topk_idx), pointer(topk_weights), out,
