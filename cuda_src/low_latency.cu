@@ -1274,8 +1274,9 @@ struct CombineArgs {
     uint64_t* choice_flags;        // [kMaxTokensPerRank][kChoiceSlots]
     uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
                                    // nullptr where num_topk > kChoiceSlots, and in shrink mode: such a pair waits
-    uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits
-                                   // (a launch that also receives; a hook's send looks once)
+    uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits,
+                                   // in a launch that also receives
+    uint64_t hook_split_after_ns;  // the same in a hook's send (a launch of the send phase alone); 0: one look
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
@@ -1493,12 +1494,14 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
-    // A hook's send (this launch does not receive) waits for no peer where a pair may split: one whose weights
-    // are not there at its first look splits at once. A launch that receives too waits for its peers anyway,
-    // so its pairs look for split_after_ns first, which keeps ranks in step (graph replays) at one partial per
-    // pair. A pair that may not split (send_partial: a put peer, more than kChoiceSlots choices, shrink mode)
-    // waits for its weights in either launch.
-    const uint64_t split_ns = globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : 0);
+    // A pair that may split (send_partial) looks for its source's weights until split_ns, then splits. A
+    // launch that receives too waits for its peers anyway, so its pairs look for split_after_ns, which keeps
+    // ranks in step (graph replays) at one partial per pair. A hook's send (this launch does not receive)
+    // looks for hook_split_after_ns (CUEP_COMBINE_HOOK_SPLIT_US; 0 by default: it looks once and waits for
+    // no peer). A pair that may not split (a put peer, more than kChoiceSlots choices, shrink mode) waits
+    // for its weights in either launch.
+    const uint64_t split_ns =
+        globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : a.hook_split_after_ns);
     // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
     // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;

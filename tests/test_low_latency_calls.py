@@ -54,8 +54,8 @@ def ctx(monkeypatch):
     return low_latency.Context(
         library=library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
         region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS), num_sms=4, force_put=False,
-        timeout_ns=10 ** 9, split_after_ns=0, seq_state=_device_array(0x2000), status=_device_array(0x3000),
-        status_host_ptr=0x4000)
+        timeout_ns=10 ** 9, split_after_ns=20_000, hook_split_after_ns=5_000, seq_state=_device_array(0x2000),
+        status=_device_array(0x3000), status_host_ptr=0x4000)
 
 
 def _interop_view(value):
@@ -139,6 +139,25 @@ def test_a_combine_sets_its_handle_s_addresses_and_its_choices_on_its_pooled_out
         assert (args.choice_slots or 0) == (plan.choice_slots if num_topk <= CHOICE_SLOTS else 0) and plan.choice_slots
         del out, run, args, handle, exported
         gc.collect()
+
+
+def test_a_combine_s_struct_carries_both_looks_for_the_weights(ctx, monkeypatch):
+    """The combine's send looks for its sources' weights for split_after_ns in a launch that also receives, for
+    hook_split_after_ns in a hook's send (CUEP_COMBINE_SPLIT_US, CUEP_COMBINE_HOOK_SPLIT_US; the kernel picks by
+    the launch's phases)."""
+    from cuep import env
+    x, topk_idx = inputs()
+    *_, handle, _, _ = dispatch(ctx, x, topk_idx)
+    expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+    shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx,
+                                                    torch.zeros((5, 2), dtype=torch.float32), handle, None, None)
+    _, run = low_latency.combine(ctx, shape, handle, *addresses)
+    assert (run.args.split_after_ns, run.args.hook_split_after_ns) == (20_000, 5_000)
+    for name in ("CUEP_COMBINE_SPLIT_US", "CUEP_COMBINE_HOOK_SPLIT_US"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.get("CUEP_COMBINE_SPLIT_US") == 20.0 and env.get("CUEP_COMBINE_HOOK_SPLIT_US") == 0.0
+    monkeypatch.setenv("CUEP_COMBINE_HOOK_SPLIT_US", "20")
+    assert env.get("CUEP_COMBINE_HOOK_SPLIT_US") == 20.0
 
 
 def test_a_combine_refuses_a_handle_that_is_not_a_dispatch_s(ctx):

@@ -148,7 +148,7 @@ class CombineArgs(KernelArgs):
         ("weights", ctypes.c_void_p), ("weight_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
         ("choice_flags", ctypes.c_void_p), ("choice_slots", ctypes.c_void_p), ("split_after_ns", ctypes.c_uint64),
-        ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
+        ("hook_split_after_ns", ctypes.c_uint64), ("weight_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
         ("combined_x", ctypes.c_void_p), ("use_logfmt", ctypes.c_int), ("wait_stats", ctypes.c_void_p),
         ("seq_state", ctypes.c_void_p), ("timeout_ns", ctypes.c_uint64), ("status", MaskedStatus),
         ("trace", ctypes.c_void_p),

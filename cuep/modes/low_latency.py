@@ -166,6 +166,7 @@ class Context:
     force_put: bool
     timeout_ns: int
     split_after_ns: int           # CUEP_COMBINE_SPLIT_US: how long a combine send looks for a source's weights
+    hook_split_after_ns: int      # CUEP_COMBINE_HOOK_SPLIT_US: the same, in a hook's send
     seq_state: Any                # [SEQ_WORDS] uint64 device array
     status: Any                   # [STATUS_WORDS] int32 device array
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
@@ -189,6 +190,7 @@ class Context:
         return cls(library=library, front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
+                   hook_split_after_ns=int(env.get("CUEP_COMBINE_HOOK_SPLIT_US") * 1e3),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
                    status_host_ptr=status.host_ptr, status_words=status,
                    trace=cupy.zeros((num_sms, TRACE_POINTS), dtype=cupy.uint64) if trace else None, shrink=shrink,
@@ -615,7 +617,7 @@ def _combine_plan(ctx: Context, key: tuple) -> Plan:
     # Shrink mode keeps each rank's messages in slots of its own: a masked rank that still runs must not
     # overwrite a live rank's rows, as it could in the choice slots. There a pair of several rows waits.
     a.choice_flags, a.choice_slots = choice_flags, 0 if ctx.shrink else data + layout.choice_slots
-    a.split_after_ns = ctx.split_after_ns
+    a.split_after_ns, a.hook_split_after_ns = ctx.split_after_ns, ctx.hook_split_after_ns
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
     ctx.function(COMBINE_ENTRY)
