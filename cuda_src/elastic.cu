@@ -26,6 +26,7 @@
 #include <cuep/bf16.cuh>
 #include <cuep/common.cuh>
 #include <cuep/ptx.cuh>
+#include <cuep/search.cuh>
 
 namespace cuep {
 
@@ -120,9 +121,7 @@ __global__ void __launch_bounds__(kNumThreads) count_rows(const RowsArgs args) {
             atomicAdd(&counts[id], 1);
     }
     for (int row = first + static_cast<int>(threadIdx.x); row < last; row += kNumThreads) {
-        int source = 0;
-        while (source + 1 < args.num_ranks && args.rank_prefix[source + 1] <= row)
-            ++source;
+        const int source = find_range(args.rank_prefix, args.num_ranks, row);
         int highest = -1;
         for (int k = 0; k < num_topk; ++k)
             highest = args.recv_topk_idx[static_cast<int64_t>(row) * num_topk + k] >= 0 ? k : highest;

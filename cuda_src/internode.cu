@@ -88,6 +88,7 @@
 #include <cuep/common.cuh>
 #include <cuep/copy.cuh>
 #include <cuep/network.cuh>
+#include <cuep/search.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/sync.cuh>
 
@@ -431,31 +432,6 @@ static __device__ __forceinline__ uint64_t* chunk_signal(uint8_t* rdma, const Rd
 static __device__ __forceinline__ int count_before(const UnitPrefix& prefix, int columns, int64_t token, int column) {
     const int64_t unit = min(token / kRoundUnitTokens, static_cast<int64_t>(prefix.units));
     return prefix.counts[unit * columns + column];
-}
-
-// Index of the range [prefix[k], prefix[k + 1]) holding `value`, prefix[0] <= value < prefix[count].
-static __device__ __forceinline__ int find_range(const int32_t* prefix, int count, int value) {
-    int low = 0, high = count - 1;
-    while (low < high) {
-        const int mid = (low + high + 1) / 2;
-        if (prefix[mid] <= value)
-            low = mid;
-        else
-            high = mid - 1;
-    }
-    return low;
-}
-
-// The first index in [low, high) whose value is at least `key`, or high; the values ascend.
-static __device__ __forceinline__ int lower_bound(const int32_t* values, int low, int high, int64_t key) {
-    while (low < high) {
-        const int mid = low + (high - low) / 2;
-        if (values[mid] < key)
-            low = mid + 1;
-        else
-            high = mid;
-    }
-    return low;
 }
 
 // Block-wide: the number of threads before this one whose `flag` is set; `total` gets the block's.

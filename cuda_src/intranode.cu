@@ -60,6 +60,7 @@
 #include <cuep/copy.cuh>
 #include <cuep/ptx.cuh>
 #include <cuep/rows.cuh>
+#include <cuep/search.cuh>
 #include <cuep/sync.cuh>
 
 namespace cuep {
@@ -496,15 +497,14 @@ constexpr int kRoutingBatch = 8;
 // warp reads the rows' entries, consecutive lanes taking consecutive entries of a row, kRoutingBatch of
 // them a lane in flight before any is written (the stores could alias the loads for all the compiler
 // knows). That is two dependent reads across NVLink for 32 rows.
-__device__ __forceinline__ void route_rows(const SourcePlan* plans, const int32_t* rank_prefix, int first,
-                                           int num_recv, int num_topk, const RecvRouting& recv,
+__device__ __forceinline__ void route_rows(const SourcePlan* plans, const int32_t* rank_prefix, int num_ranks,
+                                           int first, int num_recv, int num_topk, const RecvRouting& recv,
                                            int64_t first_local, int experts_per_rank, int lane) {
     const int row = first + lane;
     int source = 0;
     int64_t token = 0;
     if (row < num_recv) {
-        while (rank_prefix[source + 1] <= row)
-            ++source;
+        source = find_range(rank_prefix, num_ranks, row);
         token = plans[source].send_list[row - rank_prefix[source]];
         recv.src_idx[row] = static_cast<int32_t>(token);
     }
@@ -593,22 +593,6 @@ __device__ __forceinline__ int sent_before(const int32_t* send_prefix, int num_t
                                            int dst) {
     const int64_t units = (num_tokens + kRoundUnitTokens - 1) / kRoundUnitTokens;
     return send_prefix[min(token / kRoundUnitTokens, units) * num_ranks + dst];
-}
-
-// Warp-wide: the first index in [lo, hi) whose value is at least `key`, or hi; the values ascend.
-// Each step probes kWarpSize evenly spaced values at once.
-__device__ int warp_lower_bound(const int32_t* values, int lo, int hi, int64_t key, int lane) {
-    while (hi - lo > kWarpSize) {
-        const int step = (hi - lo + kWarpSize - 1) / kWarpSize;
-        const int probe = lo + lane * step;
-        const int below = __popc(__ballot_sync(kFullWarpMask, probe < hi && values[probe] < key));
-        if (below == 0)
-            return lo;
-        const int base = lo;
-        lo = base + (below - 1) * step + 1;
-        hi = min(hi, base + below * step);
-    }
-    return lo + __popc(__ballot_sync(kFullWarpMask, lo + lane < hi && values[lo + lane] < key));
 }
 
 // Warp `warp` < num_ranks of a block: the rows this rank received from source `warp` whose source
@@ -847,7 +831,8 @@ receive_routing(int args_num_topk, const uint64_t* args_peer_bases, const int32_
         const int64_t first_local = static_cast<int64_t>(rank) * experts_per_rank;
         const int warp = blockIdx.x * kWarpsPerBlock + warp_in_block;
         for (int first = warp * kWarpSize; first < num_recv; first += num_warps * kWarpSize)
-            route_rows(plans, rank_prefix, first, num_recv, num_topk, recv, first_local, experts_per_rank, lane);
+            route_rows(plans, rank_prefix, num_ranks, first, num_recv, num_topk, recv, first_local, experts_per_rank,
+                       lane);
     }
     finish_dispatch(peer_bases, rank, num_ranks, start.epoch, start.call, args.state, args.next_row, deadline_ns,
                     status);
