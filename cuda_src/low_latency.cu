@@ -1276,7 +1276,8 @@ struct CombineArgs {
                                    // nullptr where num_topk > kChoiceSlots, and in shrink mode: such a pair waits
     uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits,
                                    // in a launch that also receives
-    uint64_t hook_split_after_ns;  // the same in a hook's send (a launch of the send phase alone); 0: one look
+    uint64_t hook_split_after_ns;  // the same in a hook's send (a launch of the send phase alone; set per launch
+                                   // by the host); 0: one look
     uint64_t* weight_staging;      // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
@@ -1497,9 +1498,9 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     // A pair that may split (send_partial) looks for its source's weights until split_ns, then splits. A
     // launch that receives too waits for its peers anyway, so its pairs look for split_after_ns, which keeps
     // ranks in step (graph replays) at one partial per pair. A hook's send (this launch does not receive)
-    // looks for hook_split_after_ns (CUEP_COMBINE_HOOK_SPLIT_US; 0 by default: it looks once and waits for
-    // no peer). A pair that may not split (a put peer, more than kChoiceSlots choices, shrink mode) waits
-    // for its weights in either launch.
+    // looks for hook_split_after_ns: as long, where the host captured it into a CUDA graph, else
+    // CUEP_COMBINE_HOOK_SPLIT_US (0 by default: one look, no wait for a peer). A pair that may not split (a
+    // put peer, more than kChoiceSlots choices, shrink mode) waits for its weights in either launch.
     const uint64_t split_ns =
         globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : a.hook_split_after_ns);
     // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.

@@ -118,9 +118,9 @@ _TABLE: tuple[EnvVar, ...] = (
            "docs/low-latency.md names the tokens that wait instead); read when a Buffer is made",
            _parse_microseconds, "runtime"),
     EnvVar("CUEP_COMBINE_HOOK_SPLIT_US", "microseconds", 0.0,
-           "the same look in a hook's combine send (return_recv_hook; 0: one look, no wait): time for the weights of "
-           "peers that started with this rank to land, not for a late one (docs/low-latency.md has the trade); read "
-           "when a Buffer is made",
+           "the same look in an eager hook's combine send (return_recv_hook; 0: one look, no wait; one captured into "
+           "a CUDA graph looks for CUEP_COMBINE_SPLIT_US): time for the weights of peers that started with this rank "
+           "to land, not for a late one (docs/low-latency.md has the trade); read when a Buffer is made",
            _parse_microseconds, "runtime"),
 )
 

@@ -141,18 +141,27 @@ def test_a_combine_sets_its_handle_s_addresses_and_its_choices_on_its_pooled_out
         gc.collect()
 
 
-def test_a_combine_s_struct_carries_both_looks_for_the_weights(ctx, monkeypatch):
-    """The combine's send looks for its sources' weights for split_after_ns in a launch that also receives, for
-    hook_split_after_ns in a hook's send (CUEP_COMBINE_SPLIT_US, CUEP_COMBINE_HOOK_SPLIT_US; the kernel picks by
-    the launch's phases)."""
+def test_a_hook_s_combine_send_looks_for_the_weights_as_long_as_a_whole_combine_when_captured(ctx, monkeypatch):
+    """How long a combine's send looks for its sources' weights: a launch that also receives, split_after_ns
+    (CUEP_COMBINE_SPLIT_US); a hook's send captured into a CUDA graph, the same; an eager one,
+    hook_split_after_ns (CUEP_COMBINE_HOOK_SPLIT_US, 0 by default)."""
     from cuep import env
+    from cuep.kernels import launcher
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(
+        (self.args.phases, self.args.split_after_ns, self.args.hook_split_after_ns)))
     x, topk_idx = inputs()
     *_, handle, _, _ = dispatch(ctx, x, topk_idx)
     expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
     shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx,
                                                     torch.zeros((5, 2), dtype=torch.float32), handle, None, None)
     _, run = low_latency.combine(ctx, shape, handle, *addresses)
-    assert (run.args.split_after_ns, run.args.hook_split_after_ns) == (20_000, 5_000)
+    capturing = types.SimpleNamespace(ptr=1, is_capturing=lambda: True)
+    run(FakeStream(), SEND_PHASE)
+    run(capturing, SEND_PHASE)
+    run(FakeStream(), SEND_PHASE | RECV_PHASE)
+    assert launched == [(SEND_PHASE, 20_000, 5_000), (SEND_PHASE, 20_000, 20_000),
+                        (SEND_PHASE | RECV_PHASE, 20_000, 20_000)]  # the last reads split_after_ns only
     for name in ("CUEP_COMBINE_SPLIT_US", "CUEP_COMBINE_HOOK_SPLIT_US"):
         monkeypatch.delenv(name, raising=False)
     assert env.get("CUEP_COMBINE_SPLIT_US") == 20.0 and env.get("CUEP_COMBINE_HOOK_SPLIT_US") == 0.0

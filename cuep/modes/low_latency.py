@@ -166,7 +166,7 @@ class Context:
     force_put: bool
     timeout_ns: int
     split_after_ns: int           # CUEP_COMBINE_SPLIT_US: how long a combine send looks for a source's weights
-    hook_split_after_ns: int      # CUEP_COMBINE_HOOK_SPLIT_US: the same, in a hook's send
+    hook_split_after_ns: int      # CUEP_COMBINE_HOOK_SPLIT_US: the same, in a hook's send outside a CUDA graph
     seq_state: Any                # [SEQ_WORDS] uint64 device array
     status: Any                   # [STATUS_WORDS] int32 device array
     status_host_ptr: int          # device address of the pinned host mirror of ``status``
@@ -399,6 +399,24 @@ class Run:
         self.launch(stream)
 
 
+class CombineRun(Run):
+    """A combine's :class:`Run`, which also sets how long a hook's send looks for its peers' weights before it
+    sends a token's several rows one by one: captured into a CUDA graph, as long as a combine that also receives
+    (``CUEP_COMBINE_SPLIT_US``), since ranks replaying graphs run in step; eager, ``CUEP_COMBINE_HOOK_SPLIT_US``
+    (0 by default: one look, no wait for a peer)."""
+
+    __slots__ = ("captured_look_ns", "eager_look_ns")
+
+    def __init__(self, launch: Launch, captured_look_ns: int, eager_look_ns: int):
+        super().__init__(launch)
+        self.captured_look_ns, self.eager_look_ns = captured_look_ns, eager_look_ns
+
+    def __call__(self, stream, phases: int) -> None:
+        if phases == SEND_PHASE:
+            self.args.hook_split_after_ns = self.captured_look_ns if stream.is_capturing() else self.eager_look_ns
+        super().__call__(stream, phases)
+
+
 def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool,
                      use_ue8m0: bool, x_dtype) -> tuple[dict[str, View], int]:
     """Where a dispatch's outputs and its handle's arrays sit in the call's one allocation, and its bytes."""
@@ -617,7 +635,7 @@ def _combine_plan(ctx: Context, key: tuple) -> Plan:
     # Shrink mode keeps each rank's messages in slots of its own: a masked rank that still runs must not
     # overwrite a live rank's rows, as it could in the choice slots. There a pair of several rows waits.
     a.choice_flags, a.choice_slots = choice_flags, 0 if ctx.shrink else data + layout.choice_slots
-    a.split_after_ns, a.hook_split_after_ns = ctx.split_after_ns, ctx.hook_split_after_ns
+    a.split_after_ns = ctx.split_after_ns  # hook_split_after_ns: per launch (CombineRun)
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
     ctx.function(COMBINE_ENTRY)
@@ -628,7 +646,8 @@ def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs,
     """A combine's argument struct writing into ``out`` (an address), and its :class:`Run`."""
     a = plan.arguments(CombineArgs)
     a.combined_x = out
-    return a, Run(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes))
+    return a, CombineRun(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes), ctx.split_after_ns,
+                         ctx.hook_split_after_ns)
 
 
 def _attach_combine(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:
@@ -669,7 +688,7 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
 
 
 __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
-           "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "Context", "DataLayout", "DispatchCall", "Handle", "Plan",
+           "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall", "Handle", "Plan",
            "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch", "combine",
            "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
            "flags_bytes", "mask_bytes", "size_hint"]
