@@ -88,8 +88,8 @@
 #include <cuep/common.cuh>
 #include <cuep/copy.cuh>
 #include <cuep/network.cuh>
-#include <cuep/search.cuh>
 #include <cuep/ptx.cuh>
+#include <cuep/search.cuh>
 #include <cuep/sync.cuh>
 
 namespace cuep {

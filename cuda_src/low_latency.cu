@@ -17,9 +17,9 @@
 //   send: every source s publishes its top-k weights to every rank; r then sums, in FP32, the
 //         weighted outputs of its local experts for each (s, t) it received and writes that one
 //         BF16 partial into slot (r, t) of s's buffer, so each (token, rank) pair crosses once. The
-//         send never waits for a peer: a pair of several rows whose weights have not arrived yet
-//         goes as its rows, unweighted, into choice slots (t, k) of s (direct peers; a put peer's
-//         pair waits for the weights).
+//         send waits for no peer beyond a bounded look (combine_send says how long): a pair of
+//         several rows whose weights have not arrived by then goes as its rows, unweighted, into
+//         choice slots (t, k) of s (direct peers; a put peer's pair waits for the weights).
 //   recv: s adds, in FP32, the partials of every rank that held one of its token's experts (or their
 //         rows, weighted here).
 // Peers reachable by load/store (nvshmem_ptr) get direct stores then a release store of the flag;

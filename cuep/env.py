@@ -113,9 +113,10 @@ _TABLE: tuple[EnvVar, ...] = (
            "hand a low-latency call's outputs out again once the caller lets go of them (docs/low-latency.md); "
            "0 allocates them anew for every call; read when a Buffer is made", _parse_bool, "runtime"),
     EnvVar("CUEP_COMBINE_SPLIT_US", "microseconds", 20.0,
-           "how long a low-latency combine that also receives looks for a late source's top-k weights before it "
-           "sends the rows of a token it holds several experts of one by one (more bytes, no wait; "
-           "docs/low-latency.md names the tokens that wait instead); read when a Buffer is made",
+           "how long a low-latency combine that also receives, or a hook's combine send captured into a CUDA graph, "
+           "looks for a late source's top-k weights before it sends the rows of a token it holds several experts of "
+           "one by one (more bytes, no wait; docs/low-latency.md names the tokens that wait instead); 0: one look; "
+           "read when a Buffer is made",
            _parse_microseconds, "runtime"),
     EnvVar("CUEP_COMBINE_HOOK_SPLIT_US", "microseconds", 0.0,
            "the same look in an eager hook's combine send (return_recv_hook; 0: one look, no wait; one captured into "

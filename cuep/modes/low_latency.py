@@ -688,7 +688,7 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
 
 
 __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
-           "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall", "Handle",
-           "Plan", "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch", "combine",
-           "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
+           "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall",
+           "Handle", "Plan", "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch",
+           "combine", "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
            "flags_bytes", "mask_bytes", "size_hint"]
