@@ -574,9 +574,10 @@ class Buffer:
         *_, handle, _, dispatch = low_latency.dispatch(ctx, no_tokens, pointer(x), pointer(topk_idx), 0, 0,
                                                        reuse_outputs=False)
         dispatch(stream, both)
-        combine = low_latency.CombineCall.of(max_tokens, hidden, num_experts, 0, 1, True)
-        low_latency.combine(ctx, combine, handle, pointer(x), pointer(topk_idx), pointer(weights), out, 0)[1](stream,
-                                                                                                             both)
+        no_tokens_back = low_latency.CombineCall.of(max_tokens, hidden, num_experts, 0, 1, True)
+        _, combine = low_latency.combine(ctx, no_tokens_back, handle, pointer(x), pointer(topk_idx), pointer(weights),
+                                         out, 0)
+        combine(stream, both)
         stream.synchronize()
         self._resources.raise_if_failed()
 

@@ -402,18 +402,19 @@ class Run:
 class CombineRun(Run):
     """A combine's :class:`Run`, which also sets how long a hook's send looks for its peers' weights before it
     sends a token's several rows one by one: captured into a CUDA graph, as long as a combine that also receives
-    (``CUEP_COMBINE_SPLIT_US``), since ranks replaying graphs run in step; eager, ``CUEP_COMBINE_HOOK_SPLIT_US``
-    (0 by default: one look, no wait for a peer)."""
+    (the struct's ``split_after_ns``, ``CUEP_COMBINE_SPLIT_US``), since ranks replaying graphs run in step; eager,
+    ``eager_look_ns`` (``CUEP_COMBINE_HOOK_SPLIT_US``, 0 by default: one look, no wait for a peer)."""
 
-    __slots__ = ("captured_look_ns", "eager_look_ns")
+    __slots__ = ("eager_look_ns",)
 
-    def __init__(self, launch: Launch, captured_look_ns: int, eager_look_ns: int):
+    def __init__(self, launch: Launch, eager_look_ns: int):
         super().__init__(launch)
-        self.captured_look_ns, self.eager_look_ns = captured_look_ns, eager_look_ns
+        self.eager_look_ns = eager_look_ns
 
     def __call__(self, stream, phases: int) -> None:
         if phases == SEND_PHASE:
-            self.args.hook_split_after_ns = self.captured_look_ns if stream.is_capturing() else self.eager_look_ns
+            args = self.args
+            args.hook_split_after_ns = args.split_after_ns if stream.is_capturing() else self.eager_look_ns
         super().__call__(stream, phases)
 
 
@@ -646,7 +647,7 @@ def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs,
     """A combine's argument struct writing into ``out`` (an address), and its :class:`Run`."""
     a = plan.arguments(CombineArgs)
     a.combined_x = out
-    return a, CombineRun(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes), ctx.split_after_ns,
+    return a, CombineRun(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes),
                          ctx.hook_split_after_ns)
 
 
