@@ -258,27 +258,47 @@ struct MaskedStatus {
 // each an error at once, never a wait that times out or data overwritten unseen.
 __device__ __forceinline__ int buffer_of(uint64_t seq) { return static_cast<int>(seq % kNumBuffers); }
 
-// Thread 0 of a block: the call this launch makes or completes, and the rule it breaks (0: none).
+// The newest call received on each buffer (kSeqReceived), as one launch reads them.
+struct ReceivedCalls {
+    static_assert(kNumBuffers == 4, "one word a buffer below");
+    uint64_t buffer0, buffer1, buffer2, buffer3;
+
+    // The newest call received on call's buffer (selected: an indexed array would live in local memory).
+    __device__ __forceinline__ uint64_t on_buffer_of(uint64_t call) const {
+        const int b = buffer_of(call);
+        return b < 2 ? (b == 0 ? buffer0 : buffer1) : (b == 2 ? buffer2 : buffer3);
+    }
+};
+
+// Thread 0 of a block: the call this launch makes or completes, and the rule it breaks (0: none). Every
+// word it may need is loaded at once, before the call's number is known (which buffer's word counts
+// depends on it): a launch right after other work finds them cold, and each dependent read would wait
+// in turn.
 template <typename Args>
 __device__ __forceinline__ int32_t check_call(const Args& a, uint64_t& seq) {
-    const uint64_t* received = a.seq_state + kSeqReceived;
+    const bool sends = a.phases & kSendPhase;
+    // The record is the call's own allocation, unwritten until its send ran.
+    const uint64_t recorded = ld_volatile_global(a.call_record);
+    const uint64_t latest = ld_volatile_global(a.seq_state + kSeqLatest);
+    const uint64_t* words = a.seq_state + kSeqReceived;
+    const ReceivedCalls received{ld_volatile_global(words), ld_volatile_global(words + 1), ld_volatile_global(words + 2),
+                                 ld_volatile_global(words + 3)};
     int32_t broken = 0;
-    if (a.phases & kSendPhase) {
-        seq = ld_volatile_global(a.seq_state + kSeqLatest) + 1;
+    if (sends) {
+        seq = latest + 1;
         // Every call up to seq - 2 received (the sends before this one checked the older ones).
-        if ((seq > 2 && ld_volatile_global(received + buffer_of(seq - 2)) < seq - 2) ||
-            (seq > 3 && ld_volatile_global(received + buffer_of(seq - 3)) < seq - 3))
+        if ((seq > 2 && received.on_buffer_of(seq - 2) < seq - 2) ||
+            (seq > 3 && received.on_buffer_of(seq - 3) < seq - 3))
             broken = kCallOrderInFlight;
-        else if (handle_busy(a, received))  // a combine's own rule (found by argument type: below the structs)
+        else if (handle_busy(a, recorded, received))  // a combine's own rule (by argument type: below the structs)
             broken = kCallOrderHandleBusy;
     } else {
-        // The record is the call's own allocation, unwritten until its send ran: a number that is not one
-        // of the two newest sends (a pending receive's, under the rules) is no call of this handle's.
-        seq = ld_volatile_global(a.call_record);
-        const uint64_t latest = ld_volatile_global(a.seq_state + kSeqLatest);
+        // A recorded number that is not one of the two newest sends (a pending receive's, under the
+        // rules) is no call of this handle's.
+        seq = recorded;
         if (seq == 0 || seq > latest || seq + 1 < latest)
             broken = kCallOrderUnsent;
-        else if (ld_volatile_global(received + buffer_of(seq)) >= seq)
+        else if (received.on_buffer_of(seq) >= seq)
             broken = kCallOrderReceived;
     }
     return broken;
@@ -674,7 +694,7 @@ __device__ __forceinline__ DispatchArgs in_buffer(DispatchArgs a, uint64_t seq) 
 // A dispatch's send checks no more than every send (check_call). Its record is its own allocation's: it
 // records its number, or 0 when refused (its hook is then refused, kCallOrderUnsent), and zeroes the
 // handle's combine record (the word after its own), which each combine of the handle then sets.
-__device__ __forceinline__ bool handle_busy(const DispatchArgs&, const uint64_t*) { return false; }
+__device__ __forceinline__ bool handle_busy(const DispatchArgs&, uint64_t, const ReceivedCalls&) { return false; }
 __device__ __forceinline__ void record_call(const DispatchArgs& a, uint64_t seq, bool in_order) {
     a.call_record[0] = in_order ? seq : 0;
     a.call_record[1] = 0;
@@ -1308,11 +1328,10 @@ __device__ __forceinline__ CombineArgs in_buffer(CombineArgs a, uint64_t seq) {
     return a;
 }
 
-// A combine's send, besides: its handle's combine record names no combine still in flight (each combine
-// of a handle records its number there, where its hook finds it: two at once would share it).
-__device__ __forceinline__ bool handle_busy(const CombineArgs& a, const uint64_t* received) {
-    const uint64_t previous = ld_volatile_global(a.call_record);
-    return previous != 0 && ld_volatile_global(received + buffer_of(previous)) < previous;
+// A combine's send, besides: its handle's combine record (`recorded`) names no combine still in flight
+// (each combine of a handle records its number there, where its hook finds it: two at once would share it).
+__device__ __forceinline__ bool handle_busy(const CombineArgs&, uint64_t recorded, const ReceivedCalls& received) {
+    return recorded != 0 && received.on_buffer_of(recorded) < recorded;
 }
 // A refused combine leaves the record to the combine it names, whose hook still finds it.
 __device__ __forceinline__ void record_call(const CombineArgs& a, uint64_t seq, bool in_order) {
@@ -1546,6 +1565,20 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
         r = id >= 0 ? id / (a.num_experts / a.num_ranks) : -1;
         weight = a.topk_weights[choice];
     }
+    // Every flag this token may wait for, read beside its choices rather than after them (a hook's
+    // receive finds them all cold), one a lane: lane r < R rank r's partial flag, lane R + k choice k's
+    // row flag where rows may come (and the warp has a lane for each). The waits below then start from
+    // values in hand. A lane's acquire orders the whole block's later reads (the barrier after this).
+    const bool rows_early = a.choice_slots != nullptr && a.num_ranks + a.num_topk <= kWarpSize;
+    const uint64_t* early_word =
+        lane < a.num_ranks ? a.token_flags + static_cast<int64_t>(lane) * a.flag_stride + t
+        : rows_early && lane < a.num_ranks + a.num_topk
+            ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane - a.num_ranks
+            : nullptr;
+    const uint64_t early_flag = early_word != nullptr ? ld_acquire_sys_global(early_word) : 0;
+    const bool rank_known = r >= 0 && r < kWarpSize, choice_known = rows_early && lane < a.num_topk;
+    const uint64_t rank_flag = __shfl_sync(kFullWarpMask, early_flag, rank_known ? r : 0);
+    const uint64_t choice_flag = __shfl_sync(kFullWarpMask, early_flag, choice_known ? a.num_ranks + lane : 0);
     const uint32_t same_rank = __match_any_sync(kFullWarpMask, r);  // every lane: a full-mask intrinsic
     const int leader = __ffs(same_rank) - 1;
     const int choices = __popc(same_rank);
@@ -1558,8 +1591,13 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
         // The rank's partial, or (several choices) the first of its rows sent one by one.
-        form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq, deadline_ns,
-                                a.status, r, kPhaseLowLatencyPartial);
+        if (rank_known && rank_flag == seq)
+            form = 1;
+        else if (row_flag != nullptr && choice_known && choice_flag == seq)
+            form = 2;
+        else
+            form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq,
+                                    deadline_ns, a.status, r, kPhaseLowLatencyPartial);
         add_wait(a.wait_stats, r, started);
     }
     form = __shfl_sync(kFullWarpMask, form, leader);
@@ -1572,8 +1610,8 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
     } else if (form == 2) {
         adds = true;
         const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + lane;
-        if (lane == leader || wait_for_call(a.choice_flags + choice, seq, deadline_ns, a.status, r,
-                                            kPhaseLowLatencyPartial))
+        if (lane == leader || (choice_known && choice_flag == seq) ||
+            wait_for_call(a.choice_flags + choice, seq, deadline_ns, a.status, r, kPhaseLowLatencyPartial))
             part = a.choice_slots + choice * a.slot_bytes;
     }
     const uint32_t adding = __ballot_sync(kFullWarpMask, adds);
@@ -1643,15 +1681,16 @@ __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_
 }
 
 static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
+    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
+        combine_token(a, t, seq, deadline_ns);
+    trace_block(a.trace, kTraceTokensSummed);
     // The receive completes only once every live peer has sent this call (its weights flag, raised first):
-    // a partial-free peer too, so that the call order's bound on how far a peer runs ahead holds.
+    // a partial-free peer too, so that the call order's bound on how far a peer runs ahead holds. Checked
+    // after block 0's tokens, which need none of it (a peer with partials for them raised it before them).
     if (blockIdx.x == 0)
         for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x)
             if (!a.status.is_masked(s))
                 wait_for_call(a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x)
-        combine_token(a, t, seq, deadline_ns);
-    trace_block(a.trace, kTraceTokensSummed);
 }
 
 }  // namespace cuep
