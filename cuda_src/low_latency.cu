@@ -1590,10 +1590,13 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
         const uint64_t* row_flag = choices > 1 && a.choice_slots != nullptr
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
-        // The rank's partial, or (several choices) the first of its rows sent one by one.
-        if (rank_known && rank_flag == seq)
+        // The rank's partial, or (several choices) the first of its rows sent one by one. An early value
+        // decides only where the other flag read early is not past seq either: a flag past it means a
+        // newer call overtook this one, which wait_for_call_on reports.
+        const bool choice_early = row_flag != nullptr && choice_known;
+        if (rank_known && rank_flag == seq && (!choice_early || choice_flag <= seq))
             form = 1;
-        else if (row_flag != nullptr && choice_known && choice_flag == seq)
+        else if (choice_early && choice_flag == seq && rank_known && rank_flag <= seq)
             form = 2;
         else
             form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq,
@@ -1686,7 +1689,7 @@ static __device__ void combine_recv(const CombineArgs& a, uint64_t seq, uint64_t
     trace_block(a.trace, kTraceTokensSummed);
     // The receive completes only once every live peer has sent this call (its weights flag, raised first):
     // a partial-free peer too, so that the call order's bound on how far a peer runs ahead holds. Checked
-    // after block 0's tokens, which need none of it (a peer with partials for them raised it before them).
+    // after block 0's tokens, which do not read the peers' weights.
     if (blockIdx.x == 0)
         for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x)
             if (!a.status.is_masked(s))
