@@ -432,16 +432,25 @@ __device__ __forceinline__ bool wait_for_word(const uint64_t* word, uint64_t seq
                       deadline_ns, status, peer, phase);
 }
 
+// Values of the flags of a wait_for_call_on already acquired before it (a receive reads them beside its
+// other first loads); a flag not read early is loaded by the wait's first poll as any other.
+struct FlagsRead {
+    bool first_read = false, second_read = false;
+    uint64_t first = 0, second = 0;
+};
+
 // Wait until `peer`'s flag `first`, or its flag `second` where given, reaches call seq (acquire): 1 or 2,
 // which one did; 0 if the wait gave up, or if a flag went past seq: a newer call of the peer overtook
-// this one (reported; its data may be overwritten).
+// this one (reported; its data may be overwritten). The first poll takes the values in `early`.
 __device__ __forceinline__ int wait_for_call_on(const uint64_t* first, const uint64_t* second, uint64_t seq,
-                                                uint64_t deadline_ns, const MaskedStatus& status, int peer, int phase) {
+                                                uint64_t deadline_ns, const MaskedStatus& status, int peer, int phase,
+                                                FlagsRead early = FlagsRead{}) {
     uint64_t first_seen = 0, second_seen = 0;
     const bool came = wait_until(
         [&] {
-            first_seen = ld_acquire_sys_global(first);
-            second_seen = second != nullptr ? ld_acquire_sys_global(second) : 0;
+            first_seen = early.first_read ? early.first : ld_acquire_sys_global(first);
+            second_seen = second == nullptr ? 0 : early.second_read ? early.second : ld_acquire_sys_global(second);
+            early = FlagsRead{};
             return first_seen >= seq || second_seen >= seq;
         },
         [] {}, deadline_ns, status, peer, phase);
@@ -1590,17 +1599,11 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
         const uint64_t* row_flag = choices > 1 && a.choice_slots != nullptr
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
-        // The rank's partial, or (several choices) the first of its rows sent one by one. An early value
-        // decides only where the other flag read early is not past seq either: a flag past it means a
-        // newer call overtook this one, which wait_for_call_on reports.
-        const bool choice_early = row_flag != nullptr && choice_known;
-        if (rank_known && rank_flag == seq && (!choice_early || choice_flag <= seq))
-            form = 1;
-        else if (choice_early && choice_flag == seq && rank_known && rank_flag <= seq)
-            form = 2;
-        else
-            form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq,
-                                    deadline_ns, a.status, r, kPhaseLowLatencyPartial);
+        // The rank's partial, or (several choices) the first of its rows sent one by one, from the values
+        // read early where there are.
+        form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq,
+                                deadline_ns, a.status, r, kPhaseLowLatencyPartial,
+                                FlagsRead{rank_known, row_flag != nullptr && choice_known, rank_flag, choice_flag});
         add_wait(a.wait_stats, r, started);
     }
     form = __shfl_sync(kFullWarpMask, form, leader);
@@ -1613,8 +1616,8 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
     } else if (form == 2) {
         adds = true;
         const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + lane;
-        if (lane == leader || (choice_known && choice_flag == seq) ||
-            wait_for_call(a.choice_flags + choice, seq, deadline_ns, a.status, r, kPhaseLowLatencyPartial))
+        if (lane == leader || wait_for_call_on(a.choice_flags + choice, nullptr, seq, deadline_ns, a.status, r,
+                                               kPhaseLowLatencyPartial, FlagsRead{choice_known, false, choice_flag}))
             part = a.choice_slots + choice * a.slot_bytes;
     }
     const uint32_t adding = __ballot_sync(kFullWarpMask, adds);
