@@ -8,11 +8,14 @@
 // flag is a uint64 that only grows: call `seq` raises its flags to `seq`, so nothing is ever reset.
 //
 // Dispatch (rank s sends its T tokens; every rank holds L = E / R experts):
-//   send: s publishes its routing table (T and its top-k ids) to every rank, each block the rows of
-//         its own tokens, then writes each token once per destination *rank* (not per expert),
-//         FP8-quantised or BF16, into slot (s, t) of that rank's buffer and raises the slot's flag.
-//   recv: rank r reads every routing table, lays out each local expert's rows by (source rank,
-//         source token), and fans each arrived token out into the rows of its local experts.
+//   send: s lays out its own tokens (map_tokens): each choice's row among s's tokens of its expert,
+//         and each expert's count. It publishes its routing table to every rank (T, the counts of
+//         that rank's experts, and each choice as expert and row), each block the rows of its own
+//         tokens, then writes each token once per destination *rank* (not per expert), FP8-quantised
+//         or BF16, into slot (s, t) of that rank's buffer and raises the slot's flag.
+//   recv: rank r reads every source's token count and its experts' counts, from which each local
+//         expert's rows follow in (source rank, source token) order, and fans each arrived token out
+//         into the rows its choices name.
 // Combine (the reverse; rank r holds the expert outputs x[L, R * T_max, H]):
 //   send: every source s publishes its top-k weights to every rank; r then sums, in FP32, the
 //         weighted outputs of its local experts for each (s, t) it received and writes that one
@@ -86,7 +89,7 @@ constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-ze
 // token's row 16-byte aligned for paired loads.
 constexpr int kRoutingHeaderWords = CUEP_ROUTING_HEADER_WORDS;
 static_assert(kRoutingHeaderWords % 2 == 0, "rows of the routing table are loaded in pairs");
-constexpr int kIdsAtOnce = 8;            // routing-table words a receiver loads (two per load) before checking any
+constexpr int kIdsAtOnce = 8;            // routing-table words a sender loads before laying out any (map_tokens)
 // Loads a thread issues before its first store (batched_copy in cuep/copy.cuh says why); sized to the
 // 128 registers a thread has at 512 threads (more spills).
 constexpr int kCopyBatch = 8;            // receive copy: 16-byte vectors per lane (FP8 7168: 14, two batches)
@@ -107,11 +110,11 @@ static_assert((kSendPhase & kRecvPhase) == 0, "the phases are separate bits");
 // Trace points (trace.cuh): what each is, and what cuep.bench prints for it, is in
 // cuep/kernels/low_latency.py (DISPATCH_TRACE, COMBINE_TRACE). Dispatch:
 constexpr int kTraceStart = CUEP_TRACE_START;
+constexpr int kTraceTokensMapped = CUEP_TRACE_TOKENS_MAPPED;      // this rank's tokens laid out (map_tokens)
 constexpr int kTraceTablePublished = CUEP_TRACE_TABLE_PUBLISHED;  // routing rows (or weight tables) out
 constexpr int kTraceTokensStored = CUEP_TRACE_TOKENS_STORED;      // token stores issued (before their flags)
 constexpr int kTraceSendDone = CUEP_TRACE_SEND_DONE;
-constexpr int kTraceTablesRead = CUEP_TRACE_TABLES_READ;          // every source's routing table arrived
-constexpr int kTraceIdsRead = CUEP_TRACE_IDS_READ;                // every routed id read into the layout
+constexpr int kTraceTablesRead = CUEP_TRACE_TABLES_READ;          // every source's token count and expert counts
 constexpr int kTraceLaidOut = CUEP_TRACE_LAID_OUT;                // the call laid out
 constexpr int kTraceFlagsReleased = CUEP_TRACE_FLAGS_RELEASED;    // latest token flag release that returned
 constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest token flag a receive waited for
@@ -511,15 +514,21 @@ __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uin
 }
 
 // An expert id from the caller's top-k array; ids outside [-1, num_experts) count as -1 and are reported.
-__device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i, int num_experts,
-                                              const MaskedStatus& status) {
-    const int64_t id =
-        ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
+// Split in two for loops that load several ids before checking any: a report between two loads would
+// keep the second from being issued before it (they may alias).
+__device__ __forceinline__ int64_t load_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i) {
+    return ids_are_int64 ? static_cast<const int64_t*>(topk_idx)[i] : static_cast<const int32_t*>(topk_idx)[i];
+}
+__device__ __forceinline__ int checked_expert_id(int64_t id, int num_experts, const MaskedStatus& status) {
     if (id < -1 || id >= num_experts) {
         status.record_bad_expert_id(id, num_experts);
         return -1;
     }
     return static_cast<int>(id);
+}
+__device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i, int num_experts,
+                                              const MaskedStatus& status) {
+    return checked_expert_id(load_expert_id(topk_idx, ids_are_int64, i), num_experts, status);
 }
 
 // Where this GPU can store into `pe`'s copy of a symmetric address, or nullptr when it must put.
@@ -666,6 +675,8 @@ struct DispatchArgs {
     uint64_t* routing_staging;     // [num_ranks][staging_words]: this call's tables, for the put path
     int staging_words;
     uint8_t* slot_staging;         // [max_tokens][slot_bytes]
+    int staged_tokens;             // receiving warps per block that may stage their first token (dispatch_recv)
+    int stage_bytes;               // shared bytes of one staged token: its message, rounded up to 16
     // Outputs
     uint8_t* recv_x;               // [L][num_ranks * max_tokens][hidden] e4m3, or bf16
     void* recv_scales;             // [L][scale columns][num_ranks * max_tokens]: float, or packed UE8M0 int32
@@ -683,9 +694,48 @@ struct DispatchArgs {
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
-// Words per token in a routing table: its choices, rounded up to even so that each token's row is
-// 16-byte aligned and a receiver loads two tagged words at a time.
+// A source's routing table, as each rank holds it (tagged words): the header (kRoutingHeaderWords; word
+// 0 the source's token count), then its counts of tokens for each of that rank's experts (count_words),
+// then each token's routed words (ids_stride each). Both sections are padded to even, so that each token's
+// words are 16-byte aligned.
+__device__ __forceinline__ int count_words(const DispatchArgs& a) { return (a.num_experts / a.num_ranks + 1) & ~1; }
 __device__ __forceinline__ int ids_stride(const DispatchArgs& a) { return (a.num_topk + 1) & ~1; }
+__device__ __forceinline__ int ids_offset(const DispatchArgs& a) { return kRoutingHeaderWords + count_words(a); }
+
+// The dispatch's dynamic shared memory (dispatch_shared_bytes and dispatch_staging in
+// cuep/kernels/low_latency.py size it): the receive's state, then the send's layout of this rank's tokens
+// (map_tokens; a fused dispatch's two teams use their parts at once), then, 16-byte aligned,
+// a.staged_tokens slots of a.stage_bytes for the tokens stage_first_token loads early.
+struct DispatchShared {
+    int32_t* source_tokens;  // [R]: tokens each source sent
+    int32_t* source_first;   // [L][R + 1]: a local expert's first row from each source; entry R: its row count
+    uint32_t* token_bits;    // [E][bit_words]: a bit per (expert, token of this rank)
+    int4* staged;            // [staged_tokens][stage_bytes / 16]
+};
+
+__device__ __forceinline__ DispatchShared dispatch_shared(const DispatchArgs& a) {
+    extern __shared__ __align__(16) int32_t shared[];
+    const int R = a.num_ranks, L = a.num_experts / R;
+    DispatchShared d;
+    d.source_tokens = shared;
+    d.source_first = shared + R;
+    d.token_bits = reinterpret_cast<uint32_t*>(d.source_first + L * (R + 1));
+    constexpr int kWordsPerVector = kBytesPerVector / sizeof(int32_t);
+    const int words = R + L * (R + 1) + a.num_experts * ((a.max_tokens + kWarpSize - 1) / kWarpSize);
+    d.staged = reinterpret_cast<int4*>(shared + (words + kWordsPerVector - 1) / kWordsPerVector * kWordsPerVector);
+    return d;
+}
+
+// A routed word: one choice of a token as its sender laid it out, the expert id in the low kExpertIdBits
+// bits and, above them, the token's row among the sender's tokens of that expert (in token order); or
+// kNoExpert (no expert, and the pad).
+constexpr int kExpertIdBits = CUEP_EXPERT_ID_BITS;
+constexpr uint32_t kNoExpert = ~0u;
+static_assert(kMaxTokensPerRank <= (1 << (32 - kExpertIdBits)) - 1, "a row fits above the expert id");
+__device__ __forceinline__ int routed_expert(uint32_t word) {
+    return word == kNoExpert ? -1 : static_cast<int>(word & ((1u << kExpertIdBits) - 1));
+}
+__device__ __forceinline__ int routed_row(uint32_t word) { return static_cast<int>(word >> kExpertIdBits); }
 
 // The arguments of call seq: its buffer's pointers (start_call, "Call order").
 __device__ __forceinline__ DispatchArgs in_buffer(DispatchArgs a, uint64_t seq) {
@@ -888,23 +938,61 @@ static __device__ void raise_token_flags(const Team& team, const DispatchArgs& a
                         a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t, seq, a.rank, a.trace);
 }
 
-// Routing-table word i (header, then each token's choices padded to ids_stride).
-__device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, int i) {
+// The send's layout of this rank's tokens (dynamic shared memory, after the receive's state): a bit per
+// (expert, token) naming the expert, bit_words(a) words per expert.
+__device__ __forceinline__ int bit_words(const DispatchArgs& a) { return (a.num_tokens + kWarpSize - 1) / kWarpSize; }
+
+// Tokens before t (all of them for t = num_tokens) among those naming the expert of `bits`.
+__device__ __forceinline__ int tokens_before(const uint32_t* bits, int t) {
+    int count = t % kWarpSize != 0 ? __popc(bits[t / kWarpSize] & ((1u << (t % kWarpSize)) - 1)) : 0;
+    for (int w = 0; w < t / kWarpSize; ++w)
+        count += __popc(bits[w]);
+    return count;
+}
+
+// Team-wide, before the send publishes anything: the bitmap of this rank's tokens per expert (a token
+// naming an expert twice counts once), from which routing_word takes each choice's row and each expert's
+// count. Ends with a team barrier.
+static __device__ void map_tokens(const Team& team, const DispatchArgs& a, uint32_t* bits) {
+    const int words = bit_words(a);
+    for (int i = team.thread(); i < a.num_experts * words; i += team.size)
+        bits[i] = 0;
+    team.sync();
+    batched_copy<int64_t, kIdsAtOnce>(team.thread(), team.size, a.num_tokens * a.num_topk,
+                                      [&](int i) { return load_expert_id(a.topk_idx, a.ids_are_int64, i); },
+                                      [&](int i, int64_t loaded) {
+                                          const int id = checked_expert_id(loaded, a.num_experts, a.status);
+                                          const int t = i / a.num_topk;
+                                          if (id >= 0)
+                                              atomicOr(bits + id * words + t / kWarpSize, 1u << (t % kWarpSize));
+                                      });
+    team.sync();
+}
+
+// Word i of the routing table this rank sends to rank pe (count_words says how it is laid out), from
+// the send's layout (map_tokens).
+__device__ __forceinline__ uint32_t routing_word(const DispatchArgs& a, const uint32_t* bits, int pe, int i) {
     if (i < kRoutingHeaderWords)
         return i == 0 ? static_cast<uint32_t>(a.num_tokens) : 0u;
+    const int L = a.num_experts / a.num_ranks, words = bit_words(a);
+    if (i < ids_offset(a)) {  // pe's expert e: how many of this rank's tokens name it
+        const int e = i - kRoutingHeaderWords;
+        return e < L ? static_cast<uint32_t>(tokens_before(bits + (pe * L + e) * words, a.num_tokens)) : 0u;
+    }
     const int stride = ids_stride(a);
-    const int t = (i - kRoutingHeaderWords) / stride, k = (i - kRoutingHeaderWords) % stride;
-    return k < a.num_topk ? static_cast<uint32_t>(read_expert_id(a.topk_idx, a.ids_are_int64,
-                                                                  static_cast<int64_t>(t) * a.num_topk + k,
-                                                                  a.num_experts, a.status))
-                          : ~0u;  // the pad
+    const int t = (i - ids_offset(a)) / stride, k = (i - ids_offset(a)) % stride;
+    const int id = k < a.num_topk ? read_expert_id(a.topk_idx, a.ids_are_int64, static_cast<int64_t>(t) * a.num_topk + k,
+                                                   a.num_experts, a.status)
+                                  : -1;  // the pad
+    return id < 0 ? kNoExpert
+                  : static_cast<uint32_t>(tokens_before(bits + id * words, t)) << kExpertIdBits | static_cast<uint32_t>(id);
 }
 
 // Shrink mode, by each sending block's leader once its rows went out: the last one stores the header
 // (the token count) to every direct peer. A receiver that sees a header then finds every word of the
 // table, so the blocks of a receive agree on what a source sent even when the source is lost in the
 // middle of its send (agree_on_source).
-static __device__ void publish_header_last(const DispatchArgs& a, uint64_t seq) {
+static __device__ void publish_header_last(const DispatchArgs& a, const uint32_t* bits, uint64_t seq) {
     __threadfence_system();  // this block's rows (the team's barrier ordered them before this thread)
     auto* published = reinterpret_cast<unsigned long long*>(a.seq_state + kSeqRowsPublished + a.buffer);
     if (atomicAdd(published, 1ull) != gridDim.x - 1)
@@ -916,31 +1004,34 @@ static __device__ void publish_header_last(const DispatchArgs& a, uint64_t seq) 
                                          a.force_put);
         if (table != nullptr && !a.status.is_masked(pe))
             for (int w = 0; w < kRoutingHeaderWords; ++w)
-                st_relaxed_sys_global(table + w, tagged_word(seq, routing_word(a, w)));
+                st_relaxed_sys_global(table + w, tagged_word(seq, routing_word(a, bits, pe, w)));
     }
 }
 
 // Team-wide: this block's tokens' rows of the routing table of every direct (NVLink) peer, and from
-// block 0 the header and the flag a receiver that takes this rank for a put peer waits for (it then
-// polls the tagged words like everyone else). Each block stores its rows just before its own token
-// data, so the rows lead that data on the links; tables stored whole by a few blocks queue behind
-// every other block's flood (measured: the layout then waits ~5 us for them at EP4).
-static __device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, uint64_t seq) {
+// block 0 the header, the peer's expert counts and the flag a receiver that takes this rank for a put
+// peer waits for (it then polls the tagged words like everyone else). Each block stores its rows just
+// before its own token data, so the rows lead that data on the links; tables stored whole by a few
+// blocks queue behind every other block's flood (measured: the layout then waits ~5 us for them at EP4).
+static __device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, const uint32_t* bits,
+                                                uint64_t seq) {
     const int stride = ids_stride(a);
     const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
     const int own_tokens = a.num_tokens > block ? (a.num_tokens - 1 - block) / grid + 1 : 0;
     const bool header_last = a.status.masked != nullptr;  // shrink mode: publish_header_last
-    const int header_words = block == 0 && !header_last ? kRoutingHeaderWords : 0;
-    const int per_peer = header_words + own_tokens * stride;
+    // Block 0's words before the tokens' rows: the header (unless it comes last) and the counts.
+    const int first_word = header_last ? kRoutingHeaderWords : 0;
+    const int lead_words = block == 0 ? ids_offset(a) - first_word : 0;
+    const int per_peer = lead_words + own_tokens * stride;
     for (int i = team.thread(); i < a.num_ranks * per_peer; i += team.size) {
         const int pe = i / per_peer, w = i % per_peer;
         uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
                                          a.force_put);
         if (table == nullptr || a.status.is_masked(pe))
             continue;
-        const int r = w - header_words;
-        const int index = r < 0 ? w : kRoutingHeaderWords + (block + r / stride * grid) * stride + r % stride;
-        st_relaxed_sys_global(table + index, tagged_word(seq, routing_word(a, index)));
+        const int r = w - lead_words;
+        const int index = r < 0 ? first_word + w : ids_offset(a) + (block + r / stride * grid) * stride + r % stride;
+        st_relaxed_sys_global(table + index, tagged_word(seq, routing_word(a, bits, pe, index)));
     }
     if (block == 0)
         for (int pe = team.thread(); pe < a.num_ranks; pe += team.size)
@@ -949,7 +1040,7 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
                 st_relaxed_sys_global(flag, seq);
     team.sync();
     if (header_last && team.leader())
-        publish_header_last(a, seq);
+        publish_header_last(a, bits, seq);
 }
 
 // Whether any peer takes this rank's tables and tokens by put (NVSHMEM) rather than by direct stores.
@@ -965,18 +1056,22 @@ __device__ __forceinline__ bool has_put_peer(const DispatchArgs& a) {
 // grid outnumbers the tokens; every receiver waits for all the tables).
 static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
-    const int table_words = kRoutingHeaderWords + a.num_tokens * ids_stride(a);
+    uint32_t* bits = dispatch_shared(a).token_bits;
+    map_tokens(team, a, bits);
+    if (team.leader())
+        trace_mark(a.trace, kTraceTokensMapped);
+    const int table_words = ids_offset(a) + a.num_tokens * ids_stride(a);
     const bool gated = has_put_peer(a);
     for (int pe = gridDim.x - 1 - blockIdx.x; gated && pe < a.num_ranks; pe += gridDim.x) {
         if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr && !team_sees_masked(team, a.status, pe))
             publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
                           a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words,
-                          [&](int i) { return routing_word(a, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
+                          [&](int i) { return routing_word(a, bits, pe, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
                           a.force_put);
         if (team.leader())
             count_table_sent(a.seq_state, a.buffer, a.num_ranks, seq);
     }
-    publish_own_routing_rows(team, a, seq);
+    publish_own_routing_rows(team, a, bits, seq);
     if (team.leader())
         trace_mark(a.trace, kTraceTablePublished);
     int parity = 0;
@@ -988,43 +1083,9 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
     }
 }
 
-// Token t's choices in source s's routing table.
-__device__ __forceinline__ const uint64_t* routed_ids(const DispatchArgs& a, int s, int t) {
-    return a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords +
-           static_cast<int64_t>(t) * ids_stride(a);
-}
-
-// Choice k of token t from source s, once this block's layout saw every word of the table land (L2
-// loads: no line this SM cached earlier can be stale).
-__device__ __forceinline__ int routed_id(const DispatchArgs& a, int s, int t, int k) {
-    return static_cast<int>(__ldcg(reinterpret_cast<const unsigned long long*>(routed_ids(a, s, t) + k)));
-}
-
-// The receive's shared state (dynamic shared memory; dispatch_shared_bytes in cuep/kernels/low_latency.py
-// sizes it): each source's token count, then the whole call's layout, which every block builds alone
-// from the routing tables: a bit per (local expert, source, token) naming the expert, and the first row
-// of each (expert, source) range, in (source, token) order within each expert.
-struct ReceiveState {
-    int32_t* source_tokens;  // [R]
-    int32_t* source_first;   // [L][R + 1]: an expert's first row from each source; entry R: its row count
-    uint32_t* bits;          // [L][R][words_per_source]
-    int words_per_source;
-};
-
-static __device__ ReceiveState receive_state(const DispatchArgs& a) {
-    extern __shared__ int32_t shared[];
-    const int L = a.num_experts / a.num_ranks;
-    ReceiveState r;
-    r.words_per_source = (a.max_tokens + kWarpSize - 1) / kWarpSize;
-    r.source_tokens = shared;
-    r.source_first = shared + a.num_ranks;
-    r.bits = reinterpret_cast<uint32_t*>(r.source_first + L * (a.num_ranks + 1));
-    return r;
-}
-
-// The bitmap words of (local expert e, source s): a bit per token.
-__device__ __forceinline__ uint32_t* expert_bits(const DispatchArgs& a, const ReceiveState& r, int e, int s) {
-    return r.bits + (static_cast<int64_t>(e) * a.num_ranks + s) * r.words_per_source;
+// Token t's routed words in source s's routing table.
+__device__ __forceinline__ const uint64_t* routed_words(const DispatchArgs& a, int s, int t) {
+    return a.routing + static_cast<int64_t>(s) * a.routing_words + ids_offset(a) + static_cast<int64_t>(t) * ids_stride(a);
 }
 
 // Shrink mode: what every block of this call takes source s to have sent, given what this block saw
@@ -1047,11 +1108,32 @@ __device__ __forceinline__ int agree_on_source(uint64_t* decision, uint64_t seq,
     return static_cast<int>(seen & ((1ull << kCountBits) - 1)) - 1;
 }
 
-// Wait for every source's routing table and keep its token count (0 from a masked source, shrink
-// mode, as every block of the call agrees). Ends with a team barrier.
-static __device__ void read_source_tokens(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
+// Source s's count of tokens for this rank's local expert e, once it landed (0 if the wait gave up).
+__device__ __forceinline__ int read_expert_count(const DispatchArgs& a, int s, int e, uint64_t seq, uint64_t deadline_ns,
+                                                 const MaskedStatus& status) {
+    int count = 0;
+    if (table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, kPhaseLowLatencyRouting))
+        read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords + e, 1, seq,
+                      deadline_ns, status, s, kPhaseLowLatencyRouting,
+                      [&](int, uint32_t tokens) { count = static_cast<int>(tokens); });
+    return min(count, a.max_tokens);
+}
+
+// Wait for every source's token count and its counts of this rank's experts (0 from a masked source,
+// shrink mode, as every block of the call agrees): source s's count of expert e goes to entry s + 1 of
+// e's first rows (lay_out_call sums them). Every word at once, except in shrink mode, where a source's
+// header comes last: its counts are read once the blocks agreed that it sent. Ends with a team barrier.
+static __device__ void read_tables(const Team& team, const DispatchArgs& a, const DispatchShared& d, uint64_t seq,
                                    uint64_t deadline_ns) {
-    for (int s = team.thread(); s < a.num_ranks; s += team.size) {
+    const int R = a.num_ranks, L = a.num_experts / R;
+    const bool shrink = a.source_decisions != nullptr;
+    for (int i = team.thread(); i < R + (shrink ? 0 : R * L); i += team.size) {
+        if (i >= R) {
+            const int s = (i - R) / L, e = (i - R) % L;
+            d.source_first[e * (R + 1) + s + 1] = read_expert_count(a, s, e, seq, deadline_ns, a.status);
+            continue;
+        }
+        const int s = i;
         int sent = -1;
         const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
         if (table_signalled(a.routing_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
@@ -1060,50 +1142,31 @@ static __device__ void read_source_tokens(const Team& team, const DispatchArgs& 
                           kPhaseLowLatencyRouting, [&](int, uint32_t tokens) { sent = static_cast<int>(tokens); });
         if (blockIdx.x == 0)  // every block waits for every table; one counts it
             add_wait(a.wait_stats, s, started);
-        if (a.source_decisions != nullptr)
-            sent = agree_on_source(a.source_decisions + static_cast<int64_t>(a.buffer) * a.num_ranks + s, seq, sent);
-        r.source_tokens[s] = max(0, min(sent, a.max_tokens));
+        if (shrink)
+            sent = agree_on_source(a.source_decisions + static_cast<int64_t>(a.buffer) * R + s, seq, sent);
+        d.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
-            a.source_tokens[s] = r.source_tokens[s];
+            a.source_tokens[s] = d.source_tokens[s];
+    }
+    team.sync();
+    if (!shrink)
+        return;
+    // Unmasked: a source this call counts sent its whole table (agree_on_source), even if masked since.
+    for (int i = team.thread(); i < R * L; i += team.size) {
+        const int s = i / L, e = i % L;
+        d.source_first[e * (R + 1) + s + 1] =
+            d.source_tokens[s] > 0 ? read_expert_count(a, s, e, seq, deadline_ns, a.status.unmasked()) : 0;
     }
     team.sync();
 }
 
-// The call's layout, built by every block alone (the blocks then share nothing): which (source, token)
-// pairs name each local expert, one bit each, and each expert's rows in (source, token) order. Block b
-// also writes the counts and per-source ranges of experts b, b + grid, ... The layout is complete (a team
-// barrier) before those writes.
-static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, const ReceiveState& r, uint64_t seq,
-                                    uint64_t deadline_ns) {
-    const int R = a.num_ranks, L = a.num_experts / R, first_expert = a.rank * L;
-    for (int i = team.thread(); i < L * R * r.words_per_source; i += team.size)
-        r.bits[i] = 0;
-    team.sync();
-    for (int i = team.thread(); i < R * a.max_tokens; i += team.size) {
-        const int s = i / a.max_tokens, t = i % a.max_tokens;
-        if (t >= r.source_tokens[s])
-            continue;
-        // Unmasked: a source this call counts sent its whole table (agree_on_source), even if masked since.
-        read_table<kIdsAtOnce, true>(routed_ids(a, s, t), a.num_topk, seq, deadline_ns, a.status.unmasked(), s,
-                                     kPhaseLowLatencyRouting, [&](int, uint32_t word) {
-                                         const int e = static_cast<int>(word) - first_expert;
-                                         if (e >= 0 && e < L)
-                                             atomicOr(expert_bits(a, r, e, s) + t / kWarpSize, 1u << (t % kWarpSize));
-                                     });
-    }
-    team.sync();
-    if (team.leader())
-        trace_mark(a.trace, kTraceIdsRead);
-    for (int i = team.thread(); i < L * R; i += team.size) {  // each (expert, source)'s rows, at entry s + 1
-        const uint32_t* bits = expert_bits(a, r, i / R, i % R);
-        int rows = 0;
-        for (int w = 0; w < r.words_per_source; ++w)
-            rows += __popc(bits[w]);
-        r.source_first[(i / R) * (R + 1) + i % R + 1] = rows;
-    }
-    team.sync();
-    for (int e = team.thread(); e < L; e += team.size) {  // into first rows (an exclusive sum), then the total
-        int32_t* first = r.source_first + e * (R + 1);
+// The call's layout, from the counts read_tables left: each local expert's first row from each source
+// (an exclusive sum over the sources, so that its rows follow in (source, token) order) and its row
+// count. Block b also writes the counts and per-source ranges of experts b, b + grid, ...
+static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, const DispatchShared& d) {
+    const int R = a.num_ranks, L = a.num_experts / R;
+    for (int e = team.thread(); e < L; e += team.size) {  // into first rows, then the total
+        int32_t* first = d.source_first + e * (R + 1);
         int sum = 0;
         for (int s = 0; s <= R; ++s) {
             const int rows = s < R ? first[s + 1] : 0;
@@ -1113,7 +1176,7 @@ static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, con
     }
     team.sync();
     for (int e = blockIdx.x; e < L; e += gridDim.x) {
-        const int32_t* first = r.source_first + e * (R + 1);
+        const int32_t* first = d.source_first + e * (R + 1);
         for (int s = team.thread(); s < R; s += team.size)
             a.layout_range[static_cast<int64_t>(e) * R + s] =
                 (static_cast<int64_t>(first[s]) << 32) | (first[s + 1] - first[s]);
@@ -1125,13 +1188,31 @@ static __device__ void lay_out_call(const Team& team, const DispatchArgs& a, con
     }
 }
 
-// The row of token t from source s in local expert e, which the token names (lay_out_call's order).
-__device__ __forceinline__ int expert_row(const DispatchArgs& a, const ReceiveState& r, int e, int s, int t) {
-    const uint32_t* bits = expert_bits(a, r, e, s);
-    int row = r.source_first[e * (a.num_ranks + 1) + s] + __popc(bits[t / kWarpSize] & ((1u << (t % kWarpSize)) - 1));
-    for (int w = 0; w < t / kWarpSize; ++w)
-        row += __popc(bits[w]);
-    return row;
+// Pair i of the receive: token i % max_tokens of source i / max_tokens.
+struct Pair {
+    int s, t;
+};
+__device__ __forceinline__ Pair pair_of(const DispatchArgs& a, int i) { return Pair{i / a.max_tokens, i % a.max_tokens}; }
+
+// A warp of the receive whose first pair (`first`) has already arrived when the receive starts loads
+// its message into the warp's shared slot (`order` of a.staged_tokens) at once, so that the load
+// overlaps the wait for the tables rather than following it: a hook's receive, launched after its data
+// landed, then only stores. Returns the slot (receive_token's `staged`), or nullptr where the token has
+// not arrived, or a flag is past the call (receive_token reports it), or the warp has no slot. Its
+// copies are ordinary loads (cp_async_16): each lane's acquire of the flag orders the lane's own.
+static __device__ const int4* stage_first_token(const DispatchArgs& a, const DispatchShared& d, int order, int first,
+                                                uint64_t seq) {
+    if (order >= a.staged_tokens || first >= a.num_ranks * a.max_tokens)
+        return nullptr;
+    const Pair p = pair_of(a, first);
+    const uint64_t flag = ld_acquire_sys_global(a.token_flags + static_cast<int64_t>(p.s) * a.flag_stride + p.t);
+    if (!__all_sync(kFullWarpMask, flag == seq))
+        return nullptr;
+    int4* slot = d.staged + static_cast<int64_t>(order) * (a.stage_bytes / kBytesPerVector);
+    const auto* message = reinterpret_cast<const int4*>(message_slot(a.slots, p.s, p.t, a.max_tokens, a.slot_bytes));
+    for (int v = threadIdx.x % kWarpSize; v < a.stage_bytes / kBytesPerVector; v += kWarpSize)
+        cp_async_16(slot + v, message + v);
+    return slot;
 }
 
 // A warp: values [0, count) loaded once (load(i), lane-strided as in batched_copy), each stored to every
@@ -1160,16 +1241,28 @@ __device__ __forceinline__ void copy_to_targets(int count, uint32_t targets, int
 
 // A warp: token t of source s, once it arrived, into the row of each local expert it names (read once,
 // stored to each row), and its combine_rows entries: the flat row of each choice, -1 for another rank's
-// expert (or none).
-static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& r, int s, int t, uint64_t seq,
-                                     uint64_t deadline_ns) {
+// expert (or none). Its routed words give each choice's expert and row within the expert's rows from s.
+// `staged`: the token's message, already arrived and loaded into shared memory (stage_first_token), or
+// nullptr.
+static __device__ void receive_token(const DispatchArgs& a, const DispatchShared& d, int s, int t, uint64_t seq,
+                                     uint64_t deadline_ns, const int4* staged) {
     const int lane = threadIdx.x % kWarpSize;
-    const int L = a.num_experts / a.num_ranks;
-    const int64_t rows_per_expert = static_cast<int64_t>(a.num_ranks) * a.max_tokens;
-    int e = -1;
+    const int R = a.num_ranks, L = a.num_experts / R;
+    const int64_t rows_per_expert = static_cast<int64_t>(R) * a.max_tokens;
+    int e = -1, row = 0;
     if (lane < a.num_topk) {
-        e = routed_id(a, s, t, lane) - a.rank * L;  // the layout saw every word land
+        uint32_t word = kNoExpert;
+        read_table<1>(routed_words(a, s, t) + lane, 1, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting,
+                      [&](int, uint32_t value) { word = value; });
+        e = routed_expert(word) - a.rank * L;
         e = e >= 0 && e < L ? e : -1;
+        if (e >= 0) {
+            // A row past the source's count (a table that does not match its counts) is dropped, not
+            // stored over another token's row.
+            const int32_t* first = d.source_first + e * (R + 1) + s;
+            row = first[0] + routed_row(word);
+            e = routed_row(word) < first[1] - first[0] ? e : -1;
+        }
     }
     int32_t* choice_rows = a.combine_rows + (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
     if (lane < a.num_topk && e < 0)
@@ -1179,11 +1272,11 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
     const uint32_t targets = __ballot_sync(kFullWarpMask, e >= 0 && __ffs(same_expert) - 1 == lane);
     if (targets == 0)
         return;
-    const int row = e >= 0 ? expert_row(a, r, e, s, t) : 0;
     const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
     // Each lane acquires the flag itself; the warp then goes on only if every lane saw it (the copy below
     // shuffles across the warp).
-    const bool arrived = __all_sync(kFullWarpMask, wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride
+    const bool arrived = staged != nullptr ||
+                         __all_sync(kFullWarpMask, wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride
                                                                  + t, seq, deadline_ns, a.status, s,
                                                                  kPhaseLowLatencyToken));
     if (lane == 0)
@@ -1192,17 +1285,24 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
         return;
     if (lane == 0)
         trace_latest(a.trace, kTraceLastRowFlag);
-    const uint8_t* message = message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
+    if (staged != nullptr) {  // every lane's copies landed (each waits for its own; the warp then syncs)
+        cp_async_wait_all();
+        __syncwarp();
+    }
+    // The message from where it is: shared memory if staged, else this rank's buffer (L2, after the acquire).
+    const uint8_t* message = staged != nullptr ? reinterpret_cast<const uint8_t*>(staged)
+                                               : message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
     const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
     const int4* src = reinterpret_cast<const int4*>(message);
     copy_to_targets<int4>(static_cast<int>(data_bytes / kBytesPerVector), targets, e, row,
-                          [&](int v) { return ld_cg_global(src + v); },
+                          [&](int v) { return staged != nullptr ? src[v] : ld_cg_global(src + v); },
                           [&](int to_e, int to_row, int v, const int4& value) {
                               st_na_global(reinterpret_cast<int4*>(
                                                a.recv_x + (to_e * rows_per_expert + to_row) * data_bytes) + v, value);
                           });
     if (a.use_fp8) {
         const float* scales = reinterpret_cast<const float*>(message + a.hidden);
+        const auto scale = [&](int g) { return staged != nullptr ? scales[g] : __ldcg(scales + g); };
         const int num_scales = a.hidden / kScaleBlock;
         if (a.use_ue8m0) {
             const int num_words = num_scales / kScalesPerUe8m0Word;
@@ -1210,7 +1310,7 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
                 uint32_t word = 0;
 #pragma unroll
                 for (int i = 0; i < kScalesPerUe8m0Word; ++i)
-                    word |= ((__float_as_uint(__ldcg(scales + w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
+                    word |= ((__float_as_uint(scale(w * kScalesPerUe8m0Word + i)) >> 23) & 0xffu) << (8 * i);
                 return static_cast<int32_t>(word);
             };
             copy_to_targets<int32_t>(num_words, targets, e, row, packed_word,
@@ -1219,7 +1319,7 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
                                              [(to_e * num_words + w) * rows_per_expert + to_row] = word;
                                      });
         } else {
-            copy_to_targets<float>(num_scales, targets, e, row, [&](int g) { return __ldcg(scales + g); },
+            copy_to_targets<float>(num_scales, targets, e, row, scale,
                                    [&](int to_e, int to_row, int g, float scale) {
                                        static_cast<float*>(a.recv_scales)
                                            [(to_e * num_scales + g) * rows_per_expert + to_row] = scale;
@@ -1233,24 +1333,30 @@ static __device__ void receive_token(const DispatchArgs& a, const ReceiveState& 
     }
 }
 
-// Lay out the call, then receive every (source, token) pair, a warp each: pair i goes to block i % grid,
-// so that every SM takes a share of the copies (a decode call often has fewer pairs than the grid has
-// warps, and given in order they would fill only the first blocks).
+// Read the tables and lay out the call, then receive every (source, token) pair, a warp each: pair i
+// goes to block i % grid, so that every SM takes a share of the copies (a decode call often has fewer
+// pairs than the grid has warps, and given in order they would fill only the first blocks). The team's
+// first warp reads the tables' headers (read_tables), so it takes the last share of pairs, and the
+// others stage their first token meanwhile where it has arrived.
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    const ReceiveState r = receive_state(a);
-    read_source_tokens(team, a, r, seq, deadline_ns);
+    const DispatchShared d = dispatch_shared(a);
+    const int warps = team.size / kWarpSize;
+    const int order = (team.thread() / kWarpSize + warps - 1) % warps;
+    const int first = order * gridDim.x + blockIdx.x;
+    const int4* staged = stage_first_token(a, d, order, first, seq);
+    read_tables(team, a, d, seq, deadline_ns);
     if (team.leader())
         trace_mark(a.trace, kTraceTablesRead);
-    lay_out_call(team, a, r, seq, deadline_ns);
+    lay_out_call(team, a, d);
     if (team.leader())
         trace_mark(a.trace, kTraceLaidOut);
-    const int warps = team.size / kWarpSize;
-    for (int i = team.thread() / kWarpSize * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens;
-         i += gridDim.x * warps) {
-        const int s = i / a.max_tokens, t = i % a.max_tokens;
-        if (t < r.source_tokens[s])
-            receive_token(a, r, s, t, seq, deadline_ns);
+    for (int i = first; i < a.num_ranks * a.max_tokens; i += gridDim.x * warps) {
+        const Pair p = pair_of(a, i);
+        if (p.t < d.source_tokens[p.s])
+            receive_token(a, d, p.s, p.t, seq, deadline_ns, i == first ? staged : nullptr);
     }
+    if (staged != nullptr)  // a staged token that was not received (shrink mode: its source counted none)
+        cp_async_wait_all();
     if constexpr (kTrace) {
         team.sync();
         if (team.leader())

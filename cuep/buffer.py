@@ -386,13 +386,13 @@ class Buffer:
         """Bytes of ``num_rdma_bytes`` that low-latency calls of up to this many tokens per rank need.
 
         Differs from DeepEP: each token crosses once per destination rank (not per expert), so the
-        buffer holds ``num_ranks`` slots per token instead of ``num_experts``; ``num_experts`` is
-        accepted for the same signature. Up to 32 experts per token.
+        buffer holds ``num_ranks`` slots per token instead of ``num_experts``; ``num_experts`` sizes only
+        the routing tables' counts. Up to 32 experts per token.
         """
         call = "get_low_latency_rdma_size_hint()"
         _checks.check_positive_ints(call, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                     hidden=hidden, num_ranks=num_ranks, num_experts=num_experts)
-        return low_latency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks)
+        return low_latency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,

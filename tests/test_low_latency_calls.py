@@ -53,7 +53,7 @@ def ctx(monkeypatch):
     library = types.SimpleNamespace(function=lambda entry: 0x5000 + len(entry))
     return low_latency.Context(
         library=library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
-        region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS), num_sms=4, force_put=False,
+        region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS, NUM_EXPERTS), num_sms=4, force_put=False,
         timeout_ns=10 ** 9, split_after_ns=20_000, hook_split_after_ns=5_000, seq_state=_device_array(0x2000),
         status=_device_array(0x3000), status_host_ptr=0x4000)
 

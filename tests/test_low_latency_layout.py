@@ -12,7 +12,7 @@ from cuep.modes import low_latency
 
 
 def test_layout_regions_do_not_overlap_and_fit_the_hint():
-    layout = low_latency.data_layout(128, 7168, 4)
+    layout = low_latency.data_layout(128, 7168, 4, 288)
     names = ("dispatch_slots", "combine_slots", "choice_slots", "routing_staging", "dispatch_staging",
              "weight_staging", "combine_staging")
     offsets = sorted(getattr(layout, f) for f in names)
@@ -21,9 +21,12 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     # paired (16-byte) loads: every source's routing table, and its token rows, start 16-byte aligned
     assert low_latency.ROUTING_WORDS % 2 == 0 and kernels.ROUTING_HEADER_WORDS % 2 == 0
     assert low_latency.flags_bytes(4) % 16 == 0
-    assert layout.routing_staging_words >= kernels.ROUTING_HEADER_WORDS + 128 * low_latency.MAX_TOPK
+    # a staged table holds the header, the 72 local experts' counts and 128 tokens of the most choices
+    assert layout.routing_staging_words == low_latency.routing_table_words(128, low_latency.MAX_TOPK, 288, 4) == \
+        kernels.ROUTING_HEADER_WORDS + 72 + 128 * low_latency.MAX_TOPK
+    assert low_latency.routing_table_words(128, 7, 6, 2) == kernels.ROUTING_HEADER_WORDS + 4 + 128 * 8  # both padded
     assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
-    hint = low_latency.size_hint(128, 7168, 4)
+    hint = low_latency.size_hint(128, 7168, 4, 288)
     assert low_latency.data_bytes(hint, 4) >= layout.end
     assert low_latency.data_bytes(hint - 4 * 4096, 4) < layout.end  # the hint is tight to a page per buffer
     assert layout.choice_slots + 128 * kernels.CHOICE_SLOTS * layout.combine_slot_bytes <= layout.end
@@ -32,7 +35,7 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
 
 
 def test_four_buffers_follow_the_mask_and_fill_the_region():
-    hint = low_latency.size_hint(128, 7168, 4)
+    hint = low_latency.size_hint(128, 7168, 4, 288)
     assert kernels.NUM_BUFFERS == 4
     per_buffer = low_latency.buffer_bytes(hint, 4)
     assert per_buffer % 4096 == 0 and low_latency.mask_bytes(4) % 4096 == 0
@@ -44,7 +47,7 @@ def test_four_buffers_follow_the_mask_and_fill_the_region():
 
 def test_flags_and_tables_sit_at_fixed_offsets_whatever_the_shape():
     # polled words never alias message data of another shape: only the data regions depend on it
-    small, large = low_latency.size_hint(8, 256, 4), low_latency.size_hint(1024, 7168, 4)
+    small, large = low_latency.size_hint(8, 256, 4, 8), low_latency.size_hint(1024, 7168, 4, 288)
     fixed = low_latency.fixed_bytes(4)
     assert fixed >= low_latency.flags_bytes(4) + 4 * (low_latency.ROUTING_WORDS + low_latency.WEIGHT_WORDS) * 8
     assert small > kernels.NUM_BUFFERS * fixed and large > small
@@ -62,10 +65,10 @@ def test_dispatch_shared_memory_of_deepseek_shapes_needs_no_opt_in():
         assert kernels.dispatch_shared_bytes(low_latency.MAX_TOKENS_PER_RANK, ranks, experts) <= limit, ranks
 
 
-def test_dispatch_shared_memory_counts_every_local_expert_s_bitmap():
-    # R counts, L x (R + 1) first rows, L x R x ceil(T / 32) bitmap words, 4 bytes each
-    assert kernels.dispatch_shared_bytes(128, 4, 288) == (4 + 72 * 5 + 72 * 4 * 4) * 4
-    assert kernels.dispatch_shared_bytes(129, 2, 8) == (2 + 4 * 3 + 4 * 2 * 5) * 4
+def test_dispatch_shared_memory_counts_every_expert_s_bitmap():
+    # R counts, L x (R + 1) first rows (the receive's), E x ceil(T / 32) bitmap words (the send's), 4 bytes each
+    assert kernels.dispatch_shared_bytes(128, 4, 288) == (4 + 72 * 5 + 288 * 4) * 4
+    assert kernels.dispatch_shared_bytes(129, 2, 8) == (2 + 4 * 3 + 8 * 5) * 4
 
 
 @pytest.mark.parametrize("variant", ["default", "fallback", "aggressive_ptx"])
@@ -93,6 +96,25 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
         kernels.dispatch_shared_bytes(most, ranks, experts)
     with pytest.raises(ValueError, match=r"use fewer experts \(num_experts\)"):
         kernels.check_dispatch_shared_bytes("low_latency_dispatch()", 32, 8, 65536, _DEFAULT_BLOCK_BYTES)
+
+
+def test_dispatch_stages_a_token_per_receiving_warp_with_a_pair_as_far_as_shared_memory_allows():
+    layout = kernels.dispatch_shared_bytes(128, 4, 288)  # 4 + 72 * 5 + 72 * 4 * 4 words: 16-byte aligned already
+    fp8 = low_latency.dispatch_message_bytes(7168, True)
+    assert fp8 == 7168 + 56 * 4 and low_latency.dispatch_message_bytes(7168, False) == 2 * 7168
+    # 512 pairs over 132 blocks: blocks take up to 4, one warp each
+    assert kernels.dispatch_staging(128, 4, 132, fp8, layout, _HOPPER_BLOCK_BYTES) == (4, fp8, layout + 4 * fp8)
+    # many pairs per block: every receiving warp of a block that also sends, but the one reading the tables
+    staged, stage_bytes, shared = kernels.dispatch_staging(1024, 8, 132, fp8, layout, _HOPPER_BLOCK_BYTES)
+    assert staged == kernels.STAGED_TOKENS_MAX == kernels.NUM_THREADS // 32 // 2 - 1
+    # a slot is whole 16-byte copies, after the layout rounded up to them
+    staged, stage_bytes, shared = kernels.dispatch_staging(128, 2, 8, 7168 + 7168 // 128 * 4 + 4, 10, 1 << 20)
+    assert stage_bytes % 16 == 0 and stage_bytes >= 7168 + 228 and shared == 16 + staged * stage_bytes
+    # as many as fit beside the layout and the kernel's own; none where none fits
+    limit = _DEFAULT_BLOCK_BYTES - kernels.DISPATCH_STATIC_SHARED_BYTES
+    staged, _, shared = kernels.dispatch_staging(128, 4, 132, 2 * 7168, layout, _DEFAULT_BLOCK_BYTES)
+    assert staged == (limit - layout) // (2 * 7168) and shared <= limit
+    assert kernels.dispatch_staging(128, 4, 132, 2 * 7168, limit - 16, _DEFAULT_BLOCK_BYTES) == (0, 2 * 7168, limit - 16)
 
 
 @pytest.mark.parametrize("use_fp8, use_ue8m0", [(True, False), (True, True), (False, False)])

@@ -139,6 +139,20 @@ __device__ __forceinline__ T ld_nc_global(const T* ptr) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Asynchronous copies into shared memory, one 16-byte vector per instruction (sm_80 and later, so
+// every arch cuep builds). Unlike the bulk copies below, they are ordinary loads of the issuing
+// thread in the memory model: an acquire before them orders them, as it would a plain load.
+
+// 16 bytes global -> shared (cached in L2 only, as ld_cg_global), in flight until cp_async_wait_all.
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"(static_cast<uint32_t>(__cvta_generic_to_shared(shared))), "l"(global) : "memory");
+}
+
+// This thread's asynchronous copies have landed in shared memory (other lanes' need a __syncwarp too).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
 // Bulk (TMA) copies, Hopper path only: one thread moves a contiguous run of bytes (a multiple of 16,
 // both ends 16-byte aligned) between global memory, a peer's included, and shared memory. Each body
 // is discarded (`if constexpr`) unless kEnableSM90Features, so these instructions never reach the PTX

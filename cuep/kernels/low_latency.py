@@ -42,7 +42,11 @@ SEQ_LATEST, SEQ_RECEIVED = 0, 1  # in it: the newest call number sent, then the 
 # A shrink-mode mask entry (cuep::MaskedStatus::masked): 0 for a live peer, else masked, and whether this
 # rank still has to tell the other ranks (masked by hand) or has told them (or was told).
 MASKED_TO_TELL, MASKED_TOLD = 1, 2
-ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then each token's choices]
+ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then expert counts, then each token's choices]
+# A routed word (a choice as its sender laid it out) holds the expert id in its low EXPERT_ID_BITS bits and the
+# token's row among the sender's tokens of that expert above them. The dispatch's shared memory, a bit per (expert,
+# token), bounds the experts of a call far below 2**EXPERT_ID_BITS (check_dispatch_shared_bytes).
+EXPERT_ID_BITS = 20
 DISPATCH_STATIC_SHARED_BYTES = 2048  # a bound on the dispatch's own (tests/test_low_latency_layout.py checks the build)
 
 TRACE_POINTS = 16               # uint64 stamps per block in CUEP_TRACE builds (trace[num_sms, TRACE_POINTS])
@@ -51,11 +55,11 @@ TRACE_POINTS = 16               # uint64 stamps per block in CUEP_TRACE builds (
 # indices of dispatch points it never passes, and shares entry, start, table_published, end and exit.
 DISPATCH_TRACE = {"entry": (11, "kernel entered"),
                   "start": (0, "start"),
+                  "tokens_mapped": (10, "own tokens laid out"),
                   "table_published": (1, "routing rows published"),
                   "tokens_stored": (2, "token stores issued"),
                   "send_done": (3, "send done"),
-                  "tables_read": (4, "routing tables arrived"),
-                  "ids_read": (10, "routed ids read"),
+                  "tables_read": (4, "token and expert counts arrived"),
                   "laid_out": (5, "call laid out"),
                   "flags_released": (6, "token flag releases returned"),
                   "last_row_flag": (7, "last token flag seen"),
@@ -89,7 +93,7 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_r
              "num_buffers": NUM_BUFFERS, "seq_words": SEQ_WORDS, "seq_latest": SEQ_LATEST,
              "seq_received": SEQ_RECEIVED,
              "masked_to_tell": MASKED_TO_TELL, "masked_told": MASKED_TOLD,
-             "routing_header_words": ROUTING_HEADER_WORDS, **logfmt.CONSTANTS,
+             "routing_header_words": ROUTING_HEADER_WORDS, "expert_id_bits": EXPERT_ID_BITS, **logfmt.CONSTANTS,
              "ue8m0_scales_per_word": UE8M0_SCALES_PER_WORD, "trace_points": TRACE_POINTS, **_trace_constants()}
 """What ``low_latency.cu`` reads as ``CUEP_<NAME>`` besides the shared constants."""
 
@@ -121,6 +125,7 @@ class DispatchArgs(KernelArgs):
         ("routing", ctypes.c_void_p), ("routing_words", ctypes.c_int),
         ("slots", ctypes.c_void_p), ("slot_bytes", ctypes.c_int64),
         ("routing_staging", ctypes.c_void_p), ("staging_words", ctypes.c_int), ("slot_staging", ctypes.c_void_p),
+        ("staged_tokens", ctypes.c_int), ("stage_bytes", ctypes.c_int),
         ("recv_x", ctypes.c_void_p), ("recv_scales", ctypes.c_void_p), ("recv_count", ctypes.c_void_p),
         ("recv_src_info", ctypes.c_void_p), ("layout_range", ctypes.c_void_p), ("combine_rows", ctypes.c_void_p),
         ("source_tokens", ctypes.c_void_p), ("cumulative_stats", ctypes.c_void_p),
@@ -172,12 +177,42 @@ _SHARED_WORD_BYTES = 4  # int32 counts and first rows, uint32 bitmap words
 
 
 def dispatch_shared_bytes(max_tokens: int, num_ranks: int, num_experts: int) -> int:
-    """Dynamic shared memory of the dispatch (``ReceiveState``): each source's token count, then the call's
-    layout, which every block builds: each local expert's first row from each source and its row count, and
-    a bit per (local expert, source, token)."""
+    """Dynamic shared memory of the dispatch's layouts (``DispatchShared`` in low_latency.cu), before any staged
+    token: the receive's (each source's token count; each local expert's first row from each source and its
+    row count) and the send's (a bit per (expert, token of this rank), from which each choice's row follows)."""
     num_local = num_experts // num_ranks
-    words_per_source = ceil_div(max_tokens, WARP_SIZE)
-    return (num_ranks + num_local * (num_ranks + 1) + num_local * num_ranks * words_per_source) * _SHARED_WORD_BYTES
+    return (num_ranks + num_local * (num_ranks + 1) + num_experts * ceil_div(max_tokens, WARP_SIZE)) * \
+        _SHARED_WORD_BYTES
+
+
+STAGED_TOKENS_MAX = NUM_THREADS // WARP_SIZE // 2 - 1
+"""Receiving warps of a dispatch block that may stage their first token: every warp of the receiving half of a
+block that also sends (the fewest receivers a launch has) but the first, which reads the routing tables."""
+
+_VECTOR_BYTES = 16  # a staged token's slot is a whole number of the 16-byte copies that fill it
+
+
+def dispatch_staging(max_tokens: int, num_ranks: int, num_blocks: int, message_bytes: int, layout_bytes: int,
+                     block_bytes: int) -> tuple[int, int, int]:
+    """Shared memory for the tokens a dispatch receive stages (``stage_first_token`` in low_latency.cu: a warp
+    whose first token arrived before the receive started loads it while the routing tables are read).
+
+    Args:
+        max_tokens, num_ranks: the call's ``num_max_dispatch_tokens_per_rank`` and ranks (its pairs).
+        num_blocks: the launch's grid (pair ``i`` goes to block ``i % num_blocks``).
+        message_bytes: one token's message (FP8 rows and their scales, or BF16 rows).
+        layout_bytes: :func:`dispatch_shared_bytes`, which comes first.
+        block_bytes: the block's opt-in limit of shared memory.
+
+    Returns:
+        ``(staged_tokens, stage_bytes, shared_bytes)``: warps per block that may stage (each with a pair, up to
+        :data:`STAGED_TOKENS_MAX`, as many as fit), the bytes of each slot, and the launch's dynamic shared memory.
+    """
+    stage_bytes = ceil_div(message_bytes, _VECTOR_BYTES) * _VECTOR_BYTES
+    start = ceil_div(layout_bytes, _VECTOR_BYTES) * _VECTOR_BYTES
+    room = max(0, block_bytes - DISPATCH_STATIC_SHARED_BYTES - start) // stage_bytes
+    staged = min(STAGED_TOKENS_MAX, ceil_div(num_ranks * max_tokens, num_blocks), room)
+    return staged, stage_bytes, start + staged * stage_bytes
 
 
 def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int, num_experts: int,
@@ -190,10 +225,10 @@ def check_dispatch_shared_bytes(call: str, max_tokens: int, num_ranks: int, num_
     if needed > limit:
         num_local = num_experts // num_ranks
         spare_words = limit // _SHARED_WORD_BYTES - num_ranks - num_local * (num_ranks + 1)
-        most = max(0, spare_words // (num_local * num_ranks)) * WARP_SIZE
+        most = max(0, spare_words // num_experts) * WARP_SIZE
         fix = (f"use num_max_dispatch_tokens_per_rank <= {most} with these experts" if most > 0 else
                "use fewer experts (num_experts): the layout grows with them")
         raise ValueError(f"{call}: num_max_dispatch_tokens_per_rank={max_tokens} from {num_ranks} ranks to "
-                         f"num_experts={num_experts} needs {needed} bytes of shared memory per block for the receive "
-                         f"layout (this GPU allows {limit}); {fix}")
+                         f"num_experts={num_experts} needs {needed} bytes of shared memory per block for the dispatch's "
+                         f"layouts (this GPU allows {limit}); {fix}")
     return needed

@@ -56,7 +56,8 @@ from ..kernels.launcher import KernelArgs, Launch, allow_shared_bytes, block_sha
 from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, DISPATCH_STATIC_SHARED_BYTES,
                                    MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE,
                                    ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS,
-                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, grid)
+                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_staging,
+                                   grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
@@ -107,16 +108,28 @@ class DataLayout:
     end: int
 
 
+def dispatch_message_bytes(hidden: int, use_fp8: bool) -> int:
+    """Bytes of one token's dispatch message: BF16 rows, or e4m3 rows then a float32 scale per block."""
+    return hidden + hidden // SCALE_BLOCK * 4 if use_fp8 else 2 * hidden
+
+
+def routing_table_words(max_tokens: int, num_topk: int, num_experts: int, num_ranks: int) -> int:
+    """Words of a source's routing table for calls of this shape (``count_words`` in low_latency.cu): the header,
+    the destination's expert counts, then each token's routed words, each section padded to even."""
+    return ROUTING_HEADER_WORDS + align_up(num_experts // num_ranks, 2) + max_tokens * align_up(num_topk, 2)
+
+
 @functools.lru_cache(maxsize=64)  # every eager call asks; a decode loop asks for one shape
-def data_layout(max_tokens: int, hidden: int, num_ranks: int) -> DataLayout:
-    """Where each region of a buffer's data sits for calls of up to ``max_tokens`` tokens of ``hidden``."""
-    fp8_message = hidden + hidden // SCALE_BLOCK * 4  # e4m3 bytes, then a float32 scale per block
-    dispatch_slot = align_up(max(2 * hidden, fp8_message), _SLOT_ALIGN)  # BF16, or FP8 + scales
+def data_layout(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> DataLayout:
+    """Where each region of a buffer's data sits for calls of up to ``max_tokens`` tokens of ``hidden`` to
+    ``num_experts`` experts."""
+    dispatch_slot = align_up(max(dispatch_message_bytes(hidden, False), dispatch_message_bytes(hidden, True)),
+                             _SLOT_ALIGN)
     # A partial as BF16, or as LogFMT, whose message with every block fallen back is a little larger.
     logfmt_message = logfmt.message_bytes(hidden) if hidden % logfmt.BLOCK == 0 else 0
     combine_slot = align_up(max(2 * hidden, logfmt_message), _SLOT_ALIGN)
     # Staged tables (put path) are never polled, so unlike the tables they are sized for this call's shape.
-    routing_staging_words = align_up(ROUTING_HEADER_WORDS + max_tokens * MAX_TOPK, 2)
+    routing_staging_words = routing_table_words(max_tokens, MAX_TOPK, num_experts, num_ranks)
     weight_staging_words = max_tokens * MAX_TOPK
     sizes = [("dispatch_slots", num_ranks * max_tokens * dispatch_slot),
              ("combine_slots", num_ranks * max_tokens * combine_slot),
@@ -132,9 +145,10 @@ def data_layout(max_tokens: int, hidden: int, num_ranks: int) -> DataLayout:
     return DataLayout(dispatch_slot, combine_slot, routing_staging_words, weight_staging_words, **offsets, end=cursor)
 
 
-def size_hint(max_tokens: int, hidden: int, num_ranks: int) -> int:
-    """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank need."""
-    data = align_up(data_layout(max_tokens, hidden, num_ranks).end, _REGION_ALIGN)
+def size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes of low-latency buffer that calls of up to ``max_tokens`` tokens per rank to ``num_experts`` experts
+    need."""
+    data = align_up(data_layout(max_tokens, hidden, num_ranks, num_experts).end, _REGION_ALIGN)
     return mask_bytes(num_ranks) + NUM_BUFFERS * (fixed_bytes(num_ranks) + data)
 
 
@@ -318,10 +332,10 @@ class Handle:
 def check_fits(call: str, ctx: Context, max_tokens: int, hidden: int, num_experts: int) -> DataLayout:
     """The data layout of calls of this shape, or ValueError (naming ``call`` and the size to ask for)
     when this Buffer's region is too small for it."""
-    layout = data_layout(max_tokens, hidden, ctx.num_ranks)
+    layout = data_layout(max_tokens, hidden, ctx.num_ranks, num_experts)
     capacity = ctx.data_capacity
     if layout.end > capacity:
-        need = size_hint(max_tokens, hidden, ctx.num_ranks)
+        need = size_hint(max_tokens, hidden, ctx.num_ranks, num_experts)
         raise ValueError(f"{call}: {max_tokens} tokens per rank of hidden {hidden} need a low-latency buffer of "
                          f"{need} bytes, but this Buffer has num_rdma_bytes={ctx.region_bytes}; create it with "
                          f"num_rdma_bytes >= Buffer.get_low_latency_rdma_size_hint({max_tokens}, {hidden}, "
@@ -493,8 +507,16 @@ def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
     """Checks the buffer and shared memory fit (ValueError otherwise), then plans the dispatch."""
     _, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0 = key
     layout = check_fits("low_latency_dispatch()", ctx, max_tokens, hidden, num_experts)
-    shared_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks, num_experts,
+    table_words = routing_table_words(max_tokens, num_topk, num_experts, ctx.num_ranks)
+    if table_words > ROUTING_WORDS:
+        raise ValueError(f"low_latency_dispatch(): num_max_dispatch_tokens_per_rank={max_tokens} tokens of top-{num_topk} "
+                         f"to num_experts={num_experts} need a routing table of {table_words} words, more than its "
+                         f"{ROUTING_WORDS}; use fewer tokens per rank or fewer experts")
+    layout_bytes = check_dispatch_shared_bytes("low_latency_dispatch()", max_tokens, ctx.num_ranks, num_experts,
                                                block_shared_bytes())
+    staged_tokens, stage_bytes, shared_bytes = dispatch_staging(
+        max_tokens, ctx.num_ranks, grid(ctx.num_sms), dispatch_message_bytes(hidden, use_fp8), layout_bytes,
+        block_shared_bytes())
     regions, storage_bytes = dispatch_regions(ctx.num_ranks, max_tokens, hidden, num_experts, num_topk, use_fp8,
                                               use_ue8m0, x_dtype)
     routing_flags, _, token_flags, *_ = ctx.flags()
@@ -508,6 +530,7 @@ def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
     a.slots, a.slot_bytes = data + layout.dispatch_slots, layout.dispatch_slot_bytes
     a.routing_staging, a.slot_staging = data + layout.routing_staging, data + layout.dispatch_staging
     a.staging_words = layout.routing_staging_words
+    a.staged_tokens, a.stage_bytes = staged_tokens, stage_bytes
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
     ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
     allow_shared_bytes(ctx, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
