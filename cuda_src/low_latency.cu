@@ -85,11 +85,11 @@ static_assert(kScaleBlock % kChannelsPerUnit == 0 && kScaleBlocksPerWarp == 4,
               "a warp's scales go out as one 16-byte vector (store_fp8_unit)");
 constexpr int kScalesPerUe8m0Word = CUEP_UE8M0_SCALES_PER_WORD;  // UE8M0 exponents packed in one int32
 constexpr float kMinAmax = 1e-4f;        // keeps the scale finite for an all-zero block
-// Routing table: [num_tokens, 0, 0, 0, ids[T_max][K rounded up to even]]; an even header keeps every
-// token's row 16-byte aligned for paired loads.
+// Routing table: [num_tokens, 0, 0, 0, expert counts, routed words] (count_words says more); even sections
+// keep every token's words 16-byte aligned.
 constexpr int kRoutingHeaderWords = CUEP_ROUTING_HEADER_WORDS;
-static_assert(kRoutingHeaderWords % 2 == 0, "rows of the routing table are loaded in pairs");
-constexpr int kIdsAtOnce = 8;            // routing-table words a sender loads before laying out any (map_tokens)
+static_assert(kRoutingHeaderWords % 2 == 0, "the sections of a routing table start 16-byte aligned");
+constexpr int kIdsAtOnce = 8;            // the caller's top-k ids a sender loads before laying out any (map_tokens)
 // Loads a thread issues before its first store (batched_copy in cuep/copy.cuh says why); sized to the
 // 128 registers a thread has at 512 threads (more spills).
 constexpr int kCopyBatch = 8;            // receive copy: 16-byte vectors per lane (FP8 7168: 14, two batches)
@@ -474,27 +474,17 @@ __device__ __forceinline__ bool wait_for_call(const uint64_t* flag, uint64_t seq
 
 // Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
 // came (the call is void then). A batch of `Batch` words is loaded before any is checked (as in
-// batched_copy), and the spin is only entered when a word of the batch is missing. `Pairs`: load two
-// words at once (`words` 16-byte aligned, and the word after an odd `count` readable).
-template <int Batch, bool Pairs = false, typename Use>
+// batched_copy), and the spin is only entered when a word of the batch is missing.
+template <int Batch, typename Use>
 __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uint64_t seq, uint64_t deadline_ns,
                                            const MaskedStatus& status, int peer, int phase, const Use& use) {
-    static_assert(!Pairs || Batch % 2 == 0, "pairs of words fill the batch");
     for (int base = 0; base < count; base += Batch) {
         uint64_t values[Batch];
         bool landed = true;
 #pragma unroll
-        for (int i = 0; i < Batch; i += Pairs ? 2 : 1) {
-            if (base + i >= count)
-                continue;
-            if constexpr (Pairs) {
-                const ulonglong2 pair = ld_volatile_global(reinterpret_cast<const ulonglong2*>(words + base + i));
-                values[i] = pair.x;
-                values[i + 1] = pair.y;
-            } else {
+        for (int i = 0; i < Batch; ++i)
+            if (base + i < count)
                 values[i] = ld_volatile_global(words + base + i);
-            }
-        }
 #pragma unroll
         for (int i = 0; i < Batch; ++i)
             landed &= base + i >= count || has_tag(values[i], seq);
@@ -513,7 +503,6 @@ __device__ __forceinline__ bool read_table(const uint64_t* words, int count, uin
     return true;
 }
 
-// An expert id from the caller's top-k array; ids outside [-1, num_experts) count as -1 and are reported.
 // Split in two for loops that load several ids before checking any: a report between two loads would
 // keep the second from being issued before it (they may alias).
 __device__ __forceinline__ int64_t load_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i) {
@@ -1336,8 +1325,8 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
 // Read the tables and lay out the call, then receive every (source, token) pair, a warp each: pair i
 // goes to block i % grid, so that every SM takes a share of the copies (a decode call often has fewer
 // pairs than the grid has warps, and given in order they would fill only the first blocks). The team's
-// first warp reads the tables' headers (read_tables), so it takes the last share of pairs, and the
-// others stage their first token meanwhile where it has arrived.
+// first warp reads the tables' headers (read_tables; every warp reads counts), so it takes the last
+// share of pairs, and the others stage their first token first where it has arrived.
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const DispatchShared d = dispatch_shared(a);
     const int warps = team.size / kWarpSize;

@@ -387,7 +387,8 @@ class Buffer:
 
         Differs from DeepEP: each token crosses once per destination rank (not per expert), so the
         buffer holds ``num_ranks`` slots per token instead of ``num_experts``; ``num_experts`` sizes only
-        the routing tables' counts. Up to 32 experts per token.
+        the copies of routing tables sent by put (their counts of each local expert). Up to 32 experts per
+        token.
         """
         call = "get_low_latency_rdma_size_hint()"
         _checks.check_positive_ints(call, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,

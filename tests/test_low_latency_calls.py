@@ -225,3 +225,14 @@ def test_a_call_that_left_no_work_returns_deepep_s_event_overlap_of_no_event():
     assert wrap(CoreEventOverlap()).event is None
     assert not CoreEventOverlap().stands_for_work and CoreEventOverlap(event="recorded").stands_for_work
     assert wrap(CoreEventOverlap(event="recorded")).event.overlap.event == "recorded"
+
+
+def test_a_routing_table_past_its_room_is_refused_naming_the_arguments(ctx, monkeypatch):
+    # The region check passes (stand-in addresses); 1024 tokens of top-32 leave room for 512 local experts' counts.
+    monkeypatch.setattr(low_latency, "check_fits", lambda call, ctx, max_tokens, hidden, num_experts:
+                        low_latency.data_layout(max_tokens, hidden, ctx.num_ranks, num_experts))
+    x, topk_idx = inputs(num_topk=32)
+    with pytest.raises(ValueError, match=r"num_max_dispatch_tokens_per_rank=1024 tokens of top-32 to "
+                                         r"num_experts=2050 need a routing table of 33798 words"):
+        dispatch(ctx, x, topk_idx, max_tokens=1024, num_experts=2050)
+    assert low_latency.routing_table_words(1024, 32, 1024, NUM_RANKS) <= low_latency.ROUTING_WORDS

@@ -25,6 +25,10 @@ def test_layout_regions_do_not_overlap_and_fit_the_hint():
     assert layout.routing_staging_words == low_latency.routing_table_words(128, low_latency.MAX_TOPK, 288, 4) == \
         kernels.ROUTING_HEADER_WORDS + 72 + 128 * low_latency.MAX_TOPK
     assert low_latency.routing_table_words(128, 7, 6, 2) == kernels.ROUTING_HEADER_WORDS + 4 + 128 * 8  # both padded
+    # the largest call still fits its table: the most tokens of the most choices beside 512 local experts' counts
+    most = low_latency.routing_table_words(low_latency.MAX_TOKENS_PER_RANK, low_latency.MAX_TOPK,
+                                           kernels.MAX_COUNT_WORDS * 8, 8)
+    assert most == low_latency.ROUTING_WORDS
     assert layout.weight_staging_words >= 128 * low_latency.MAX_TOPK
     hint = low_latency.size_hint(128, 7168, 4, 288)
     assert low_latency.data_bytes(hint, 4) >= layout.end

@@ -140,8 +140,9 @@ __device__ __forceinline__ T ld_nc_global(const T* ptr) {
 
 // ---------------------------------------------------------------------------------------------
 // Asynchronous copies into shared memory, one 16-byte vector per instruction (sm_80 and later, so
-// every arch cuep builds). Unlike the bulk copies below, they are ordinary loads of the issuing
-// thread in the memory model: an acquire before them orders them, as it would a plain load.
+// every arch cuep builds). Unlike the bulk copies below they stay in the generic proxy, and they are
+// ordered after the issuing thread's earlier instructions: an acquire before them orders their reads
+// as it would a plain load's.
 
 // 16 bytes global -> shared (cached in L2 only, as ld_cg_global), in flight until cp_async_wait_all.
 __device__ __forceinline__ void cp_async_16(void* shared, const void* global) {

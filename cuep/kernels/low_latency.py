@@ -43,6 +43,7 @@ SEQ_LATEST, SEQ_RECEIVED = 0, 1  # in it: the newest call number sent, then the 
 # rank still has to tell the other ranks (masked by hand) or has told them (or was told).
 MASKED_TO_TELL, MASKED_TOLD = 1, 2
 ROUTING_HEADER_WORDS = 4        # routing table: [num_tokens, 0, 0, 0, then expert counts, then each token's choices]
+MAX_COUNT_WORDS = 512           # a routing table's room for its expert counts beyond the most tokens' choices
 # A routed word (a choice as its sender laid it out) holds the expert id in its low EXPERT_ID_BITS bits and the
 # token's row among the sender's tokens of that expert above them. The dispatch's shared memory, a bit per (expert,
 # token), bounds the experts of a call far below 2**EXPERT_ID_BITS (check_dispatch_shared_bytes).
@@ -187,7 +188,7 @@ def dispatch_shared_bytes(max_tokens: int, num_ranks: int, num_experts: int) -> 
 
 STAGED_TOKENS_MAX = NUM_THREADS // WARP_SIZE // 2 - 1
 """Receiving warps of a dispatch block that may stage their first token: every warp of the receiving half of a
-block that also sends (the fewest receivers a launch has) but the first, which reads the routing tables."""
+block that also sends (the fewest receivers a launch has) but the first, which reads the routing tables' headers."""
 
 _VECTOR_BYTES = 16  # a staged token's slot is a whole number of the 16-byte copies that fill it
 

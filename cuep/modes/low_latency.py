@@ -24,7 +24,7 @@ order"): the host passes buffer 0's addresses and the distance between buffers, 
 never bakes a buffer in. Flags and tables are polled, so they sit at fixed offsets whatever the call's
 shape: a flag word only ever holds call numbers (which only grow) and a table word only zeros or tagged
 words of earlier calls, never message bytes that could pass for a tag. Data regions move with
-``(max_tokens, hidden)`` and are never polled.
+``(max_tokens, hidden, num_experts)`` and are never polled.
 
 The eager decode path is host-bound, so what every call of one shape shares is worked out on its first
 call and kept (:class:`Plan`), what the checks concluded is kept per signature of the arguments
@@ -54,14 +54,16 @@ from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
 from ..kernels.launcher import KernelArgs, Launch, allow_shared_bytes, block_shared_bytes
 from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, DISPATCH_STATIC_SHARED_BYTES,
-                                   MASKED_TO_TELL, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS, NUM_THREADS, RECV_PHASE,
-                                   ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED, SEQ_WORDS, TRACE_POINTS,
-                                   CombineArgs, DispatchArgs, check_dispatch_shared_bytes, dispatch_staging,
-                                   grid)
+                                   MASKED_TO_TELL, MAX_COUNT_WORDS, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS,
+                                   NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED,
+                                   SEQ_WORDS, TRACE_POINTS, CombineArgs, DispatchArgs, check_dispatch_shared_bytes,
+                                   dispatch_staging, grid)
 from ..kernels.status import MaskedStatus
 from ..runtime.regions import REGION_ALIGN
 
-ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK  # per source, the largest table
+# Per source, the largest table: the most tokens of the most choices with up to MAX_COUNT_WORDS local experts' counts
+# (more experts fit beside fewer tokens or choices; _dispatch_plan checks the call's).
+ROUTING_WORDS = ROUTING_HEADER_WORDS + MAX_COUNT_WORDS + MAX_TOKENS_PER_RANK * MAX_TOPK
 WEIGHT_WORDS = MAX_TOKENS_PER_RANK * MAX_TOPK
 _FLAG_BYTES = 8
 _MASK_ENTRY_BYTES = 4           # an int32 per rank
