@@ -472,34 +472,14 @@ __device__ __forceinline__ bool wait_for_call(const uint64_t* flag, uint64_t seq
     return wait_for_call_on(flag, nullptr, seq, deadline_ns, status, peer, phase) != 0;
 }
 
-// Table words [0, count) of `words` as they land: use(i, value) for each, in order; false if one never
-// came (the call is void then). A batch of `Batch` words is loaded before any is checked (as in
-// batched_copy), and the spin is only entered when a word of the batch is missing.
-template <int Batch, typename Use>
-__device__ __forceinline__ bool read_table(const uint64_t* words, int count, uint64_t seq, uint64_t deadline_ns,
-                                           const MaskedStatus& status, int peer, int phase, const Use& use) {
-    for (int base = 0; base < count; base += Batch) {
-        uint64_t values[Batch];
-        bool landed = true;
-#pragma unroll
-        for (int i = 0; i < Batch; ++i)
-            if (base + i < count)
-                values[i] = ld_volatile_global(words + base + i);
-#pragma unroll
-        for (int i = 0; i < Batch; ++i)
-            landed &= base + i >= count || has_tag(values[i], seq);
-        if (!landed) {
-#pragma unroll
-            for (int i = 0; i < Batch; ++i)  // unrolled: `values` stays in registers
-                if (base + i < count &&
-                    !wait_for_word(words + base + i, seq, deadline_ns, status, peer, phase, values[i]))
-                    return false;
-        }
-#pragma unroll
-        for (int i = 0; i < Batch; ++i)
-            if (base + i < count)
-                use(base + i, static_cast<uint32_t>(values[i]));
-    }
+// Table word `word` (`value`, without its tag) once it lands; false if it never came (the call is void
+// then). One load, and the spin only where the word is not there yet.
+__device__ __forceinline__ bool read_word(const uint64_t* word, uint64_t seq, uint64_t deadline_ns,
+                                          const MaskedStatus& status, int peer, int phase, uint32_t& value) {
+    uint64_t loaded = ld_volatile_global(word);
+    if (!has_tag(loaded, seq) && !wait_for_word(word, seq, deadline_ns, status, peer, phase, loaded))
+        return false;
+    value = static_cast<uint32_t>(loaded);
     return true;
 }
 
@@ -584,7 +564,7 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
 }
 
 // Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
-// peer's words show themselves (read_table). False if the signal never came.
+// peer's words show themselves (read_word). False if the signal never came.
 __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
                                                 const MaskedStatus& status, int pe, int rank, bool force_put,
                                                 int phase) {
@@ -690,6 +670,10 @@ struct DispatchArgs {
 __device__ __forceinline__ int count_words(const DispatchArgs& a) { return (a.num_experts / a.num_ranks + 1) & ~1; }
 __device__ __forceinline__ int ids_stride(const DispatchArgs& a) { return (a.num_topk + 1) & ~1; }
 __device__ __forceinline__ int ids_offset(const DispatchArgs& a) { return kRoutingHeaderWords + count_words(a); }
+// Source s's routing table in this rank's buffer (the symmetric address of s's table everywhere).
+__device__ __forceinline__ uint64_t* source_table(const DispatchArgs& a, int s) {
+    return a.routing + static_cast<int64_t>(s) * a.routing_words;
+}
 
 // The dispatch's dynamic shared memory (dispatch_shared_bytes and dispatch_staging in
 // cuep/kernels/low_latency.py size it): the receive's state, then the send's layout of this rank's tokens
@@ -989,8 +973,7 @@ static __device__ void publish_header_last(const DispatchArgs& a, const uint32_t
     *published = 0;
     __threadfence_system();  // every block's rows before the header
     for (int pe = 0; pe < a.num_ranks; ++pe) {
-        uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
-                                         a.force_put);
+        uint64_t* table = direct_address(source_table(a, a.rank), pe, a.rank, a.force_put);
         if (table != nullptr && !a.status.is_masked(pe))
             for (int w = 0; w < kRoutingHeaderWords; ++w)
                 st_relaxed_sys_global(table + w, tagged_word(seq, routing_word(a, bits, pe, w)));
@@ -1001,7 +984,8 @@ static __device__ void publish_header_last(const DispatchArgs& a, const uint32_t
 // block 0 the header, the peer's expert counts and the flag a receiver that takes this rank for a put
 // peer waits for (it then polls the tagged words like everyone else). Each block stores its rows just
 // before its own token data, so the rows lead that data on the links; tables stored whole by a few
-// blocks queue behind every other block's flood (measured: the layout then waits ~5 us for them at EP4).
+// blocks queue behind every other block's flood (measured with the receive's former layout, which read
+// every row: it waited ~5 us for them at EP4).
 static __device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, const uint32_t* bits,
                                                 uint64_t seq) {
     const int stride = ids_stride(a);
@@ -1014,8 +998,7 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
     const int per_peer = lead_words + own_tokens * stride;
     for (int i = team.thread(); i < a.num_ranks * per_peer; i += team.size) {
         const int pe = i / per_peer, w = i % per_peer;
-        uint64_t* table = direct_address(a.routing + static_cast<int64_t>(a.rank) * a.routing_words, pe, a.rank,
-                                         a.force_put);
+        uint64_t* table = direct_address(source_table(a, a.rank), pe, a.rank, a.force_put);
         if (table == nullptr || a.status.is_masked(pe))
             continue;
         const int r = w - lead_words;
@@ -1053,10 +1036,9 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
     const bool gated = has_put_peer(a);
     for (int pe = gridDim.x - 1 - blockIdx.x; gated && pe < a.num_ranks; pe += gridDim.x) {
         if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr && !team_sees_masked(team, a.status, pe))
-            publish_table(team, a.routing + static_cast<int64_t>(a.rank) * a.routing_words,
-                          a.routing_staging + static_cast<int64_t>(pe) * a.staging_words, table_words,
-                          [&](int i) { return routing_word(a, bits, pe, i); }, a.routing_flags + a.rank, seq, pe, a.rank,
-                          a.force_put);
+            publish_table(team, source_table(a, a.rank), a.routing_staging + static_cast<int64_t>(pe) * a.staging_words,
+                          table_words, [&](int i) { return routing_word(a, bits, pe, i); }, a.routing_flags + a.rank,
+                          seq, pe, a.rank, a.force_put);
         if (team.leader())
             count_table_sent(a.seq_state, a.buffer, a.num_ranks, seq);
     }
@@ -1072,9 +1054,9 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
     }
 }
 
-// Token t's routed words in source s's routing table.
+// Token t's routed words in source s's routing table (source_table).
 __device__ __forceinline__ const uint64_t* routed_words(const DispatchArgs& a, int s, int t) {
-    return a.routing + static_cast<int64_t>(s) * a.routing_words + ids_offset(a) + static_cast<int64_t>(t) * ids_stride(a);
+    return source_table(a, s) + ids_offset(a) + static_cast<int64_t>(t) * ids_stride(a);
 }
 
 // Shrink mode: what every block of this call takes source s to have sent, given what this block saw
@@ -1097,15 +1079,21 @@ __device__ __forceinline__ int agree_on_source(uint64_t* decision, uint64_t seq,
     return static_cast<int>(seen & ((1ull << kCountBits) - 1)) - 1;
 }
 
+// Word `index` of source s's routing table once it landed (after the put path's signal), or -1 if the
+// wait gave up.
+__device__ __forceinline__ int read_routing_word(const DispatchArgs& a, int s, int index, uint64_t seq,
+                                                 uint64_t deadline_ns, const MaskedStatus& status) {
+    uint32_t value = 0;
+    const bool came =
+        table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, kPhaseLowLatencyRouting) &&
+        read_word(source_table(a, s) + index, seq, deadline_ns, status, s, kPhaseLowLatencyRouting, value);
+    return came ? static_cast<int>(value) : -1;
+}
+
 // Source s's count of tokens for this rank's local expert e, once it landed (0 if the wait gave up).
 __device__ __forceinline__ int read_expert_count(const DispatchArgs& a, int s, int e, uint64_t seq, uint64_t deadline_ns,
                                                  const MaskedStatus& status) {
-    int count = 0;
-    if (table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, kPhaseLowLatencyRouting))
-        read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words + kRoutingHeaderWords + e, 1, seq,
-                      deadline_ns, status, s, kPhaseLowLatencyRouting,
-                      [&](int, uint32_t tokens) { count = static_cast<int>(tokens); });
-    return min(count, a.max_tokens);
+    return max(0, min(read_routing_word(a, s, kRoutingHeaderWords + e, seq, deadline_ns, status), a.max_tokens));
 }
 
 // Wait for every source's token count and its counts of this rank's experts (0 from a masked source,
@@ -1123,12 +1111,8 @@ static __device__ void read_tables(const Team& team, const DispatchArgs& a, cons
             continue;
         }
         const int s = i;
-        int sent = -1;
         const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
-        if (table_signalled(a.routing_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
-                            kPhaseLowLatencyRouting))
-            read_table<1>(a.routing + static_cast<int64_t>(s) * a.routing_words, 1, seq, deadline_ns, a.status, s,
-                          kPhaseLowLatencyRouting, [&](int, uint32_t tokens) { sent = static_cast<int>(tokens); });
+        int sent = read_routing_word(a, s, 0, seq, deadline_ns, a.status);  // the header's token count
         if (blockIdx.x == 0)  // every block waits for every table; one counts it
             add_wait(a.wait_stats, s, started);
         if (shrink)
@@ -1240,9 +1224,8 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
     const int64_t rows_per_expert = static_cast<int64_t>(R) * a.max_tokens;
     int e = -1, row = 0;
     if (lane < a.num_topk) {
-        uint32_t word = kNoExpert;
-        read_table<1>(routed_words(a, s, t) + lane, 1, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting,
-                      [&](int, uint32_t value) { word = value; });
+        uint32_t word = kNoExpert;  // kept where the wait gave up
+        read_word(routed_words(a, s, t) + lane, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting, word);
         e = routed_expert(word) - a.rank * L;
         e = e >= 0 && e < L ? e : -1;
         if (e >= 0) {
@@ -1501,10 +1484,13 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
             ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
                                     kPhaseLowLatencyWeights);
         ready = __shfl_sync(kFullWarpMask, ready, 0);
-        if (ready && lane < count)
-            ready = read_table<1>(token_weights + pair.choices[lane], 1, seq, deadline_ns, a.status, s,
-                                  kPhaseLowLatencyWeights,
-                                  [&](int, uint32_t word) { pair.weights[lane] = __uint_as_float(word); });
+        if (ready && lane < count) {
+            uint32_t word = 0;
+            ready = read_word(token_weights + pair.choices[lane], seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights,
+                              word);
+            if (ready)
+                pair.weights[lane] = __uint_as_float(word);
+        }
         ready = __all_sync(kFullWarpMask, ready);
     }
     if (lane == 0)
