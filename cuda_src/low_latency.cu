@@ -11,8 +11,9 @@
 //   send: s lays out its own tokens (map_tokens): each choice's row among s's tokens of its expert,
 //         and each expert's count. It publishes its routing table to every rank (T, the counts of
 //         that rank's experts, and each choice as expert and row), each block the rows of its own
-//         tokens, then writes each token once per destination *rank* (not per expert), FP8-quantised
-//         or BF16, into slot (s, t) of that rank's buffer and raises the slot's flag.
+//         tokens, and writes each token once per destination *rank* (not per expert), FP8-quantised
+//         or BF16, into slot (s, t) of that rank's buffer; a slot's flag rises once the token's data
+//         and its rows are out.
 //   recv: rank r reads every source's token count and its experts' counts, from which each local
 //         expert's rows follow in (source rank, source token) order, and fans each arrived token out
 //         into the rows its choices name.
@@ -517,6 +518,14 @@ struct Team {
     __device__ int thread() const { return static_cast<int>(threadIdx.x) - first; }
     __device__ bool leader() const { return thread() == 0; }
     __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(size) : "memory"); }
+    // A barrier that also returns whether any thread of the team passed true.
+    __device__ bool sync_or(bool value) const {
+        int any;
+        asm volatile("{\n .reg .pred vote, all;\n setp.ne.s32 vote, %1, 0;\n bar.red.or.pred all, %2, %3, vote;\n"
+                     " selp.s32 %0, 1, 0, all;\n}"
+                     : "=r"(any) : "r"(static_cast<int>(value)), "r"(barrier), "r"(size) : "memory");
+        return any != 0;
+    }
 };
 
 __device__ __forceinline__ Team whole_block() { return Team{0, static_cast<int>(blockDim.x), 0}; }
@@ -925,20 +934,32 @@ __device__ __forceinline__ int tokens_before(const uint32_t* bits, int t) {
 
 // Team-wide, before the send publishes anything: the bitmap of this rank's tokens per expert (a token
 // naming an expert twice counts once), from which routing_word takes each choice's row and each expert's
-// count. Ends with a team barrier.
-static __device__ void map_tokens(const Team& team, const DispatchArgs& a, uint32_t* bits) {
-    const int words = bit_words(a);
+// count. `meanwhile` (team-wide work of the caller's) runs once the first batch of ids is on its way, so
+// that its own waits and the ids' overlap. Ends with a team barrier.
+template <typename Meanwhile>
+static __device__ void map_tokens(const Team& team, const DispatchArgs& a, uint32_t* bits, const Meanwhile& meanwhile) {
+    const int words = bit_words(a), count = a.num_tokens * a.num_topk;
+    const auto load = [&](int i) { return load_expert_id(a.topk_idx, a.ids_are_int64, i); };
+    const auto mark = [&](int i, int64_t loaded) {
+        const int id = checked_expert_id(loaded, a.num_experts, a.status);
+        const int t = i / a.num_topk;
+        if (id >= 0)
+            atomicOr(bits + id * words + t / kWarpSize, 1u << (t % kWarpSize));
+    };
+    int64_t first[kIdsAtOnce];
+#pragma unroll
+    for (int j = 0; j < kIdsAtOnce; ++j)
+        if (const int i = team.thread() + j * team.size; i < count)
+            first[j] = load(i);
+    meanwhile();
     for (int i = team.thread(); i < a.num_experts * words; i += team.size)
         bits[i] = 0;
     team.sync();
-    batched_copy<int64_t, kIdsAtOnce>(team.thread(), team.size, a.num_tokens * a.num_topk,
-                                      [&](int i) { return load_expert_id(a.topk_idx, a.ids_are_int64, i); },
-                                      [&](int i, int64_t loaded) {
-                                          const int id = checked_expert_id(loaded, a.num_experts, a.status);
-                                          const int t = i / a.num_topk;
-                                          if (id >= 0)
-                                              atomicOr(bits + id * words + t / kWarpSize, 1u << (t % kWarpSize));
-                                      });
+#pragma unroll
+    for (int j = 0; j < kIdsAtOnce; ++j)
+        if (const int i = team.thread() + j * team.size; i < count)
+            mark(i, first[j]);
+    batched_copy<int64_t, kIdsAtOnce>(team.thread() + kIdsAtOnce * team.size, team.size, count, load, mark);
     team.sync();
 }
 
@@ -982,10 +1003,10 @@ static __device__ void publish_header_last(const DispatchArgs& a, const uint32_t
 
 // Team-wide: this block's tokens' rows of the routing table of every direct (NVLink) peer, and from
 // block 0 the header, the peer's expert counts and the flag a receiver that takes this rank for a put
-// peer waits for (it then polls the tagged words like everyone else). Each block stores its rows just
-// before its own token data, so the rows lead that data on the links; tables stored whole by a few
-// blocks queue behind every other block's flood (measured with the receive's former layout, which read
-// every row: it waited ~5 us for them at EP4).
+// peer waits for (it then polls the tagged words like everyone else). Each block stores its own tokens'
+// rows, before their flags and beside their data (dispatch_send says in which order); tables stored
+// whole by a few blocks queue behind every other block's flood (measured with the receive's former
+// layout, which read every row: it waited ~5 us for them at EP4).
 static __device__ void publish_own_routing_rows(const Team& team, const DispatchArgs& a, const uint32_t* bits,
                                                 uint64_t seq) {
     const int stride = ids_stride(a);
@@ -1015,25 +1036,38 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
         publish_header_last(a, bits, seq);
 }
 
-// Whether any peer takes this rank's tables and tokens by put (NVSHMEM) rather than by direct stores.
-__device__ __forceinline__ bool has_put_peer(const DispatchArgs& a) {
-    for (int pe = 0; pe < a.num_ranks; ++pe)
-        if (direct_address(a.routing_flags, pe, a.rank, a.force_put) == nullptr)
-            return true;
-    return false;
+// Team-wide: whether any peer takes this rank's tables and tokens by put (NVSHMEM) rather than by direct
+// stores. Each thread looks up its own share of the peers, so the lookups wait once, not once per peer.
+// Ends with a team barrier.
+__device__ __forceinline__ bool has_put_peer(const Team& team, const DispatchArgs& a) {
+    bool put = false;
+    for (int pe = team.thread(); pe < a.num_ranks; pe += team.size)
+        put |= direct_address(a.routing_flags, pe, a.rank, a.force_put) == nullptr;
+    return team.sync_or(put);
 }
 
-// Send this block's tokens after their routing rows (direct peers) and, when some peer takes puts,
-// after the whole tables for those peers went out (from the last blocks, which have no token when the
-// grid outnumbers the tokens; every receiver waits for all the tables).
+// Send this block's tokens, each token's flags after its routing rows. Where every peer takes direct
+// stores (and outside shrink mode, whose masks a token's destinations and its rows must see alike), a
+// block other than 0 stores its first token's data while its layout's ids load (the token's destinations
+// wait for the same ids), and raises that token's flags once its rows are out: the data crosses the
+// links beside the layout, not after it. Block 0 lays out first: every receiver's layout waits for the
+// counts it publishes. When some peer takes puts, the whole tables for those peers go out first (from
+// the last blocks, which have no token when the grid outnumbers the tokens; every receiver waits for all
+// the tables), and every token after them.
 static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
     uint32_t* bits = dispatch_shared(a).token_bits;
-    map_tokens(team, a, bits);
+    const int first_token = static_cast<int>(blockIdx.x);
+    bool gated = false, data_first = false;
+    map_tokens(team, a, bits, [&] {
+        gated = has_put_peer(team, a);
+        data_first = !gated && a.status.masked == nullptr && first_token > 0 && first_token < a.num_tokens;
+        if (data_first)
+            send_token(team, a, first_token, dst[0], 0, deadline_ns);
+    });
     if (team.leader())
         trace_mark(a.trace, kTraceTokensMapped);
     const int table_words = ids_offset(a) + a.num_tokens * ids_stride(a);
-    const bool gated = has_put_peer(a);
     for (int pe = gridDim.x - 1 - blockIdx.x; gated && pe < a.num_ranks; pe += gridDim.x) {
         if (direct_address(a.routing, pe, a.rank, a.force_put) == nullptr && !team_sees_masked(team, a.status, pe))
             publish_table(team, source_table(a, a.rank), a.routing_staging + static_cast<int64_t>(pe) * a.staging_words,
@@ -1046,8 +1080,9 @@ static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, ui
     if (team.leader())
         trace_mark(a.trace, kTraceTablePublished);
     int parity = 0;
-    for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x, parity ^= 1) {
-        send_token(team, a, t, dst[parity], gated && t == static_cast<int>(blockIdx.x) ? seq : 0, deadline_ns);
+    for (int t = first_token; t < a.num_tokens; t += gridDim.x, parity ^= 1) {
+        if (!(data_first && t == first_token))
+            send_token(team, a, t, dst[parity], gated && t == first_token ? seq : 0, deadline_ns);
         if (team.leader())
             trace_mark(a.trace, kTraceTokensStored);
         raise_token_flags(team, a, t, dst[parity], seq);
