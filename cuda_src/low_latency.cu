@@ -932,10 +932,10 @@ __device__ __forceinline__ int tokens_before(const uint32_t* bits, int t) {
     return count;
 }
 
-// Team-wide, before the send publishes anything: the bitmap of this rank's tokens per expert (a token
-// naming an expert twice counts once), from which routing_word takes each choice's row and each expert's
-// count. `meanwhile` (team-wide work of the caller's) runs once the first batch of ids is on its way, so
-// that its own waits and the ids' overlap. Ends with a team barrier.
+// Team-wide, before any routing word or flag goes out: the bitmap of this rank's tokens per expert (a
+// token naming an expert twice counts once), from which routing_word takes each choice's row and each
+// expert's count. `meanwhile` (team-wide work of the caller's) runs once the first batch of ids is on its
+// way, so that its own waits and the ids' overlap. Ends with a team barrier.
 template <typename Meanwhile>
 static __device__ void map_tokens(const Team& team, const DispatchArgs& a, uint32_t* bits, const Meanwhile& meanwhile) {
     const int words = bit_words(a), count = a.num_tokens * a.num_topk;
@@ -1053,7 +1053,8 @@ __device__ __forceinline__ bool has_put_peer(const Team& team, const DispatchArg
 // links beside the layout, not after it. Block 0 lays out first: every receiver's layout waits for the
 // counts it publishes. When some peer takes puts, the whole tables for those peers go out first (from
 // the last blocks, which have no token when the grid outnumbers the tokens; every receiver waits for all
-// the tables), and every token after them.
+// the tables), and every token after them. (In a data-first block the trace's "tokens mapped" includes
+// the first token's stores, and that token's "tokens stored" comes after its rows.)
 static __device__ void dispatch_send(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ Destinations dst[2];  // alternating, see raise_message_flags
     uint32_t* bits = dispatch_shared(a).token_bits;
