@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from . import _deps
-from .kernels.common import SCALE_BLOCK
+from .kernels.common import fp8_row_bytes
 from .kernels import low_latency as low_latency_kernels
 from .kernels.probe import COPY_BATCHES
 
@@ -121,11 +121,6 @@ def _workload(rank: int, tokens: int, hidden: int, experts: int, topk: int):
     return x, topk_idx, weights
 
 
-def _fp8_row_bytes(hidden: int) -> int:
-    """Bytes of one FP8 token: its e4m3 bytes, then one float32 scale per 128 channels."""
-    return hidden + hidden // SCALE_BLOCK * 4
-
-
 def _token_in_rank(topk_idx, num_experts: int, num_ranks: int):
     """`[num_tokens, num_ranks]` bool: whether a token chose an expert of each rank (-1 entries none)."""
     cupy = _deps.cupy()
@@ -205,9 +200,9 @@ def bench_normal(args) -> None:
         own_node = slice(topology.node * topology.ranks_per_node, (topology.node + 1) * topology.ranks_per_node)
         tokens_per_rank = per_rank.get()
         flat_rows = int(tokens_per_rank.sum() - tokens_per_rank[own_node].sum())
-    fp8_row_bytes = _fp8_row_bytes(args.hidden)
-    bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row_bytes
-    remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row_bytes
+    fp8_row = fp8_row_bytes(args.hidden)
+    bf16_bytes, fp8_bytes = num_recv * hidden_bytes, num_recv * fp8_row
+    remote_bf16, remote_fp8 = remote_rows * hidden_bytes, remote_rows * fp8_row
     gathered = comm.gather(results, root=0)
     if rank != 0:
         buffer.destroy()
@@ -412,7 +407,7 @@ def bench_ceiling(args) -> None:
     _, topk_idx, _ = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
     sent = [int(count) for count in _token_in_rank(topk_idx, args.experts, num_ranks).sum(axis=0).get()]
     received = [int(c) for c in comm.alltoall(sent)]  # rows pulled from each peer = rows pushed back to it
-    bf16_row, fp8_row = args.hidden * 2, _fp8_row_bytes(args.hidden)
+    bf16_row, fp8_row = args.hidden * 2, fp8_row_bytes(args.hidden)
     max_rows = max(comm.allgather(max(received)))
 
     # The probe's world: the barrier's signals, then each rank's probe buffer, in symmetric memory.
@@ -685,7 +680,7 @@ def bench_low_latency(args) -> None:
         del lhs
 
     in_rank = _token_in_rank(topk_idx, experts, num_ranks)
-    fp8_rows = cupy.zeros((tokens, _fp8_row_bytes(hidden)), dtype=cupy.uint8)
+    fp8_rows = cupy.zeros((tokens, fp8_row_bytes(hidden)), dtype=cupy.uint8)
     nccl_dispatch, _ = nccl_baseline(comm, fp8_rows, in_rank)
     _, nccl_combine = nccl_baseline(comm, x, in_rank)
     times["nccl dispatch fp8"] = _times_us(lambda _: nccl_dispatch(), args.warmup, args.iters)
@@ -694,7 +689,7 @@ def bench_low_latency(args) -> None:
     # DeepEP's convention: every (token, expert) selection counts one message (FP8 + scales + 16 header
     # bytes); a combine counts BF16 rows, LogFMT's too.
     selections = int((topk_idx >= 0).sum())
-    dispatch_bytes, combine_bytes = selections * (_fp8_row_bytes(hidden) + 16), selections * hidden * 2
+    dispatch_bytes, combine_bytes = selections * (fp8_row_bytes(hidden) + 16), selections * hidden * 2
     gathered = comm.gather(times, root=0)
     gathered_traces = comm.gather(traces, root=0)
     buffer.destroy()

@@ -103,7 +103,7 @@ def test_dispatch_shared_memory_past_the_limit_is_a_clear_error():
 
 
 def test_dispatch_stages_a_token_per_receiving_warp_with_a_pair_as_far_as_shared_memory_allows():
-    layout = kernels.dispatch_shared_bytes(128, 4, 288)  # 4 + 72 * 5 + 72 * 4 * 4 words: 16-byte aligned already
+    layout = kernels.dispatch_shared_bytes(128, 4, 288)  # 4 + 72 * 5 + 288 * 4 words: 16-byte aligned already
     fp8 = low_latency.dispatch_message_bytes(7168, True)
     assert fp8 == 7168 + 56 * 4 and low_latency.dispatch_message_bytes(7168, False) == 2 * 7168
     # 512 pairs over 132 blocks: blocks take up to 4, one warp each

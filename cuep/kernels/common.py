@@ -24,6 +24,12 @@ and the phase codes of :mod:`cuep.kernels.status`."""
 NETWORK_DEFINE = "network"
 
 
+def fp8_row_bytes(hidden: int) -> int:
+    """Bytes of one FP8 token as the kernels move it: its e4m3 bytes, then a float32 scale per :data:`SCALE_BLOCK`
+    channels."""
+    return hidden + hidden // SCALE_BLOCK * 4
+
+
 def network_defines(across_hosts: bool) -> dict[str, int]:
     """The compile-time switch of the network families' build for ranks across hosts (``CUEP_NETWORK``,
     read by ``cuda_src/cuep/network.cuh``'s families), or none for the one-host build."""

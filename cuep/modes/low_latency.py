@@ -51,7 +51,7 @@ from .._front import Front, View, carve
 from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
-from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD
+from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD, fp8_row_bytes
 from ..kernels.launcher import KernelArgs, Launch, allow_shared_bytes, block_shared_bytes
 from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, DISPATCH_STATIC_SHARED_BYTES,
                                    MASKED_TO_TELL, MAX_COUNT_WORDS, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS,
@@ -112,7 +112,7 @@ class DataLayout:
 
 def dispatch_message_bytes(hidden: int, use_fp8: bool) -> int:
     """Bytes of one token's dispatch message: BF16 rows, or e4m3 rows then a float32 scale per block."""
-    return hidden + hidden // SCALE_BLOCK * 4 if use_fp8 else 2 * hidden
+    return fp8_row_bytes(hidden) if use_fp8 else 2 * hidden
 
 
 def routing_table_words(max_tokens: int, num_topk: int, num_experts: int, num_ranks: int) -> int:
