@@ -1248,13 +1248,19 @@ __device__ __forceinline__ void copy_to_targets(int count, uint32_t targets, int
     }
 }
 
+// What a warp of the receive does for its pair: all of it, or one of two parts that two warps take at
+// once (dispatch_recv says when): the rows with their combine_rows and source entries, or the FP8 scales.
+enum class PairPart { kWhole, kRows, kScales };
+
 // A warp: token t of source s, once it arrived, into the row of each local expert it names (read once,
 // stored to each row), and its combine_rows entries: the flat row of each choice, -1 for another rank's
 // expert (or none). Its routed words give each choice's expert and row within the expert's rows from s.
 // `staged`: the token's message, already arrived and loaded into shared memory (stage_first_token), or
-// nullptr.
+// nullptr. `part`: which of the pair's stores this warp makes (the two warps of a split pair read the
+// same words and flag, so they find the same rows).
 static __device__ void receive_token(const DispatchArgs& a, const DispatchShared& d, int s, int t, uint64_t seq,
-                                     uint64_t deadline_ns, const int4* staged) {
+                                     uint64_t deadline_ns, const int4* staged, PairPart part) {
+    const bool stores_rows = part != PairPart::kScales, stores_scales = part != PairPart::kRows && a.use_fp8;
     const int lane = threadIdx.x % kWarpSize;
     const int R = a.num_ranks, L = a.num_experts / R;
     const int64_t rows_per_expert = static_cast<int64_t>(R) * a.max_tokens;
@@ -1273,7 +1279,7 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
         }
     }
     int32_t* choice_rows = a.combine_rows + (static_cast<int64_t>(s) * a.max_tokens + t) * a.num_topk;
-    if (lane < a.num_topk && e < 0)
+    if (stores_rows && lane < a.num_topk && e < 0)
         choice_rows[lane] = -1;
     // One copy per local expert: the first lane naming it stores the token (a token may name one twice).
     const uint32_t same_expert = __match_any_sync(kFullWarpMask, e >= 0 ? e : -1 - lane);
@@ -1287,7 +1293,7 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
                          __all_sync(kFullWarpMask, wait_for_call(a.token_flags + static_cast<int64_t>(s) * a.flag_stride
                                                                  + t, seq, deadline_ns, a.status, s,
                                                                  kPhaseLowLatencyToken));
-    if (lane == 0)
+    if (lane == 0 && stores_rows)  // counted once per pair
         add_wait(a.wait_stats, s, started);
     if (!arrived)  // the call is void, or (shrink mode) s was masked during it: the rows keep no data
         return;
@@ -1302,13 +1308,15 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
                                                : message_slot(a.slots, s, t, a.max_tokens, a.slot_bytes);
     const int64_t data_bytes = a.use_fp8 ? a.hidden : static_cast<int64_t>(a.hidden) * 2;
     const int4* src = reinterpret_cast<const int4*>(message);
-    copy_to_targets<int4>(static_cast<int>(data_bytes / kBytesPerVector), targets, e, row,
-                          [&](int v) { return staged != nullptr ? src[v] : ld_cg_global(src + v); },
-                          [&](int to_e, int to_row, int v, const int4& value) {
-                              st_na_global(reinterpret_cast<int4*>(
-                                               a.recv_x + (to_e * rows_per_expert + to_row) * data_bytes) + v, value);
-                          });
-    if (a.use_fp8) {
+    if (stores_rows) {
+        copy_to_targets<int4>(static_cast<int>(data_bytes / kBytesPerVector), targets, e, row,
+                              [&](int v) { return staged != nullptr ? src[v] : ld_cg_global(src + v); },
+                              [&](int to_e, int to_row, int v, const int4& value) {
+                                  st_na_global(reinterpret_cast<int4*>(
+                                      a.recv_x + (to_e * rows_per_expert + to_row) * data_bytes) + v, value);
+                              });
+    }
+    if (stores_scales) {
         const float* scales = reinterpret_cast<const float*>(message + a.hidden);
         const auto scale = [&](int g) { return staged != nullptr ? scales[g] : __ldcg(scales + g); };
         const int num_scales = a.hidden / kScaleBlock;
@@ -1334,7 +1342,7 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
                                    });
         }
     }
-    if (e >= 0) {
+    if (stores_rows && e >= 0) {
         const int64_t flat_row = e * rows_per_expert + row;
         a.recv_src_info[flat_row] = t;  // a lane naming an expert twice writes the same value
         choice_rows[lane] = static_cast<int32_t>(flat_row);
@@ -1346,22 +1354,31 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
 // pairs than the grid has warps, and given in order they would fill only the first blocks). The team's
 // first warp reads the tables' headers (read_tables; every warp reads counts), so it takes the last
 // share of pairs, and the others stage their first token first where it has arrived.
+// Where the team has two warps for every pair of an FP8 call, each pair is split: the first half of
+// the warps store the rows, the second half the scales of the same pairs. A token's scales go to its
+// rows in scattered 4-byte stores (the column-major layout), which the one warp would otherwise make
+// after its rows, at the end of the receive's longest path.
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const DispatchShared d = dispatch_shared(a);
     const int warps = team.size / kWarpSize;
-    const int order = (team.thread() / kWarpSize + warps - 1) % warps;
+    const int warp_order = (team.thread() / kWarpSize + warps - 1) % warps;
+    const bool split = a.use_fp8 && a.num_ranks * a.max_tokens <= static_cast<int>(gridDim.x) * (warps / 2);
+    const int warps_per_part = split ? warps / 2 : warps;
+    const PairPart part = !split ? PairPart::kWhole : warp_order < warps_per_part ? PairPart::kRows : PairPart::kScales;
+    const int order = warp_order % warps_per_part;
     const int first = order * gridDim.x + blockIdx.x;
-    const int4* staged = stage_first_token(a, d, order, first, seq);
+    const int4* staged = part != PairPart::kScales ? stage_first_token(a, d, order, first, seq) : nullptr;
     read_tables(team, a, d, seq, deadline_ns);
     if (team.leader())
         trace_mark(a.trace, kTraceTablesRead);
     lay_out_call(team, a, d);
     if (team.leader())
         trace_mark(a.trace, kTraceLaidOut);
-    for (int i = first; i < a.num_ranks * a.max_tokens; i += gridDim.x * warps) {
+    const int stride = static_cast<int>(gridDim.x) * warps_per_part;
+    for (int i = first; i < a.num_ranks * a.max_tokens; i += stride) {
         const Pair p = pair_of(a, i);
         if (p.t < d.source_tokens[p.s])
-            receive_token(a, d, p.s, p.t, seq, deadline_ns, i == first ? staged : nullptr);
+            receive_token(a, d, p.s, p.t, seq, deadline_ns, i == first ? staged : nullptr, part);
     }
     if (staged != nullptr)  // a staged token that was not received (shrink mode: its source counted none)
         cp_async_wait_all();
