@@ -1257,7 +1257,8 @@ enum class PairPart { kWhole, kRows, kScales };
 // expert (or none). Its routed words give each choice's expert and row within the expert's rows from s.
 // `staged`: the token's message, already arrived and loaded into shared memory (stage_first_token), or
 // nullptr. `part`: which of the pair's stores this warp makes (the two warps of a split pair read the
-// same words and flag, so they find the same rows).
+// same words and flag, so they find the same rows; in shrink mode, where a source masked during the
+// call leaves its rows undefined, one may store while the other gives up).
 static __device__ void receive_token(const DispatchArgs& a, const DispatchShared& d, int s, int t, uint64_t seq,
                                      uint64_t deadline_ns, const int4* staged, PairPart part) {
     const bool stores_rows = part != PairPart::kScales, stores_scales = part != PairPart::kRows && a.use_fp8;
@@ -1355,9 +1356,11 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
 // first warp reads the tables' headers (read_tables; every warp reads counts), so it takes the last
 // share of pairs, and the others stage their first token first where it has arrived.
 // Where the team has two warps for every pair of an FP8 call, each pair is split: the first half of
-// the warps store the rows, the second half the scales of the same pairs. A token's scales go to its
-// rows in scattered 4-byte stores (the column-major layout), which the one warp would otherwise make
-// after its rows, at the end of the receive's longest path.
+// the warps in that rotated order store the rows (they stage), the second half the scales of the same
+// pairs (the first warp among them: it takes the last share's scales). A token's scales go to its rows
+// in scattered 4-byte stores (the column-major layout), which the one warp would otherwise make after
+// its rows, at the end of the receive's longest path.
+static_assert(kNumThreads / 2 / kWarpSize % 2 == 0, "a receiving team splits its warps into two halves");
 static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
     const DispatchShared d = dispatch_shared(a);
     const int warps = team.size / kWarpSize;

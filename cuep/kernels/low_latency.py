@@ -188,7 +188,8 @@ def dispatch_shared_bytes(max_tokens: int, num_ranks: int, num_experts: int) -> 
 
 STAGED_TOKENS_MAX = NUM_THREADS // WARP_SIZE // 2 - 1
 """Receiving warps of a dispatch block that may stage their first token: every warp of the receiving half of a
-block that also sends (the fewest receivers a launch has) but the first, which reads the routing tables' headers."""
+block that also sends (the fewest receivers a launch has) but the first, which reads the routing tables' headers.
+(A receive-only block has more receiving warps than this: those after them in turn receive unstaged.)"""
 
 _VECTOR_BYTES = 16  # a staged token's slot is a whole number of the 16-byte copies that fill it
 
