@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
+from cuep.kernels.low_latency import NUM_THREADS
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
@@ -66,10 +67,10 @@ def check_received(received, recv_count, expected, use_fp8):
 
 
 def dispatch_and_check(buffer, inputs: AllInputs, num_experts, use_fp8=True, round_scale=False, use_ue8m0=False,
-                       hook=False, async_finish=False, stats=None):
+                       hook=False, async_finish=False, stats=None, max_tokens=MAX_TOKENS):
     mine = inputs[rank]
     received, recv_count, handle, event, recv_hook = buffer.low_latency_dispatch(
-        cupy.asarray(mine.x), cupy.asarray(mine.topk_idx), MAX_TOKENS, num_experts,
+        cupy.asarray(mine.x), cupy.asarray(mine.topk_idx), max_tokens, num_experts,
         cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
         async_finish=async_finish, return_recv_hook=hook)
     assert (recv_hook is not None) == hook
@@ -77,7 +78,7 @@ def dispatch_and_check(buffer, inputs: AllInputs, num_experts, use_fp8=True, rou
         recv_hook()
     if async_finish:
         event.current_stream_wait()
-    expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, num_experts, MAX_TOKENS, use_fp8,
+    expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, num_experts, max_tokens, use_fp8,
                                               round_scale, use_ue8m0)
     check_received(received, recv_count, expected[rank], use_fp8)
     return handle, expected
@@ -220,6 +221,27 @@ def async_finish_and_cumulative_stats(buffer):
         total += expected[rank].recv_count
         combine_and_check(buffer, inputs, expected, EXPERTS, handle, async_finish=True)
     np.testing.assert_array_equal(stats.get(), total)
+
+
+def fp8_more_pairs_than_warp_pairs():
+    """An FP8 dispatch of more (source, token) pairs than the receive has two warps for: each pair's rows and
+    scales then come from one warp (smaller calls give its scales to a second warp), in a whole call and through
+    a hook (a receive-only launch has twice the receiving warps), float and UE8M0 scales, then combined."""
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    receiving_warps = NUM_THREADS // 32  # a receive-only block's warps
+    max_tokens = min(1024, receiving_warps // 2 * sms // num_ranks + 1)
+    if num_ranks * max_tokens <= receiving_warps // 2 * sms:
+        raise AssertionError(f"{sms} SMs: no call of at most 1024 tokens a rank has more pairs than warp pairs")
+    hidden, num_experts = 2048, 8 * num_ranks
+    big = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts),
+                      low_latency_mode=True)
+    fresh = SeededInputs(SEED + 91, num_ranks)
+    for hook, use_ue8m0 in ((False, False), (True, False), (True, True)):
+        inputs = fresh(lambda s: max_tokens - 7 * s, hidden, num_experts, 8)
+        handle, expected = dispatch_and_check(big, inputs, num_experts, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
+                                              hook=hook, max_tokens=max_tokens)
+        combine_and_check(big, inputs, expected, num_experts, handle)
+    big.destroy()
 
 
 def forced_put_path():
@@ -767,6 +789,7 @@ def main() -> None:
         ("hooks: two micro-batches in flight", on_buffer(hooks_two_micro_batches)),
         ("async_finish and cumulative stats", on_buffer(async_finish_and_cumulative_stats)),
         ("forced NVSHMEM put path", forced_put_path),
+        ("fp8 with more pairs than pairs of receiving warps, whole and hook", fp8_more_pairs_than_warp_pairs),
         ("CUDA graph: capture once, 1000 replays with fresh inputs", on_buffer(cuda_graph_capture_then_1000_replays)),
         ("1000 eager steps without a host sync, half through hooks", on_buffer(thousand_eager_steps_without_a_sync)),
         ("outputs let go of come back to the next step; held ones keep their rows",
