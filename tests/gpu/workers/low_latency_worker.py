@@ -38,7 +38,8 @@ from mpi4py import MPI
 
 import cuep
 from cuep import reference
-from cuep.kernels.low_latency import NUM_THREADS
+from cuep.kernels.common import WARP_SIZE
+from cuep.kernels.low_latency import MAX_TOKENS_PER_RANK, NUM_THREADS
 
 comm = MPI.COMM_WORLD
 rank, num_ranks = comm.Get_rank(), comm.Get_size()
@@ -228,10 +229,11 @@ def fp8_more_pairs_than_warp_pairs():
     scales then come from one warp (smaller calls give its scales to a second warp), in a whole call and through
     a hook (a receive-only launch has twice the receiving warps), float and UE8M0 scales, then combined."""
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    receiving_warps = NUM_THREADS // 32  # a receive-only block's warps
-    max_tokens = min(1024, receiving_warps // 2 * sms // num_ranks + 1)
-    if num_ranks * max_tokens <= receiving_warps // 2 * sms:
-        raise AssertionError(f"{sms} SMs: no call of at most 1024 tokens a rank has more pairs than warp pairs")
+    warp_pairs = NUM_THREADS // WARP_SIZE // 2 * sms  # of a receive-only launch, one block per SM
+    max_tokens = min(MAX_TOKENS_PER_RANK, warp_pairs // num_ranks + 1)
+    if num_ranks * max_tokens <= warp_pairs:
+        raise AssertionError(f"{sms} SMs: no call of at most {MAX_TOKENS_PER_RANK} tokens a rank has more pairs "
+                             f"than warp pairs")
     hidden, num_experts = 2048, 8 * num_ranks
     big = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts),
                       low_latency_mode=True)
