@@ -162,6 +162,46 @@ constexpr int kCallOrderHandleBusy = CUEP_CALL_ORDER_HANDLE_BUSY;
 constexpr int kMaskedToTell = CUEP_MASKED_TO_TELL;
 constexpr int kMaskedTold = CUEP_MASKED_TOLD;
 
+// The status's cold paths, out of line and with scalar arguments (so that no caller's state has to live
+// in memory for the call). Inlined at every wait, their code, NVSHMEM's puts among it, lay between the
+// hot paths' instructions: a launch that follows other work fetches its instructions from memory, and a
+// receive then waited for lines it never ran. MaskedStatus's members below say what each does.
+__device__ __noinline__ void record_broken_call_order(int32_t* device, int32_t* host, int32_t rule, uint64_t seq,
+                                                      int32_t peer) {
+    if (atomicCAS(device + kStatusCallOrder, 0, rule) != 0)
+        return;
+    const auto call = static_cast<int32_t>(seq & 0x7fffffffu);
+    device[kStatusCallOrderCall] = host[kStatusCallOrderCall] = call;
+    device[kStatusCallOrderPeer] = host[kStatusCallOrderPeer] = peer;
+    atomicExch(device + kStatusTimedOut, 1);
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(host + kStatusCallOrder) = rule;
+    __threadfence_system();
+}
+
+__device__ __noinline__ void tell_peers_masked(int32_t* masked, int rank, int num_ranks, int peer) {
+    const auto is_masked = [&](int pe) { return ld_volatile_global(masked + pe) != 0; };
+    int alive = 0;
+    for (int pe = 0; pe < num_ranks; ++pe)
+        alive += !is_masked(pe);
+    if (is_masked(rank) || 2 * alive < num_ranks)
+        return;
+    bool put = false;
+    for (int pe = 0; pe < num_ranks; ++pe) {
+        if (pe == rank || (pe != peer && is_masked(pe)))
+            continue;
+        if (auto* direct = static_cast<int32_t*>(nvshmem_ptr(masked + peer, pe))) {
+            st_relaxed_sys_global(direct, kMaskedTold);
+        } else if (pe != peer) {
+            nvshmem_int_p(masked + peer, kMaskedTold, pe);
+            put = true;
+        }
+    }
+    if (put)
+        nvshmem_quiet();  // delivered before the kernel ends, so before any clean of the masks
+    masked[peer] = kMaskedTold;
+}
+
 // The family's status: Status's words and, in shrink mode (a Buffer made with enable_shrink), this
 // rank's mask of its peers. There a wait that times out does not fail the call: it masks its peer and
 // tells the other ranks at once; from then on every wait on that peer gives up at once while the
@@ -191,15 +231,7 @@ struct MaskedStatus {
     // wins; the device's timeout word is set too (not its mirror), so that every wait of the launch ends
     // at once, and the host raises CallOrderError, not a timeout.
     __device__ void break_call_order(int32_t rule, uint64_t seq, int32_t peer) const {
-        if (atomicCAS(device + kStatusCallOrder, 0, rule) != 0)
-            return;
-        const auto call = static_cast<int32_t>(seq & 0x7fffffffu);
-        device[kStatusCallOrderCall] = host[kStatusCallOrderCall] = call;
-        device[kStatusCallOrderPeer] = host[kStatusCallOrderPeer] = peer;
-        atomicExch(device + kStatusTimedOut, 1);
-        __threadfence_system();
-        *reinterpret_cast<volatile int32_t*>(host + kStatusCallOrder) = rule;
-        __threadfence_system();
+        record_broken_call_order(device, host, rule, seq, peer);
     }
 
     __device__ void time_out(int32_t peer, int32_t phase) const {
@@ -214,27 +246,7 @@ struct MaskedStatus {
     // puts is not written (its process may be gone, and a put to it could break the connection for
     // everyone). A rank tells nothing when its peers masked it, or when it sees fewer than half the
     // ranks alive: then it may be the one that cannot hear the others.
-    __device__ void tell(int peer) const {
-        int alive = 0;
-        for (int pe = 0; pe < num_ranks; ++pe)
-            alive += !is_masked(pe);
-        if (is_masked(rank) || 2 * alive < num_ranks)
-            return;
-        bool put = false;
-        for (int pe = 0; pe < num_ranks; ++pe) {
-            if (pe == rank || (pe != peer && is_masked(pe)))
-                continue;
-            if (auto* direct = static_cast<int32_t*>(nvshmem_ptr(masked + peer, pe))) {
-                st_relaxed_sys_global(direct, kMaskedTold);
-            } else if (pe != peer) {
-                nvshmem_int_p(masked + peer, kMaskedTold, pe);
-                put = true;
-            }
-        }
-        if (put)
-            nvshmem_quiet();  // delivered before the kernel ends, so before any clean of the masks
-        masked[peer] = kMaskedTold;
-    }
+    __device__ void tell(int peer) const { tell_peers_masked(masked, rank, num_ranks, peer); }
 
     // This status without the mask: its waits stop only at the deadline, and a timeout fails the call.
     __device__ MaskedStatus unmasked() const { return MaskedStatus{device, host, nullptr, rank, num_ranks}; }
