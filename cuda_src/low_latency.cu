@@ -71,6 +71,15 @@
 namespace cuep {
 
 constexpr int kNumThreads = CUEP_NUM_THREADS;
+// The hooks' build (cuep.kernels.low_latency.spec(receive_only=True)): the same two kernels, under the same
+// names, with the receive alone. A hook's receive launched from the whole build ran its path among the
+// send's code, whose lines a launch after other work (an expert's GEMM) fetches from memory one by one;
+// a build of the receive alone keeps the path's instructions few and together. Profilers, DeepEP's test
+// among them, see one dispatch and one combine kernel, as with DeepEP's.
+#ifndef CUEP_RECEIVE_ONLY
+#define CUEP_RECEIVE_ONLY 0
+#endif
+constexpr bool kReceiveOnly = CUEP_RECEIVE_ONLY != 0;
 constexpr int kMaxTopk = CUEP_MAX_TOPK;  // experts per token; a warp's lanes hold one each
 constexpr int kMaxTokensPerRank = CUEP_MAX_TOKENS_PER_RANK;  // the largest num_max_dispatch_tokens_per_rank
 static_assert(kMaxTopk <= kWarpSize, "ranks_holding_token gives each choice a lane");
@@ -1859,8 +1868,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs la
     const cuep::DispatchArgs args = cuep::in_buffer(launched, seq);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    if (in_order && !cuep::sits_out(args))
-        cuep::dispatch(args, seq, deadline_ns);
+    if (in_order && !cuep::sits_out(args)) {
+        if constexpr (cuep::kReceiveOnly)
+            cuep::dispatch_recv(cuep::whole_block(), args, seq, deadline_ns);
+        else
+            cuep::dispatch(args, seq, deadline_ns);
+    }
     if constexpr (cuep::kTrace)
         __syncthreads();  // the end is the last team's
     cuep::trace_block(args.trace, cuep::kTraceEnd);
@@ -1882,7 +1895,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const CombineArgs laun
     // out first, or they would mask a live rank.
     const uint64_t send_deadline_ns =
         args.status.masked != nullptr ? deadline_ns - args.timeout_ns / 2 : deadline_ns;
-    if (!sits_out && (args.phases & cuep::kSendPhase))
+    if (!cuep::kReceiveOnly && !sits_out && (args.phases & cuep::kSendPhase))
         cuep::combine_send(args, seq, send_deadline_ns);
     if (!sits_out && (args.phases & cuep::kRecvPhase))
         cuep::combine_recv(args, seq, deadline_ns);

@@ -82,12 +82,15 @@ def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool, across_h
     """Build every family for every arch and variant into the cache, the kernels at once (and the network
     families' builds for ranks across hosts with ``across_hosts``)."""
     from .jit import build_all
-    from .kernels import FAMILIES, NETWORK_FAMILIES
-    specs = [module.spec(arch, **features) for arch in archs for module in FAMILIES.values()
-             for features in _variants(fallback, aggressive_ptx)]
+    from .kernels import FAMILIES, NETWORK_FAMILIES, low_latency
+    variants = _variants(fallback, aggressive_ptx)
+    specs = [module.spec(arch, **features) for arch in archs for module in FAMILIES.values() for features in variants]
     if across_hosts:
         specs += [FAMILIES[name].spec(arch, across_hosts=True, **features) for arch in archs
-                  for name in NETWORK_FAMILIES for features in _variants(fallback, aggressive_ptx)]
+                  for name in NETWORK_FAMILIES for features in variants]
+    # The low-latency hooks' receive-only build, beside each of the family's builds.
+    specs += [low_latency.spec(arch, across_hosts=network, receive_only=True, **features) for arch in archs
+              for network in ((False, True) if across_hosts else (False,)) for features in variants]
     started = time.perf_counter()
     for spec, (path, seconds) in zip(specs, build_all(specs)):
         state = f"compiled in {seconds:.1f} s" if seconds else "already cached"

@@ -9,7 +9,7 @@ import pytest
 
 from cuep._log import jit_logger
 from cuep.jit import build_all, compiler, library, toolchain
-from cuep.kernels import FAMILIES, buffer_specs
+from cuep.kernels import FAMILIES, LOW_LATENCY_RECEIVE, buffer_specs
 
 from .cubin import code_of
 
@@ -24,8 +24,14 @@ NVSHMEM_FAMILY = "barrier"  # the shortest NVSHMEM family: header cost, linking,
 ])
 def test_a_buffer_compiles_only_the_families_it_uses(nvl, rdma, families):
     specs = buffer_specs("sm_90", nvl, rdma)
-    assert list(specs) == families
-    assert all(spec == FAMILIES[family].spec("sm_90") for family, spec in specs.items())
+    builds = [LOW_LATENCY_RECEIVE] if "low_latency" in families else []
+    assert list(specs) == families + builds
+    assert all(specs[family] == FAMILIES[family].spec("sm_90") for family in families)
+    if builds:  # the hooks' receive-only build: its own spec, so its own compile and cache entry
+        receive = specs[LOW_LATENCY_RECEIVE]
+        assert receive == FAMILIES["low_latency"].spec("sm_90", receive_only=True)
+        assert receive.family == "low_latency" and receive.name != specs["low_latency"].name
+        assert receive.entries == specs["low_latency"].entries
 
 
 def test_only_an_elastic_buffer_adds_the_elastic_family():

@@ -110,6 +110,23 @@ def test_trace_switch_builds_the_stamping_variant(monkeypatch):
     assert stamps[1] > stamps[0]  # the plain build reads the timer for deadlines only
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_low_latency_receive_only_build_has_the_same_kernels_with_the_receive_alone(variant):
+    """The hooks' build (``spec(receive_only=True)``) holds the family's kernels under the same symbols, so
+    that a profile shows one dispatch and one combine as DeepEP's do, with the sends compiled out: each kernel
+    a fraction of the whole build's code, none with a stack frame."""
+    from .cubin import code_of
+    whole_spec, whole = compiled("low_latency", "sm_90", variant)
+    spec, receive = compiled("low_latency", "sm_90", variant, receive_only=True)
+    assert ("receive_only", "1") in spec.defines and spec.name != whole_spec.name
+    assert receive.symbols == whole.symbols
+    whole_code, receive_code = code_of(whole.cubin), code_of(receive.cubin)
+    resources = function_resources(receive.cubin)
+    for symbol in receive.symbols.values():
+        assert len(receive_code[f".text.{symbol}"]) * 4 < len(whole_code[f".text.{symbol}"]), symbol
+        assert resources[symbol][1] == 0, f"{symbol}: a stack frame of {resources[symbol][1]} bytes"
+
+
 def test_combine_pushes_in_bulk_on_few_sms_of_the_hopper_path_only():
     """combine_launch picks combine_bulk, with its shared memory, on at most BULK_PUSH_MAX_BLOCKS SMs of a Hopper
     build (which has the entry), and the warps' combine otherwise; the size fits a Hopper block's opt-in

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cuep import _checks
-from cuep.kernels.low_latency import CHOICE_SLOTS, RECV_PHASE, SEND_PHASE
+from cuep.kernels.low_latency import CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, RECV_PHASE, SEND_PHASE
 from cuep.modes import low_latency
 
 torch = pytest.importorskip("torch")
@@ -51,8 +51,9 @@ def ctx(monkeypatch):
 
     front._pool._allocate = allocate
     library = types.SimpleNamespace(function=lambda entry: 0x5000 + len(entry))
+    receive_library = types.SimpleNamespace(function=lambda entry: 0x6000 + len(entry))
     return low_latency.Context(
-        library=library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
+        kernels=low_latency.Kernels(library), receive=low_latency.Kernels(receive_library), front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
         region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS, NUM_EXPERTS), num_sms=4, force_put=False,
         timeout_ns=10 ** 9, split_after_ns=20_000, hook_split_after_ns=5_000, seq_state=_device_array(0x2000),
         status=_device_array(0x3000), status_host_ptr=0x4000)
@@ -193,6 +194,29 @@ def test_a_combine_s_pooled_output_keeps_the_struct_of_its_own_plan(ctx):
         del run, handle, _
         gc.collect()
     assert structs[0] != structs[1]
+
+
+def test_a_hook_s_receive_launches_the_receive_only_build_and_every_other_launch_the_whole_one(ctx, monkeypatch):
+    """A dispatch's and a combine's receive alone (a hook's) take the family's receive-only build (its kernels
+    under the same names), sharing the call's argument struct; a send, or both phases, take the whole build."""
+    from cuep.kernels import launcher
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(
+        (self.entry, self.function, self.args.phases, id(self.args))))
+    x, topk_idx = inputs()
+    *_, handle, _, dispatch_run = dispatch(ctx, x, topk_idx)
+    expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+    shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx,
+                                                    torch.zeros((5, 2), dtype=torch.float32), handle, None, None)
+    _, combine_run = low_latency.combine(ctx, shape, handle, *addresses)
+    for run, entry in ((dispatch_run, DISPATCH_ENTRY), (combine_run, COMBINE_ENTRY)):
+        launched.clear()
+        for phases in (SEND_PHASE, RECV_PHASE, SEND_PHASE | RECV_PHASE):
+            run(FakeStream(), phases)
+        whole, receive = ctx.kernels.function(entry), ctx.receive.function(entry)
+        assert whole != receive
+        assert launched == [(entry, whole, SEND_PHASE, id(run.args)), (entry, receive, RECV_PHASE, id(run.args)),
+                            (entry, whole, SEND_PHASE | RECV_PHASE, id(run.args))]
 
 
 def test_the_empty_round_of_a_shrink_mode_clean_launches_a_dispatch_and_a_combine_of_no_tokens(ctx, monkeypatch):

@@ -18,6 +18,10 @@ NETWORK_FAMILIES = ("internode", "low_latency")
 """The families that send over NVSHMEM's network transports: built apart for ranks across hosts."""
 
 
+# The name buffer_specs gives the low-latency family's receive-only build (the hooks' receives).
+LOW_LATENCY_RECEIVE = "low_latency_receive"
+
+
 def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: bool = False,
                  across_hosts: bool = False, elastic: bool = False) -> dict[str, KernelSpec]:
     """The families a Buffer of these sizes launches, by name, with their specs for ``arch``.
@@ -26,7 +30,8 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
     (``num_nvl_bytes > 0``): the internode family when the ranks span several nodes (``internode``),
     the intranode family otherwise, and with either, for an ``ElasticBuffer`` (``elastic``), the elastic family
     (DeepEP V2's layouts on the normal mode's rows); the low-latency family needs a low-latency region
-    (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer).
+    (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer), and with it its receive-only
+    build, which the hooks' receives launch (:data:`LOW_LATENCY_RECEIVE`).
     Compiling only these keeps a cold start to what the Buffer can use. ``across_hosts`` (ranks on
     several physical hosts) picks the network families' build that links NVSHMEM's transfer code
     (IBGDA included); on one host they inline NVSHMEM whole (``cuda_src/cuep/network.cuh``).
@@ -35,9 +40,12 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
               "elastic": elastic and num_nvl_bytes > 0, "internode": num_nvl_bytes > 0 and internode,
               "low_latency": num_rdma_bytes > 0}
     options = {"across_hosts": across_hosts}
-    return {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))
-            for family, used in wanted.items() if used}
+    specs = {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))
+             for family, used in wanted.items() if used}
+    if "low_latency" in specs:  # and the build its hooks' receives launch
+        specs[LOW_LATENCY_RECEIVE] = low_latency.spec(arch, receive_only=True, **options)
+    return specs
 
 
-__all__ = ["FAMILIES", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode", "intranode", "layout",
+__all__ = ["FAMILIES", "LOW_LATENCY_RECEIVE", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode", "intranode", "layout",
            "low_latency", "probe"]

@@ -99,10 +99,13 @@ CONSTANTS = {"num_threads": NUM_THREADS, "max_topk": MAX_TOPK, "max_tokens_per_r
 """What ``low_latency.cu`` reads as ``CUEP_<NAME>`` besides the shared constants."""
 
 
-def spec(arch: str, across_hosts: bool = False, **features) -> KernelSpec:
+def spec(arch: str, across_hosts: bool = False, receive_only: bool = False, **features) -> KernelSpec:
     """The family's spec; ``CUEP_TRACE`` builds the variant that stamps phase times (cuep.bench --trace);
-    ``across_hosts`` the build that links NVSHMEM's transfer code (cuda_src/cuep/network.cuh)."""
-    defines = {**({"trace": 1} if env.get("CUEP_TRACE") else {}), **network_defines(across_hosts)}
+    ``across_hosts`` the build that links NVSHMEM's transfer code (cuda_src/cuep/network.cuh);
+    ``receive_only`` the hooks' build: the same entries, which only receive (``kReceiveOnly`` in
+    low_latency.cu says why a hook's receive launches from a build of its own)."""
+    defines = {**({"trace": 1} if env.get("CUEP_TRACE") else {}), **network_defines(across_hosts),
+               **({"receive_only": 1} if receive_only else {})}
     return KernelSpec.create("low_latency", arch, defines, constants=family_constants(CONSTANTS), uses_nvshmem=True,
                              entries=ENTRIES, **features)
 

@@ -164,6 +164,20 @@ def data_bytes(region_bytes: int, num_ranks: int) -> int:
     return max(0, buffer_bytes(region_bytes, num_ranks) - fixed_bytes(num_ranks))
 
 
+class Kernels:
+    """A build's kernels by entry, each looked up once (a :class:`Launch` asks its functions on every call)."""
+
+    __slots__ = ("library", "found")
+
+    def __init__(self, library: Library):
+        self.library, self.found = library, {}
+
+    def function(self, entry: str) -> int:
+        if entry not in self.found:
+            self.found[entry] = self.library.function(entry)
+        return self.found[entry]
+
+
 @dataclass
 class Context:
     """What a Buffer's low-latency calls share: its region, its device state and the compiled family.
@@ -172,7 +186,8 @@ class Context:
     numbers, and with them which buffer each call uses, count on across calls, graph replays included.
     """
 
-    library: Library
+    kernels: Kernels              # the family's build, which every launch but a hook's receive takes
+    receive: Kernels              # its receive-only build, which the hooks' receives take (kReceiveOnly)
     front: Front                  # where the outputs come from (cuep._front)
     rank: int
     num_ranks: int
@@ -191,19 +206,20 @@ class Context:
     shrink: bool = False          # a timed-out peer is masked instead of failing the call (enable_shrink)
     source_decisions: Any = None  # shrink mode: [NUM_BUFFERS, num_ranks] uint64, what each receive counts each source sent
 
-    functions: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)       # see Plan
     known: KnownCalls = field(default_factory=KnownCalls)  # argument signatures that passed: DispatchCall, CombineCall
     combine_buffers: dict = field(default_factory=dict)  # (parity, shape) -> array, for zero-copy callers
     combine_parity: int = 0       # which of the two zero-copy arrays of a shape the next caller gets
 
     @classmethod
-    def create(cls, library: Library, front: Front, region_ptr: int, region_bytes: int, rank: int, num_ranks: int,
-               num_sms: int, force_put: bool, timeout_s: float, trace: bool, shrink: bool = False) -> "Context":
-        """The context of a Buffer's low-latency region (zeroed), with status words of its own."""
+    def create(cls, library: Library, receive_library: Library, front: Front, region_ptr: int, region_bytes: int,
+               rank: int, num_ranks: int, num_sms: int, force_put: bool, timeout_s: float, trace: bool,
+               shrink: bool = False) -> "Context":
+        """The context of a Buffer's low-latency region (zeroed), with status words of its own;
+        ``receive_library``: the family's receive-only build."""
         cupy = _deps.cupy()
         status = StatusWords()
-        return cls(library=library, front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
+        return cls(kernels=Kernels(library), receive=Kernels(receive_library), front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
                    num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
                    hook_split_after_ns=int(env.get("CUEP_COMBINE_HOOK_SPLIT_US") * 1e3),
@@ -254,13 +270,6 @@ class Context:
             self.combine_buffers = {k: v for k, v in self.combine_buffers.items() if k[1] == shape}
             self.combine_buffers[key] = self.front.empty(shape, bf16_dtype())
         return self.combine_buffers[key]
-
-    def function(self, entry: str) -> int:
-        """``library.function(entry)``, looked up once: a :class:`Launch` made with this Context as its
-        library asks on every call."""
-        if entry not in self.functions:
-            self.functions[entry] = self.library.function(entry)
-        return self.functions[entry]
 
     # The region's layout depends only on the rank count and the region's size: worked out once, not
     # on every call (the eager decode path counts microseconds). The kernels take buffer 0's addresses
@@ -403,16 +412,17 @@ def _common(ctx: Context, args) -> None:
 
 class Run:
     """A call's kernel, ``run(stream, phases)``: launched with the phases given (both, the send alone, or the
-    receive alone) set in its argument struct, ``args``."""
+    receive alone) set in its argument struct, ``args``, which both launches share: ``launch`` of the
+    family's build, and ``receive`` of its receive-only build, which a hook's receive takes."""
 
-    __slots__ = ("launch", "args")
+    __slots__ = ("launch", "receive", "args")
 
-    def __init__(self, launch: Launch):
-        self.launch, self.args = launch, launch.args
+    def __init__(self, launch: Launch, receive: Launch):
+        self.launch, self.receive, self.args = launch, receive, launch.args
 
     def __call__(self, stream, phases: int) -> None:
         self.args.phases = phases
-        self.launch(stream)
+        (self.receive if phases == RECV_PHASE else self.launch)(stream)
 
 
 class CombineRun(Run):
@@ -423,8 +433,8 @@ class CombineRun(Run):
 
     __slots__ = ("eager_look_ns",)
 
-    def __init__(self, launch: Launch, eager_look_ns: int):
-        super().__init__(launch)
+    def __init__(self, launch: Launch, receive: Launch, eager_look_ns: int):
+        super().__init__(launch, receive)
         self.eager_look_ns = eager_look_ns
 
     def __call__(self, stream, phases: int) -> None:
@@ -534,8 +544,9 @@ def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
     a.staging_words = layout.routing_staging_words
     a.staged_tokens, a.stage_bytes = staged_tokens, stage_bytes
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
-    ctx.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
-    allow_shared_bytes(ctx, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
+    for kernels in (ctx.kernels, ctx.receive):
+        kernels.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
+        allow_shared_bytes(kernels, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
     outputs = ("recv_x", "recv_count", "recv_scales") if use_fp8 else ("recv_x", "recv_count")
     return Plan(key, DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
                 tuple(regions[name].offset for name in _OUTPUT_FIELDS),
@@ -555,8 +566,8 @@ def _attach_dispatch(ctx: Context, plan: Plan, storage, views: list) -> tuple[tu
         a.recv_scales = 0
     a.call_record = handle.call_record
     exported = ctx.front.export_handle(handle)
-    # ctx stands in for the Library: its function() is a dict lookup.
-    run = Run(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes))
+    run = Run(*(Launch(kernels, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+                for kernels in (ctx.kernels, ctx.receive)))
     return (handle, exported, a, run), ((exported,) if exported is handle else (exported, handle))
 
 
@@ -664,7 +675,8 @@ def _combine_plan(ctx: Context, key: tuple) -> Plan:
     a.split_after_ns = ctx.split_after_ns  # hook_split_after_ns: per launch (CombineRun)
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
-    ctx.function(COMBINE_ENTRY)
+    for kernels in (ctx.kernels, ctx.receive):
+        kernels.function(COMBINE_ENTRY)
     return Plan(key, COMBINE_ENTRY, grid(ctx.num_sms), bytes(a), choice_slots=a.choice_slots)
 
 
@@ -672,8 +684,8 @@ def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs,
     """A combine's argument struct writing into ``out`` (an address), and its :class:`Run`."""
     a = plan.arguments(CombineArgs)
     a.combined_x = out
-    return a, CombineRun(Launch(ctx, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes),
-                         ctx.hook_split_after_ns)
+    return a, CombineRun(*(Launch(kernels, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
+                           for kernels in (ctx.kernels, ctx.receive)), ctx.hook_split_after_ns)
 
 
 def _attach_combine(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:

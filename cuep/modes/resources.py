@@ -12,7 +12,7 @@ from .._streams import CallStreams
 from ..errors import CuepError
 from ..jit import Library, start_libraries
 from ..kernels import barrier as barrier_kernel
-from ..kernels import buffer_specs
+from ..kernels import LOW_LATENCY_RECEIVE, buffer_specs
 from ..kernels import layout as layout_kernel
 from ..kernels.launcher import Launch
 from ..runtime import Group, NodeGroup, Topology, discover_topology
@@ -88,7 +88,7 @@ class Resources:
             lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed, front) \
             if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
-            libraries["low_latency"], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
+            libraries["low_latency"], libraries[LOW_LATENCY_RECEIVE], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
             force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
         # Which mode the RDMA buffer serves where both use it (None: neither yet; it starts zeroed).
         self.rdma_shared = self.internode is not None and self.low_latency is not None
