@@ -3,7 +3,7 @@
     python benchmarks/cold_compile.py [--arch sm_90] [--repeats 2] [--families low_latency,internode]
 
 Builds the families such a Buffer loads (:func:`cuep.kernels.buffer_specs`: layout, barrier, intranode,
-low_latency) concurrently into an empty cache directory, as a Buffer's collective compile does, and
+low_latency and its hooks' receive-only build) concurrently into an empty cache directory, as a Buffer's collective compile does, and
 prints the wall time and each family's compile time, ``--repeats`` times (a fresh cache each time).
 ``--families`` builds those instead, one after another (each alone on the machine). The GPU machine's
 figure also includes loading them; this one is the compile alone. Run from the repository root.
@@ -40,7 +40,7 @@ def main() -> None:
                 started = time.perf_counter()
                 timings += zip(specs, build_all(specs))
                 wall += time.perf_counter() - started
-        families = ", ".join(f"{spec.family} {seconds:.1f} s" for spec, (_, seconds) in timings)
+        families = ", ".join(f"{spec.name} {seconds:.1f} s" for spec, (_, seconds) in timings)
         print(f"cold compile of {what} ({args.arch}, {os.cpu_count()} CPUs): {wall:.1f} s wall; {families}")
 
 

@@ -75,7 +75,8 @@ constexpr int kNumThreads = CUEP_NUM_THREADS;
 // names, with the receive alone. A hook's receive launched from the whole build ran its path among the
 // send's code, whose lines a launch after other work (an expert's GEMM) fetches from memory one by one;
 // a build of the receive alone keeps the path's instructions few and together. Profilers, DeepEP's test
-// among them, see one dispatch and one combine kernel, as with DeepEP's.
+// among them, see one dispatch and one combine kernel, as with DeepEP's. Its launches have the receive
+// phase alone (cuep/modes/low_latency.py's Run is the one place that picks a build).
 #ifndef CUEP_RECEIVE_ONLY
 #define CUEP_RECEIVE_ONLY 0
 #endif
@@ -175,7 +176,7 @@ constexpr int kMaskedTold = CUEP_MASKED_TOLD;
 // in memory for the call). Inlined at every wait, their code, NVSHMEM's puts among it, lay between the
 // hot paths' instructions: a launch that follows other work fetches its instructions from memory, and a
 // receive then waited for lines it never ran. MaskedStatus's members below say what each does.
-__device__ __noinline__ void record_broken_call_order(int32_t* device, int32_t* host, int32_t rule, uint64_t seq,
+static __device__ __noinline__ void record_broken_call_order(int32_t* device, int32_t* host, int32_t rule, uint64_t seq,
                                                       int32_t peer) {
     if (atomicCAS(device + kStatusCallOrder, 0, rule) != 0)
         return;
@@ -188,7 +189,7 @@ __device__ __noinline__ void record_broken_call_order(int32_t* device, int32_t* 
     __threadfence_system();
 }
 
-__device__ __noinline__ void tell_peers_masked(int32_t* masked, int rank, int num_ranks, int peer) {
+static __device__ __noinline__ void tell_peers_masked(int32_t* masked, int rank, int num_ranks, int peer) {
     const auto is_masked = [&](int pe) { return ld_volatile_global(masked + pe) != 0; };
     int alive = 0;
     for (int pe = 0; pe < num_ranks; ++pe)

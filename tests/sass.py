@@ -47,12 +47,15 @@ def disassemble_all(cuobjdump: str) -> dict[str, list[str]]:
     from cuep.jit import compiler, toolchain
     from cuep.kernels import FAMILIES
     code = {}
-    for family, module in sorted(FAMILIES.items()):
-        for variant, features in VARIANTS.items():
-            spec = module.spec("sm_90", **features)
-            nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
-            cubin = compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem).cubin
-            code.update({f"{variant}/{name}": body for name, body in disassemble(cubin, cuobjdump).items()})
+    builds = [(variant, module.spec("sm_90", **features)) for _, module in sorted(FAMILIES.items())
+              for variant, features in VARIANTS.items()]
+    # The low-latency hooks' build holds kernels of the whole build's names: keyed apart.
+    builds += [(f"{variant}/receive_only", FAMILIES["low_latency"].spec("sm_90", receive_only=True, **features))
+               for variant, features in VARIANTS.items()]
+    for key, spec in builds:
+        nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
+        cubin = compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem).cubin
+        code.update({f"{key}/{name}": body for name, body in disassemble(cubin, cuobjdump).items()})
     return code
 
 

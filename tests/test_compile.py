@@ -80,7 +80,9 @@ def test_build_caches_and_cli(cache_dir, capsys):
     assert seconds > 0 and (entry / "kernel.cubin").is_file() and (entry / "meta.json").is_file()
     assert build(spec) == (entry, 0.0)
     assert main(["compile", "--arch", "sm_80"]) == 0
-    assert "layout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layout" in out
+    assert FAMILIES["low_latency"].spec("sm_80", receive_only=True).name in out  # the hooks' build too
 
 
 def test_compile_error_names_spec_and_keeps_source(cache_dir, tmp_path, monkeypatch):

@@ -27,8 +27,8 @@ PROFILER_NAME_WIDTH = 100  # bench_kineto's max_name_column_width
 WORDS = ("dispatch", "combine")
 
 # What each call launches, in order, as cuep/modes/{low_latency,intranode,internode}.py launch it. A hooked
-# low-latency call launches its one kernel twice (send, then receive phase), an internode call its round's
-# kernels once per round: one name each either way.
+# low-latency call launches its one kernel twice (send, then receive phase, the latter from the receive-only
+# build, under the same name), an internode call its round's kernels once per round: one name each either way.
 CALLS = {
     "low-latency dispatch + combine": [low_latency.DISPATCH_ENTRY, low_latency.COMBINE_ENTRY],
     "low-latency dispatch": [low_latency.DISPATCH_ENTRY],

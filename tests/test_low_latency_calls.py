@@ -36,7 +36,9 @@ def ctx(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)  # CPU-only torch
     monkeypatch.delenv("CUEP_REUSE_OUTPUTS", raising=False)
     monkeypatch.setattr(low_latency, "block_shared_bytes", lambda: 227 * 1024)
-    monkeypatch.setattr(low_latency, "allow_shared_bytes", lambda *args: None)
+    allowed = []  # (library, entry, bytes) of each allow_shared_bytes
+    monkeypatch.setattr(low_latency, "allow_shared_bytes", lambda library, entry, shared_bytes, static_bytes:
+                        allowed.append((library, entry, shared_bytes)))
     front = torch_front.TorchFront(0)
     front.current_stream = FakeStream
     real_signature = front.signature
@@ -52,11 +54,13 @@ def ctx(monkeypatch):
     front._pool._allocate = allocate
     library = types.SimpleNamespace(function=lambda entry: 0x5000 + len(entry))
     receive_library = types.SimpleNamespace(function=lambda entry: 0x6000 + len(entry))
-    return low_latency.Context(
-        kernels=low_latency.Kernels(library), receive=low_latency.Kernels(receive_library), front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
+    context = low_latency.Context(
+        library=library, receive_library=receive_library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
         region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS, NUM_EXPERTS), num_sms=4, force_put=False,
         timeout_ns=10 ** 9, split_after_ns=20_000, hook_split_after_ns=5_000, seq_state=_device_array(0x2000),
         status=_device_array(0x3000), status_host_ptr=0x4000)
+    context.allowed_shared_bytes = allowed  # read by the tests, not by the Context
+    return context
 
 
 def _interop_view(value):
@@ -211,12 +215,17 @@ def test_a_hook_s_receive_launches_the_receive_only_build_and_every_other_launch
     _, combine_run = low_latency.combine(ctx, shape, handle, *addresses)
     for run, entry in ((dispatch_run, DISPATCH_ENTRY), (combine_run, COMBINE_ENTRY)):
         launched.clear()
-        for phases in (SEND_PHASE, RECV_PHASE, SEND_PHASE | RECV_PHASE):
+        for phases in (SEND_PHASE, RECV_PHASE, SEND_PHASE | RECV_PHASE, RECV_PHASE):
             run(FakeStream(), phases)
-        whole, receive = ctx.kernels.function(entry), ctx.receive.function(entry)
+        whole, receive = ctx.library.function(entry), ctx.receive_library.function(entry)
         assert whole != receive
         assert launched == [(entry, whole, SEND_PHASE, id(run.args)), (entry, receive, RECV_PHASE, id(run.args)),
-                            (entry, whole, SEND_PHASE | RECV_PHASE, id(run.args))]
+                            (entry, whole, SEND_PHASE | RECV_PHASE, id(run.args)),
+                            (entry, receive, RECV_PHASE, id(run.args))]
+    # Both builds' dispatch may take the call's dynamic shared memory (set once per kernel, before a launch).
+    shared = {(id(library), entry) for library, entry, _ in ctx.allowed_shared_bytes}
+    assert {(id(ctx.library), DISPATCH_ENTRY), (id(ctx.receive_library), DISPATCH_ENTRY)} <= shared
+    assert len({size for _, entry, size in ctx.allowed_shared_bytes if entry == DISPATCH_ENTRY}) == 1
 
 
 def test_the_empty_round_of_a_shrink_mode_clean_launches_a_dispatch_and_a_combine_of_no_tokens(ctx, monkeypatch):

@@ -6,7 +6,7 @@ the linked cubins of the real NVRTC + nvJitLink build; no GPU needed."""
 import pytest
 
 from cuep.jit import compiler
-from cuep.kernels import NETWORK_FAMILIES, buffer_specs
+from cuep.kernels import LOW_LATENCY_RECEIVE, NETWORK_FAMILIES, buffer_specs
 
 from .builds import VARIANTS, compiled
 from .cubin import code_of, symbol_names
@@ -47,8 +47,9 @@ def test_one_host_builds_inline_nvshmem_and_call_nothing(family):
 def test_a_buffer_across_hosts_gets_the_network_builds():
     one_host = buffer_specs("sm_90", 1 << 20, 1 << 20, internode=True)
     across = buffer_specs("sm_90", 1 << 20, 1 << 20, internode=True, across_hosts=True)
-    for family in NETWORK_FAMILIES:
-        assert ("network", "1") in across[family].defines and ("network", "1") not in one_host[family].defines
+    for build in (*NETWORK_FAMILIES, LOW_LATENCY_RECEIVE):  # the hooks' receive-only build goes with its family
+        assert ("network", "1") in across[build].defines and ("network", "1") not in one_host[build].defines
+    assert ("receive_only", "1") in across[LOW_LATENCY_RECEIVE].defines
     assert across["layout"] == one_host["layout"] and across["barrier"] == one_host["barrier"]
 
 

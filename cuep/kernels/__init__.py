@@ -47,5 +47,5 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
     return specs
 
 
-__all__ = ["FAMILIES", "LOW_LATENCY_RECEIVE", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode", "intranode", "layout",
-           "low_latency", "probe"]
+__all__ = ["FAMILIES", "LOW_LATENCY_RECEIVE", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode",
+           "intranode", "layout", "low_latency", "probe"]

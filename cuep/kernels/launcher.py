@@ -133,7 +133,8 @@ def entries_of(mirrors) -> tuple[str, ...]:
 
 
 class Functions(Protocol):
-    """Where a launch finds its kernel: a :class:`cuep.jit.Library`, or a context that caches its handles."""
+    """Where a launch finds its kernel (once, when the launch is made): a :class:`cuep.jit.Library`, or an
+    object that stands in for one."""
 
     def function(self, name: str) -> int: ...
 

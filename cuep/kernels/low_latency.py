@@ -6,9 +6,11 @@ C++ entries, each taking one argument struct by value (mirrored below, field for
     cuep::low_latency::dispatch(const DispatchArgs)   phases: SEND_PHASE, RECV_PHASE or both
     cuep::low_latency::combine(const CombineArgs)
 
-One kernel each, launched once per call or, with a receive hook, twice (send, then receive phase): a
-profile shows one kernel whose name holds ``dispatch`` and one with ``combine``, and a trace tells the
-two launches of a hooked call apart by time, as DeepEP's tests expect.
+One kernel each, launched once per call or, with a receive hook, twice (send, then receive phase). The
+receive alone launches the same kernel of the family's receive-only build (``spec(receive_only=True)``, the
+same symbols, RECV_PHASE only; ``kReceiveOnly`` in low_latency.cu says why): a profile shows one kernel
+whose name holds ``dispatch`` and one with ``combine``, and a trace tells the two launches of a hooked call
+apart by time, as DeepEP's tests expect.
 
 The host side of the protocol (the buffer's layout, the call plans, the Handle) is
 :mod:`cuep.modes.low_latency`.

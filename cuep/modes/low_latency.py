@@ -52,7 +52,7 @@ from .._status import StatusWords
 from .._math import align_up
 from ..jit import Library
 from ..kernels.common import SCALE_BLOCK, UE8M0_SCALES_PER_WORD, fp8_row_bytes
-from ..kernels.launcher import KernelArgs, Launch, allow_shared_bytes, block_shared_bytes
+from ..kernels.launcher import Functions, KernelArgs, Launch, allow_shared_bytes, block_shared_bytes
 from ..kernels.low_latency import (CHOICE_SLOTS, COMBINE_ENTRY, DISPATCH_ENTRY, DISPATCH_STATIC_SHARED_BYTES,
                                    MASKED_TO_TELL, MAX_COUNT_WORDS, MAX_TOKENS_PER_RANK, MAX_TOPK, NUM_BUFFERS,
                                    NUM_THREADS, RECV_PHASE, ROUTING_HEADER_WORDS, SEND_PHASE, SEQ_LATEST, SEQ_RECEIVED,
@@ -164,20 +164,6 @@ def data_bytes(region_bytes: int, num_ranks: int) -> int:
     return max(0, buffer_bytes(region_bytes, num_ranks) - fixed_bytes(num_ranks))
 
 
-class Kernels:
-    """A build's kernels by entry, each looked up once (a :class:`Launch` asks its functions on every call)."""
-
-    __slots__ = ("library", "found")
-
-    def __init__(self, library: Library):
-        self.library, self.found = library, {}
-
-    def function(self, entry: str) -> int:
-        if entry not in self.found:
-            self.found[entry] = self.library.function(entry)
-        return self.found[entry]
-
-
 @dataclass
 class Context:
     """What a Buffer's low-latency calls share: its region, its device state and the compiled family.
@@ -186,8 +172,8 @@ class Context:
     numbers, and with them which buffer each call uses, count on across calls, graph replays included.
     """
 
-    kernels: Kernels              # the family's build, which every launch but a hook's receive takes
-    receive: Kernels              # its receive-only build, which the hooks' receives take (kReceiveOnly)
+    library: Library              # the family's build, which every launch but a hook's receive takes
+    receive_library: Library      # its receive-only build, which the hooks' receives take (kReceiveOnly)
     front: Front                  # where the outputs come from (cuep._front)
     rank: int
     num_ranks: int
@@ -219,8 +205,8 @@ class Context:
         ``receive_library``: the family's receive-only build."""
         cupy = _deps.cupy()
         status = StatusWords()
-        return cls(kernels=Kernels(library), receive=Kernels(receive_library), front=front, rank=rank, num_ranks=num_ranks, region_ptr=region_ptr, region_bytes=region_bytes,
-                   num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
+        return cls(library=library, receive_library=receive_library, front=front, rank=rank, num_ranks=num_ranks,
+                   region_ptr=region_ptr, region_bytes=region_bytes, num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
                    split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
                    hook_split_after_ns=int(env.get("CUEP_COMBINE_HOOK_SPLIT_US") * 1e3),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
@@ -412,17 +398,27 @@ def _common(ctx: Context, args) -> None:
 
 class Run:
     """A call's kernel, ``run(stream, phases)``: launched with the phases given (both, the send alone, or the
-    receive alone) set in its argument struct, ``args``, which both launches share: ``launch`` of the
-    family's build, and ``receive`` of its receive-only build, which a hook's receive takes."""
+    receive alone) set in its argument struct, ``args``. ``launch`` is of the family's build; the receive alone
+    (a hook's) launches the same kernel of the receive-only build, ``receive_library``, on the same struct: the
+    one place that picks a build, so the receive-only kernels never get a send phase (kReceiveOnly). Its
+    :class:`Launch` is made at the first such launch (a call with ``out=`` makes its Run per call, and most calls
+    receive whole)."""
 
-    __slots__ = ("launch", "receive", "args")
+    __slots__ = ("launch", "args", "receive_library", "receive")
 
-    def __init__(self, launch: Launch, receive: Launch):
-        self.launch, self.receive, self.args = launch, receive, launch.args
+    def __init__(self, launch: Launch, receive_library: Functions):
+        self.launch, self.args, self.receive_library, self.receive = launch, launch.args, receive_library, None
 
     def __call__(self, stream, phases: int) -> None:
         self.args.phases = phases
-        (self.receive if phases == RECV_PHASE else self.launch)(stream)
+        if phases != RECV_PHASE:
+            self.launch(stream)
+            return
+        if self.receive is None:
+            whole = self.launch
+            self.receive = Launch(self.receive_library, whole.entry, whole.grid, whole.block, whole.args,
+                                  whole.shared_bytes, whole.cluster)
+        self.receive(stream)
 
 
 class CombineRun(Run):
@@ -433,8 +429,8 @@ class CombineRun(Run):
 
     __slots__ = ("eager_look_ns",)
 
-    def __init__(self, launch: Launch, receive: Launch, eager_look_ns: int):
-        super().__init__(launch, receive)
+    def __init__(self, launch: Launch, receive_library: Functions, eager_look_ns: int):
+        super().__init__(launch, receive_library)
         self.eager_look_ns = eager_look_ns
 
     def __call__(self, stream, phases: int) -> None:
@@ -544,9 +540,9 @@ def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
     a.staging_words = layout.routing_staging_words
     a.staged_tokens, a.stage_bytes = staged_tokens, stage_bytes
     a.source_decisions = ctx.source_decisions.data.ptr if ctx.source_decisions is not None else 0
-    for kernels in (ctx.kernels, ctx.receive):
-        kernels.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
-        allow_shared_bytes(kernels, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
+    for library in (ctx.library, ctx.receive_library):
+        library.function(DISPATCH_ENTRY)  # a missing entry fails here, on the first call, not at launch
+        allow_shared_bytes(library, DISPATCH_ENTRY, shared_bytes, DISPATCH_STATIC_SHARED_BYTES)
     outputs = ("recv_x", "recv_count", "recv_scales") if use_fp8 else ("recv_x", "recv_count")
     return Plan(key, DISPATCH_ENTRY, grid(ctx.num_sms), bytes(a), shared_bytes, regions, storage_bytes,
                 tuple(regions[name].offset for name in _OUTPUT_FIELDS),
@@ -566,8 +562,7 @@ def _attach_dispatch(ctx: Context, plan: Plan, storage, views: list) -> tuple[tu
         a.recv_scales = 0
     a.call_record = handle.call_record
     exported = ctx.front.export_handle(handle)
-    run = Run(*(Launch(kernels, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
-                for kernels in (ctx.kernels, ctx.receive)))
+    run = Run(Launch(ctx.library, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes), ctx.receive_library)
     return (handle, exported, a, run), ((exported,) if exported is handle else (exported, handle))
 
 
@@ -675,8 +670,8 @@ def _combine_plan(ctx: Context, key: tuple) -> Plan:
     a.split_after_ns = ctx.split_after_ns  # hook_split_after_ns: per launch (CombineRun)
     a.weight_staging, a.slot_staging = data + layout.weight_staging, data + layout.combine_staging
     a.staging_words = layout.weight_staging_words
-    for kernels in (ctx.kernels, ctx.receive):
-        kernels.function(COMBINE_ENTRY)
+    for library in (ctx.library, ctx.receive_library):
+        library.function(COMBINE_ENTRY)
     return Plan(key, COMBINE_ENTRY, grid(ctx.num_sms), bytes(a), choice_slots=a.choice_slots)
 
 
@@ -684,8 +679,8 @@ def _combine_arguments(ctx: Context, plan: Plan, out: int) -> tuple[CombineArgs,
     """A combine's argument struct writing into ``out`` (an address), and its :class:`Run`."""
     a = plan.arguments(CombineArgs)
     a.combined_x = out
-    return a, CombineRun(*(Launch(kernels, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes)
-                           for kernels in (ctx.kernels, ctx.receive)), ctx.hook_split_after_ns)
+    return a, CombineRun(Launch(ctx.library, plan.entry, plan.grid, NUM_THREADS, a, plan.shared_bytes),
+                         ctx.receive_library, ctx.hook_split_after_ns)
 
 
 def _attach_combine(ctx: Context, plan: Plan, storage, views: list) -> tuple[tuple, tuple]:

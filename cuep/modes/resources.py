@@ -88,8 +88,9 @@ class Resources:
             lambda stream: self.enqueue_barrier(stream, timeout_s), self.raise_if_failed, front) \
             if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
-            libraries["low_latency"], libraries[LOW_LATENCY_RECEIVE], front, self.memory.rdma, num_rdma_bytes, self.rank, self.num_ranks, num_sms,
-            force_put, timeout_s, env.get("CUEP_TRACE"), shrink) if "low_latency" in libraries else None
+            libraries["low_latency"], libraries[LOW_LATENCY_RECEIVE], front, self.memory.rdma, num_rdma_bytes,
+            self.rank, self.num_ranks, num_sms, force_put, timeout_s, env.get("CUEP_TRACE"), shrink) \
+            if "low_latency" in libraries else None
         # Which mode the RDMA buffer serves where both use it (None: neither yet; it starts zeroed).
         self.rdma_shared = self.internode is not None and self.low_latency is not None
         self.rdma_mode: str | None = None
@@ -229,7 +230,8 @@ def start_kernels(group: NodeGroup, device_id: int, num_nvl_bytes: int, num_low_
     background) or loading the kernel families a Buffer of these sizes uses (``internode_mode``: its
     ranks span several nodes; ``across_hosts``: several physical hosts, so the network families' build
     that links NVSHMEM's transfer code; ``elastic``: an ``ElasticBuffer``'s); the returned call, once NVSHMEM is up, waits for them and loads
-    them, by family name."""
+    them, by the names :func:`cuep.kernels.buffer_specs` gives them (a family's, or a build's such as
+    ``LOW_LATENCY_RECEIVE``)."""
     arch = f"sm_{_deps.cuda_core().Device(device_id).arch}"
     specs = buffer_specs(arch, num_nvl_bytes, num_low_latency_bytes, internode_mode, across_hosts, elastic)
     finish = start_libraries(list(specs.values()), group)
