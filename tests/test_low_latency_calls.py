@@ -55,7 +55,8 @@ def ctx(monkeypatch):
     library = types.SimpleNamespace(function=lambda entry: 0x5000 + len(entry))
     receive_library = types.SimpleNamespace(function=lambda entry: 0x6000 + len(entry))
     context = low_latency.Context(
-        library=library, receive_library=receive_library, front=front, rank=1, num_ranks=NUM_RANKS, region_ptr=0x10_0000_0000,
+        library=library, receive_library=receive_library, front=front, rank=1, num_ranks=NUM_RANKS,
+        region_ptr=0x10_0000_0000,
         region_bytes=low_latency.size_hint(MAX_TOKENS, HIDDEN, NUM_RANKS, NUM_EXPERTS), num_sms=4, force_put=False,
         timeout_ns=10 ** 9, split_after_ns=20_000, hook_split_after_ns=5_000, seq_state=_device_array(0x2000),
         status=_device_array(0x3000), status_host_ptr=0x4000)

@@ -206,7 +206,8 @@ class Context:
         cupy = _deps.cupy()
         status = StatusWords()
         return cls(library=library, receive_library=receive_library, front=front, rank=rank, num_ranks=num_ranks,
-                   region_ptr=region_ptr, region_bytes=region_bytes, num_sms=num_sms, force_put=force_put, timeout_ns=int(timeout_s * 1e9),
+                   region_ptr=region_ptr, region_bytes=region_bytes, num_sms=num_sms, force_put=force_put,
+                   timeout_ns=int(timeout_s * 1e9),
                    split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
                    hook_split_after_ns=int(env.get("CUEP_COMBINE_HOOK_SPLIT_US") * 1e3),
                    seq_state=cupy.zeros(SEQ_WORDS, dtype=cupy.uint64), status=status.device,
