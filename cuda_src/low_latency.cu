@@ -1418,7 +1418,7 @@ static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, ui
 // receives: a sender warp waits for the links (stores, then the release of each token's flags), and
 // the receivers would otherwise wait for it at every barrier.
 static __device__ void dispatch(const DispatchArgs& a, uint64_t seq, uint64_t deadline_ns) {
-    const bool sends = a.phases & kSendPhase, receives = a.phases & kRecvPhase;
+    const bool sends = !kReceiveOnly && (a.phases & kSendPhase), receives = kReceiveOnly || (a.phases & kRecvPhase);
     const bool split = sends && receives;
     const int half = static_cast<int>(blockDim.x) / 2;
     const bool sender = !split || static_cast<int>(threadIdx.x) < half;
@@ -1869,12 +1869,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const DispatchArgs la
     const cuep::DispatchArgs args = cuep::in_buffer(launched, seq);
     const uint64_t deadline_ns = cuep::globaltimer_ns() + args.timeout_ns;
     cuep::trace_block(args.trace, cuep::kTraceStart);
-    if (in_order && !cuep::sits_out(args)) {
-        if constexpr (cuep::kReceiveOnly)
-            cuep::dispatch_recv(cuep::whole_block(), args, seq, deadline_ns);
-        else
-            cuep::dispatch(args, seq, deadline_ns);
-    }
+    if (in_order && !cuep::sits_out(args))
+        cuep::dispatch(args, seq, deadline_ns);
     if constexpr (cuep::kTrace)
         __syncthreads();  // the end is the last team's
     cuep::trace_block(args.trace, cuep::kTraceEnd);
