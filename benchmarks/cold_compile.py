@@ -3,10 +3,10 @@
     python benchmarks/cold_compile.py [--arch sm_90] [--repeats 2] [--families low_latency,internode]
 
 Builds the families such a Buffer loads (:func:`cuep.kernels.buffer_specs`: layout, barrier, intranode,
-low_latency and its hooks' receive-only build) concurrently into an empty cache directory, as a Buffer's collective compile does, and
-prints the wall time and each family's compile time, ``--repeats`` times (a fresh cache each time).
-``--families`` builds those instead, one after another (each alone on the machine). The GPU machine's
-figure also includes loading them; this one is the compile alone. Run from the repository root.
+low_latency and its hooks' receive-only build) concurrently into an empty cache directory, as a Buffer's
+collective compile does, and prints the wall time and each build's compile time, ``--repeats`` times (a fresh
+cache each time). ``--families`` builds those instead, one after another (each alone on the machine). The GPU
+machine's figure also includes loading them; this one is the compile alone. Run from the repository root.
 """
 
 from __future__ import annotations

@@ -82,15 +82,13 @@ def compile_all(archs: list[str], fallback: bool, aggressive_ptx: bool, across_h
     """Build every family for every arch and variant into the cache, the kernels at once (and the network
     families' builds for ranks across hosts with ``across_hosts``)."""
     from .jit import build_all
-    from .kernels import FAMILIES, NETWORK_FAMILIES, low_latency
+    from .kernels import FAMILIES, NETWORK_FAMILIES, family_builds
     variants = _variants(fallback, aggressive_ptx)
-    specs = [module.spec(arch, **features) for arch in archs for module in FAMILIES.values() for features in variants]
+    specs = [spec for arch in archs for family in FAMILIES for features in variants
+             for spec in family_builds(family, arch, **features).values()]
     if across_hosts:
-        specs += [FAMILIES[name].spec(arch, across_hosts=True, **features) for arch in archs
-                  for name in NETWORK_FAMILIES for features in variants]
-    # The low-latency hooks' receive-only build, beside each of the family's builds.
-    specs += [low_latency.spec(arch, across_hosts=network, receive_only=True, **features) for arch in archs
-              for network in ((False, True) if across_hosts else (False,)) for features in variants]
+        specs += [spec for arch in archs for family in NETWORK_FAMILIES for features in variants
+                  for spec in family_builds(family, arch, across_hosts=True, **features).values()]
     started = time.perf_counter()
     for spec, (path, seconds) in zip(specs, build_all(specs)):
         state = f"compiled in {seconds:.1f} s" if seconds else "already cached"

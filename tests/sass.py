@@ -45,13 +45,12 @@ def disassemble(cubin: bytes, cuobjdump: str) -> dict[str, list[str]]:
 
 def disassemble_all(cuobjdump: str) -> dict[str, list[str]]:
     from cuep.jit import compiler, toolchain
-    from cuep.kernels import FAMILIES
+    from cuep.kernels import FAMILIES, family_builds
     code = {}
-    builds = [(variant, module.spec("sm_90", **features)) for _, module in sorted(FAMILIES.items())
-              for variant, features in VARIANTS.items()]
-    # The low-latency hooks' build holds kernels of the whole build's names: keyed apart.
-    builds += [(f"{variant}/receive_only", FAMILIES["low_latency"].spec("sm_90", receive_only=True, **features))
-               for variant, features in VARIANTS.items()]
+    # A family's other builds (the low-latency hooks') hold kernels of its names: keyed apart by the build's.
+    builds = [(variant if name == family else f"{variant}/{name}", spec) for family in sorted(FAMILIES)
+              for variant, features in VARIANTS.items()
+              for name, spec in family_builds(family, "sm_90", **features).items()]
     for key, spec in builds:
         nvshmem = toolchain.nvshmem() if spec.uses_nvshmem else None
         cubin = compiler.compile_spec(compiler.compile_options(spec, nvshmem), nvshmem).cubin

@@ -18,8 +18,19 @@ NETWORK_FAMILIES = ("internode", "low_latency")
 """The families that send over NVSHMEM's network transports: built apart for ranks across hosts."""
 
 
-# The name buffer_specs gives the low-latency family's receive-only build (the hooks' receives).
+# The name family_builds gives the low-latency family's receive-only build (the hooks' receives).
 LOW_LATENCY_RECEIVE = "low_latency_receive"
+
+
+def family_builds(family: str, arch: str, **options) -> dict[str, KernelSpec]:
+    """Every build of ``family`` that a Buffer may load, by name, for ``arch`` and the family's ``options``:
+    its spec under the family's name and, for the low-latency family, the receive-only build its hooks'
+    receives launch (:data:`LOW_LATENCY_RECEIVE`)."""
+    module = FAMILIES[family]
+    builds = {family: module.spec(arch, **options)}
+    if module is low_latency:
+        builds[LOW_LATENCY_RECEIVE] = module.spec(arch, receive_only=True, **options)
+    return builds
 
 
 def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: bool = False,
@@ -31,7 +42,7 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
     the intranode family otherwise, and with either, for an ``ElasticBuffer`` (``elastic``), the elastic family
     (DeepEP V2's layouts on the normal mode's rows); the low-latency family needs a low-latency region
     (``num_rdma_bytes > 0``, passed only for a ``low_latency_mode`` Buffer), and with it its receive-only
-    build, which the hooks' receives launch (:data:`LOW_LATENCY_RECEIVE`).
+    build, which the hooks' receives launch (:func:`family_builds`).
     Compiling only these keeps a cold start to what the Buffer can use. ``across_hosts`` (ranks on
     several physical hosts) picks the network families' build that links NVSHMEM's transfer code
     (IBGDA included); on one host they inline NVSHMEM whole (``cuda_src/cuep/network.cuh``).
@@ -40,12 +51,9 @@ def buffer_specs(arch: str, num_nvl_bytes: int, num_rdma_bytes: int, internode: 
               "elastic": elastic and num_nvl_bytes > 0, "internode": num_nvl_bytes > 0 and internode,
               "low_latency": num_rdma_bytes > 0}
     options = {"across_hosts": across_hosts}
-    specs = {family: FAMILIES[family].spec(arch, **(options if family in NETWORK_FAMILIES else {}))
-             for family, used in wanted.items() if used}
-    if "low_latency" in specs:  # and the build its hooks' receives launch
-        specs[LOW_LATENCY_RECEIVE] = low_latency.spec(arch, receive_only=True, **options)
-    return specs
+    return {name: spec for family, used in wanted.items() if used
+            for name, spec in family_builds(family, arch, **(options if family in NETWORK_FAMILIES else {})).items()}
 
 
-__all__ = ["FAMILIES", "LOW_LATENCY_RECEIVE", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "internode",
-           "intranode", "layout", "low_latency", "probe"]
+__all__ = ["FAMILIES", "LOW_LATENCY_RECEIVE", "NETWORK_FAMILIES", "barrier", "buffer_specs", "elastic", "family_builds",
+           "internode", "intranode", "layout", "low_latency", "probe"]
