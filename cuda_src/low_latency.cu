@@ -109,6 +109,13 @@ constexpr int kSendBatch = 4;            // dispatch send: 16-byte vectors of x 
 constexpr int kGroupThreads = 128;       // combine send: one warp group per (source, token) pair
 constexpr int kGroupsPerBlock = kNumThreads / kGroupThreads;
 constexpr int kPartialBatch = 7;         // combine send: vectors per thread summed at once (7168: 7)
+// combine send, LogFMT: a warp group codes one stride of a partial (kPartialBatch vectors a thread) into its
+// stage, then copies it out (LogFmtStage).
+constexpr int kStageBlocks = kPartialBatch * kGroupThreads / kLogFmtLanes;
+using PartialStage = LogFmtStage<kStageBlocks>;
+static_assert(kPartialBatch * kGroupThreads % kLogFmtLanes == 0, "a stride of a partial holds whole LogFMT blocks");
+static_assert(kGroupsPerBlock * sizeof(PartialStage) <= 40 * 1024,
+              "the combine send's stages, with the kernel's other shared memory, stay within 48 KB of static shared memory");
 constexpr int kSumBatch = 2;             // combine receive: block-wide strides summed at once (7168: 2)
 constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
 constexpr int kChoiceSlots = CUEP_CHOICE_SLOTS;  // combine: rows of a token sent one by one (its top-k bound)
@@ -1457,7 +1464,7 @@ struct CombineArgs {
     uint8_t* slots;                // [num_ranks][max_tokens][slot_bytes]: partials from each rank
     int64_t slot_bytes;            // a LogFMT message's (LogFmtLayout), which a BF16 partial fits in
     uint64_t* choice_flags;        // [kMaxTokensPerRank][kChoiceSlots]
-    uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: rows sent one by one (send_partial);
+    uint8_t* choice_slots;         // [max_tokens][kChoiceSlots][slot_bytes]: BF16 rows sent one by one (send_partial);
                                    // nullptr where num_topk > kChoiceSlots, and in shrink mode: such a pair waits
     uint64_t split_after_ns;       // how long a pair of several rows looks for its weights before it splits,
                                    // in a launch that also receives
@@ -1467,7 +1474,8 @@ struct CombineArgs {
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
     int4* combined_x;              // [num_tokens, hidden] bf16
-    int use_logfmt;                // partials travel as LogFMT (cuep/logfmt.cuh), else BF16
+    int use_logfmt;                // partials travel as LogFMT (cuep/logfmt.cuh), else BF16 (rows sent one by one:
+                                   // BF16 either way, see send_partial)
     int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each rank, added
     uint64_t* seq_state;
     uint64_t timeout_ns;
@@ -1586,20 +1594,21 @@ __device__ __forceinline__ void load_row_stride(const CombineArgs& a, int row, i
 }
 
 // Warp group: the FP32 weighted sum of the pair's rows [first_row, first_row + count) (pair.weights), as
-// BF16 or LogFMT, at `out_bytes` (this GPU's store address of the message), then the message's flag (`flag`,
-// a symmetric address) raised to seq on s: a release store where `is_direct` (`out_bytes` is s's memory),
-// else a put of `slot` from `out_bytes` (staged) then its signal. With `preloaded`, `raw` holds this
-// thread's first stride of the first row.
+// LogFMT where `coded` (coded in the group's `stage`), else BF16, at `out_bytes` (this GPU's store address
+// of the message), then the message's flag (`flag`, a symmetric address) raised to seq on s: a release
+// store where `is_direct` (`out_bytes` is s's memory), else a put of `slot` from `out_bytes` (staged) then
+// its signal. With `preloaded`, `raw` holds this thread's first stride of the first row.
 static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, const Team& group, PairRows& pair,
-                                     int first_row, int count, int4 (&raw)[kPartialBatch], bool preloaded,
-                                     uint8_t* out_bytes, bool is_direct, uint8_t* slot, uint64_t* flag) {
-    const int thread = group.thread(), lane = thread % kWarpSize;
+                                     PartialStage& stage, int first_row, int count, bool coded,
+                                     int4 (&raw)[kPartialBatch], bool preloaded, uint8_t* out_bytes, bool is_direct,
+                                     uint8_t* slot, uint64_t* flag) {
+    const int thread = group.thread();
     int4* out = reinterpret_cast<int4*>(out_bytes);
     const int num_vectors = a.hidden / kBf16PerVector;
     const LogFmtLayout logfmt(a.hidden);
-    // Whole warps run each round (LogFMT codes a block per half-warp, with shuffles); the BF16 loads and
-    // stores of lanes past the end are predicated off.
-    for (int first = thread; first - lane < num_vectors; first += kPartialBatch * kGroupThreads) {
+    // The whole group runs each stride (LogFMT codes a block per half-warp, with shuffles, and the group
+    // shares a stage); the loads and stores of lanes past the end are predicated off.
+    for (int first = thread; first - thread < num_vectors; first += kPartialBatch * kGroupThreads) {
         float sum[kPartialBatch][kBf16PerVector] = {};
         for (int j = first_row; j < first_row + count; ++j) {
             if (!preloaded || j > first_row || first != thread)
@@ -1609,13 +1618,19 @@ static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, 
             for (int i = 0; i < kPartialBatch; ++i)
                 accumulate_bf16x8(sum[i], raw[i], weight);
         }
-        if (a.use_logfmt) {
+        if (coded) {
+            const int first_block = (first - thread) / kLogFmtLanes;
+            if (first != thread)
+                group.sync();  // the previous stride's copy has read the stage
 #pragma unroll
             for (int i = 0; i < kPartialBatch; ++i) {
                 const int v = first + i * kGroupThreads;
-                if (store_logfmt_vector(reinterpret_cast<uint8_t*>(out), logfmt, v, sum[i], v < num_vectors))
+                if (stage_logfmt_vector(stage, first_block, out_bytes, logfmt, v, sum[i], v < num_vectors))
                     pair.fell_back = true;
             }
+            group.sync();
+            copy_logfmt_stage(stage, first_block, min(kStageBlocks, logfmt.blocks - first_block), out_bytes, logfmt,
+                              thread, kGroupThreads);
         } else {
 #pragma unroll
             for (int i = 0; i < kPartialBatch; ++i)
@@ -1630,7 +1645,7 @@ static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, 
         if (thread == 0)  // after the group barrier: the release covers the whole group's stores
             st_release_sys_global(direct_address(flag, s, a.rank, false), seq);
     } else if (thread < kWarpSize) {
-        const int bytes = !a.use_logfmt  ? a.hidden * 2
+        const int bytes = !coded           ? a.hidden * 2
                           : pair.fell_back ? logfmt.message_bytes
                                            : logfmt.encoded_bytes;
         put_then_signal_warp(slot, out_bytes, static_cast<size_t>(bytes), flag, seq, s);
@@ -1644,10 +1659,12 @@ static __device__ void store_message(const CombineArgs& a, int s, uint64_t seq, 
 // direct peer that has not published them by `split_ns` (it is late, or still sending), the rows go one
 // by one instead, unweighted, into choice slots (t, k) of s, which weighs them (combine_token): the send
 // waits for no peer beyond that. (Ranks in step, as in a CUDA graph, find the weights within a few
-// microseconds; splitting at once would double the bytes of such a combine.) A put peer's pair waits
-// for the weights (its rows would need staging of their own). The first row's loads are in flight meanwhile.
+// microseconds; splitting at once would double the bytes of such a combine.) Such rows travel as BF16
+// with LogFMT too: they cross NVLink only, where coding each row costs the send more than its bytes. A
+// put peer's pair waits for the weights (its rows would need staging of their own). The first row's
+// loads are in flight meanwhile.
 static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
-                                    uint64_t split_ns, const Team& group, PairRows& pair) {
+                                    uint64_t split_ns, const Team& group, PairRows& pair, PartialStage& stage) {
     const int thread = group.thread();
     if (thread < kWarpSize)
         gather_pair_rows(a, s, t, pair);
@@ -1667,12 +1684,12 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
         trace_latest(a.trace, kTraceWeightsReady);
     if (pair.ready) {
         uint8_t* out = direct != nullptr ? direct : message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
-        store_message(a, s, seq, group, pair, 0, pair.count, raw, true, out, direct != nullptr, slot,
-                      a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
+        store_message(a, s, seq, group, pair, stage, 0, pair.count, a.use_logfmt, raw, true, out, direct != nullptr,
+                      slot, a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
     } else if (may_split && pair.count > 1) {
         for (int j = 0; j < pair.count; ++j) {
             const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + pair.choices[j];
-            store_message(a, s, seq, group, pair, j, 1, raw, j == 0,
+            store_message(a, s, seq, group, pair, stage, j, 1, false, raw, j == 0,
                           direct_address(a.choice_slots + choice * a.slot_bytes, s, a.rank, false), true, nullptr,
                           a.choice_flags + choice);
         }
@@ -1682,6 +1699,7 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
 
 static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t deadline_ns) {
     __shared__ PairRows pairs[kGroupsPerBlock];
+    __shared__ PartialStage stages[kGroupsPerBlock];
     // A pair that may split (send_partial) looks for its source's weights until split_ns, then splits. A
     // launch that receives too waits for its peers anyway, so its pairs look for split_after_ns, which keeps
     // ranks in step (graph replays) at one partial per pair. A hook's send (this launch does not receive)
@@ -1713,17 +1731,18 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     for (int i = group * gridDim.x + blockIdx.x; i < a.num_ranks * a.max_tokens; i += num_groups) {
         const int s = (i + a.rank) % a.num_ranks, t = i / a.num_ranks;
         if (t < __ldg(a.source_tokens + s) && !team_sees_masked(warp_group(group), a.status, s))
-            send_partial(a, s, t, seq, deadline_ns, split_ns, warp_group(group), pairs[group]);
+            send_partial(a, s, t, seq, deadline_ns, split_ns, warp_group(group), pairs[group], stages[group]);
     }
 }
 
 // Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
-// memory, nullptr where a message never came); returns how many. Each rank holding some of the token's
-// experts sent one partial at slot (rank, t): weighted here when it holds one choice, summed with the
-// weights there when it holds several. Or, when it did not have the weights yet, each choice's row at
-// choice slot (t, k), weighted here (send_partial). Masked ranks (shrink mode) add nothing.
+// memory, nullptr where a message never came), the `num_partials` partials first; returns how many in
+// all. Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here
+// when it holds one choice, summed with the weights there when it holds several. Or, when it did not
+// have the weights yet, each choice's row at choice slot (t, k), weighted here (send_partial). Masked
+// ranks (shrink mode) add nothing.
 static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns,
-                                      const uint8_t** parts, float* part_weights) {
+                                      const uint8_t** parts, float* part_weights, int& num_partials) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
     float weight = 0.0f;
@@ -1779,64 +1798,94 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
                                                kPhaseLowLatencyPartial, FlagsRead{choice_known, false, choice_flag}))
             part = a.choice_slots + choice * a.slot_bytes;
     }
-    const uint32_t adding = __ballot_sync(kFullWarpMask, adds);
+    // Partials first, then rows: the two may differ in format (rows travel as BF16).
+    const uint32_t partials = __ballot_sync(kFullWarpMask, adds && form == 1);
+    const uint32_t rows = __ballot_sync(kFullWarpMask, adds && form == 2);
     if (adds) {
-        const int i = __popc(adding & ((1u << lane) - 1));
+        const int i = form == 1 ? __popc(partials & ((1u << lane) - 1))
+                                : __popc(partials) + __popc(rows & ((1u << lane) - 1));
         parts[i] = part;
         part_weights[i] = weight;
     }
-    return __popc(adding);
+    num_partials = __popc(partials);
+    return __popc(partials | rows);
 }
 
-// Block-wide: sum, in FP32, what every rank holding one of token t's experts sent (gather_partials), BF16
-// or LogFMT.
+// How combine_token reads a part's vector `v`: a BF16 partial's vector whole, or a LogFMT partial's codes.
+struct Bf16Parts {
+    using Loaded = int4;
+    __device__ Loaded load(const uint8_t* part, int v) const { return ld_cg_global(reinterpret_cast<const int4*>(part) + v); }
+    __device__ void add(float (&sum)[kBf16PerVector], const Loaded& raw, const uint8_t*, int, float weight) const {
+        accumulate_bf16x8(sum, raw, weight);
+    }
+};
+struct LogFmtParts {
+    LogFmtLayout layout;
+    using Loaded = LogFmtCodes;
+    __device__ Loaded load(const uint8_t* part, int v) const { return load_logfmt_codes(part, layout, v); }
+    __device__ void add(float (&sum)[kBf16PerVector], const Loaded& codes, const uint8_t* part, int v,
+                        float weight) const {
+        accumulate_logfmt_vector(sum, codes, part, layout, v, weight);
+    }
+};
+
+// This thread's vectors [first, first + kSumBatch * blockDim.x) of token t: sum += parts [begin, end) (nullptr:
+// a message that never came), in `format`, times their weights. The thread loads its vectors of
+// kPartialsAtOnce parts before it adds any, so that a token waits for a few loads' latency, not one per part.
+// A vector past the end, or of a message that never came, loads as zeros, which add nothing in either
+// format: no branch per vector.
+template <typename Parts>
+__device__ __forceinline__ void add_parts(float (&sum)[kSumBatch][kBf16PerVector], int first, int num_vectors,
+                                          const uint8_t* const* parts, const float* part_weights, int begin, int end,
+                                          const Parts& format) {
+    for (int base = begin; base < end; base += kPartialsAtOnce) {
+        typename Parts::Loaded raw[kPartialsAtOnce][kSumBatch];
+#pragma unroll
+        for (int i = 0; i < kPartialsAtOnce; ++i) {
+            const uint8_t* part = parts[min(base + i, end - 1)];
+#pragma unroll
+            for (int j = 0; j < kSumBatch; ++j) {
+                const int v = first + j * blockDim.x;
+                raw[i][j] = base + i < end && v < num_vectors && part != nullptr ? format.load(part, v)
+                                                                                 : typename Parts::Loaded{};
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kPartialsAtOnce; ++i) {
+            if (base + i >= end)  // block-uniform
+                break;
+            const uint8_t* part = parts[base + i];
+            const float weight = part_weights[base + i];
+#pragma unroll
+            for (int j = 0; j < kSumBatch; ++j)
+                format.add(sum[j], raw[i][j], part, first + j * blockDim.x, weight);
+        }
+    }
+}
+
+// Block-wide: sum, in FP32, what every rank holding one of token t's experts sent (gather_partials): its
+// partials, BF16 or LogFMT, and rows sent one by one, BF16.
 __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
     __shared__ const uint8_t* parts[kMaxTopk];
     __shared__ float part_weights[kMaxTopk];
-    __shared__ int num_parts;
+    __shared__ int num_parts, num_partials;
     if (threadIdx.x < kWarpSize) {
-        const int count = gather_partials(a, t, seq, deadline_ns, parts, part_weights);
-        if (threadIdx.x == 0)
+        int partials;
+        const int count = gather_partials(a, t, seq, deadline_ns, parts, part_weights, partials);
+        if (threadIdx.x == 0) {
             num_parts = count;
+            num_partials = partials;
+        }
     }
     __syncthreads();
     trace_block(a.trace, kTracePartialsArrived);
     const int num_vectors = a.hidden / kBf16PerVector;
-    const int count = num_parts;
-    if (a.use_logfmt) {
-        const LogFmtLayout logfmt(a.hidden);
-        for (int v = threadIdx.x; v < num_vectors; v += blockDim.x) {
-            float sum[kBf16PerVector] = {};
-            for (int i = 0; i < count; ++i)
-                if (parts[i] != nullptr)
-                    accumulate_logfmt_vector(sum, parts[i], logfmt, v, part_weights[i]);
-            a.combined_x[static_cast<int64_t>(t) * num_vectors + v] = floats_to_bf16x8(sum);
-        }
-        __syncthreads();
-        return;
-    }
+    const int count = num_parts, coded = a.use_logfmt ? num_partials : 0;
     for (int first = threadIdx.x; first < num_vectors; first += kSumBatch * blockDim.x) {
         float sum[kSumBatch][kBf16PerVector] = {};
-        for (int base = 0; base < count; base += kPartialsAtOnce) {
-            int4 raw[kPartialsAtOnce][kSumBatch];
-#pragma unroll
-            for (int i = 0; i < kPartialsAtOnce; ++i) {
-                const int4* partial = reinterpret_cast<const int4*>(parts[min(base + i, count - 1)]);
-#pragma unroll
-                for (int j = 0; j < kSumBatch; ++j) {
-                    const int v = first + j * blockDim.x;
-                    raw[i][j] = base + i < count && v < num_vectors && partial != nullptr ? ld_cg_global(partial + v)
-                                                                                       : make_int4(0, 0, 0, 0);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < kPartialsAtOnce; ++i) {
-                const float weight = part_weights[min(base + i, count - 1)];
-#pragma unroll
-                for (int j = 0; j < kSumBatch; ++j)
-                    accumulate_bf16x8(sum[j], raw[i][j], weight);
-            }
-        }
+        if (coded > 0)
+            add_parts(sum, first, num_vectors, parts, part_weights, 0, coded, LogFmtParts{LogFmtLayout(a.hidden)});
+        add_parts(sum, first, num_vectors, parts, part_weights, coded, count, Bf16Parts{});
 #pragma unroll
         for (int j = 0; j < kSumBatch; ++j)
             if (first + j * blockDim.x < num_vectors)

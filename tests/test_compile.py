@@ -116,7 +116,7 @@ def test_trace_switch_builds_the_stamping_variant(monkeypatch):
 def test_the_low_latency_receive_only_build_has_the_same_kernels_with_the_receive_alone(variant):
     """The hooks' build (``spec(receive_only=True)``) holds the family's kernels under the same symbols, so
     that a profile shows one dispatch and one combine as DeepEP's do, with the sends compiled out: each kernel
-    a fraction of the whole build's code, none with a stack frame."""
+    at most half the whole build's code, none with a stack frame."""
     from .cubin import code_of
     whole_spec, whole = compiled("low_latency", "sm_90", variant)
     spec, receive = compiled("low_latency", "sm_90", variant, receive_only=True)
@@ -125,7 +125,7 @@ def test_the_low_latency_receive_only_build_has_the_same_kernels_with_the_receiv
     whole_code, receive_code = code_of(whole.cubin), code_of(receive.cubin)
     resources = function_resources(receive.cubin)
     for symbol in receive.symbols.values():
-        assert len(receive_code[f".text.{symbol}"]) * 4 < len(whole_code[f".text.{symbol}"]), symbol
+        assert len(receive_code[f".text.{symbol}"]) * 2 < len(whole_code[f".text.{symbol}"]), symbol
         assert resources[symbol][1] == 0, f"{symbol}: a stack frame of {resources[symbol][1]} bytes"
 
 

@@ -5,6 +5,14 @@
 
 namespace cuep {
 
+// `value`, with the work behind it done whatever branch later drops it: the compiler cannot sink it into
+// a branch past this (volatile) statement. Where a select drops a cheap value (a LogFMT channel's level
+// for a zero), it would otherwise branch around the work per element, each branch a divergence region.
+__device__ __forceinline__ int unconditional(int value) {
+    asm volatile("" : "+r"(value));
+    return value;
+}
+
 // Nanoseconds from the GPU's global timer; used only to bound waits, so its coarse tick is fine.
 __device__ __forceinline__ uint64_t globaltimer_ns() {
     uint64_t now;

@@ -49,6 +49,7 @@ HIDDEN_MAX = 7168
 EXPERTS = 64 * num_ranks
 FEW_EXPERTS = 4 * num_ranks
 RDMA_BYTES = cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN_MAX, num_ranks, EXPERTS)
+LATE_S = 0.2  # how late a late rank is
 all_inputs = SeededInputs(SEED, num_ranks)
 
 
@@ -633,14 +634,17 @@ def partials_sent(expected, outputs, inputs: AllInputs, num_experts):
     return np.stack(rows) if rows else np.zeros((0, outputs[rank].shape[-1]), dtype=np.float32)
 
 
-def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None):
+def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=None):
     """The same dispatch combined with BF16 partials, then with LogFMT ones: each within its bound of
     the exact result. LogFMT: each partial element within ``logfmt.MAX_RELATIVE_ERROR`` (BF16 blocks:
     2^-8), then the BF16 rounding of the result, so |error| <= (MAX_RELATIVE_ERROR + 2^-8 (1 +
     MAX_RELATIVE_ERROR)) sum_k |w_k x_k| (+ float32 summation slack). With ``huge_channel``, that channel
     of every expert output row is about 1e6, so the block holding it spans more than 16 octaves in
-    every partial and must travel as BF16 while the other blocks stay LogFMT. Prints both worst errors
-    relative to sum |w x| on rank 0."""
+    every partial and must travel as BF16 while the other blocks stay LogFMT. With ``late_source``, the
+    combines go through hooks and that rank starts its combine LATE_S after the others, whose sends must
+    finish meanwhile (a hook's send waits for no peer): their pairs of several rows for the late rank go
+    as those rows one by one, each coded on its own, for it to weigh. Prints both worst errors relative to
+    sum |w x| on rank 0."""
     from cuep import logfmt
     inputs = all_inputs(MAX_TOKENS, hidden, EXPERTS, 8)
     expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS, use_fp8)
@@ -669,7 +673,21 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None):
         received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
                                                                          use_fp8=use_fp8)
         check_received(received, recv_count, expected[rank], use_fp8)
-        combined, _, _ = buffer.low_latency_combine(expert_x, topk, topk_weights, handle, use_logfmt=use_logfmt)
+        if late_source is not None:
+            cupy.cuda.get_current_stream().synchronize()
+            comm.Barrier()
+            if rank == late_source:
+                time.sleep(LATE_S)
+            started = time.perf_counter()
+        combined, _, hook = buffer.low_latency_combine(expert_x, topk, topk_weights, handle, use_logfmt=use_logfmt,
+                                                       return_recv_hook=late_source is not None)
+        if late_source is not None:
+            cupy.cuda.get_current_stream().synchronize()
+            sent_in = time.perf_counter() - started
+            assert rank == late_source or sent_in < LATE_S / 2, (
+                f"use_logfmt={use_logfmt}: rank {rank}'s hook send took {sent_in:.3f} s while rank {late_source} "
+                f"was {LATE_S} s late: it waited for that rank")
+            hook()
         error = np.abs(combined.get().astype(np.float32) - want)
         relative = (logfmt.MAX_RELATIVE_ERROR + 2.0 ** -8 * (1 + logfmt.MAX_RELATIVE_ERROR) + 2.0 ** -16
                     if use_logfmt else 2.0 ** -7)
@@ -684,6 +702,16 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None):
         print(f"[rank 0]   {what}: max |error| / sum|w x|: BF16 combine {worst[False]:.3e}, "
               f"LogFMT combine {worst[True]:.3e}; {encoded / blocks:.2%} of "
               f"{'the other ' if huge_channel is not None else ''}blocks encoded", flush=True)
+
+
+def rows_one_by_one_to_a_late_source_hidden_8192():
+    """Rank 0 late to its combine by LATE_S: the others' hook sends go without its weights, as rows one by
+    one, BF16 or each coded as LogFMT (logfmt_against_bf16). Hidden 8192: a LogFMT message in two strides
+    of a warp group's stage, the second of 8 blocks; channel 3 about 1e6, so block 0 travels as BF16."""
+    big = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 8192, num_ranks, EXPERTS),
+                      low_latency_mode=True)
+    logfmt_against_bf16(big, 8192, use_fp8=True, huge_channel=3, late_source=0)
+    big.destroy()
 
 
 def logfmt_hidden_2176_half_a_warp_past_the_end(buffer):
@@ -813,6 +841,7 @@ def main() -> None:
         ("LogFMT on the NVSHMEM put path, with and without a fallen-back block", logfmt_on_the_put_path),
         ("LogFMT: a block with a huge channel falls back to BF16",
          on_buffer(logfmt_block_with_a_huge_channel_falls_back)),
+        ("BF16 and LogFMT rows sent one by one to a late source, hidden 8192", rows_one_by_one_to_a_late_source_hidden_8192),
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ], lambda named: getattr(named[1], "func", named[1]).__name__))
