@@ -115,7 +115,8 @@ _TABLE: tuple[EnvVar, ...] = (
     EnvVar("CUEP_COMBINE_SPLIT_US", "microseconds", 20.0,
            "how long a low-latency combine that also receives, or a hook's combine send captured into a CUDA graph, "
            "looks for a late source's top-k weights before it sends the rows of a token it holds several experts of "
-           "one by one (more bytes, no wait; docs/low-latency.md names the tokens that wait instead); 0: one look; "
+           "one by one (more bytes, BF16 even with LogFMT, no wait; docs/low-latency.md names the tokens that wait "
+           "instead); 0: one look; "
            "read when a Buffer is made",
            _parse_microseconds, "runtime"),
     EnvVar("CUEP_COMBINE_HOOK_SPLIT_US", "microseconds", 0.0,
