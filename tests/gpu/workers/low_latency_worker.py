@@ -643,8 +643,8 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
     every partial and must travel as BF16 while the other blocks stay LogFMT. With ``late_source``, the
     combines go through hooks and that rank starts its combine LATE_S after the others, whose sends must
     finish meanwhile (a hook's send waits for no peer): their pairs of several rows for the late rank go
-    as those rows one by one, each coded on its own, for it to weigh. Prints both worst errors relative to
-    sum |w x| on rank 0."""
+    as those rows one by one, BF16 with either format, for it to weigh beside the LogFMT partials of the
+    others. Prints both worst errors relative to sum |w x| on rank 0."""
     from cuep import logfmt
     inputs = all_inputs(MAX_TOKENS, hidden, EXPERTS, 8)
     expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS, use_fp8)
@@ -705,9 +705,10 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
 
 
 def rows_one_by_one_to_a_late_source_hidden_8192():
-    """Rank 0 late to its combine by LATE_S: the others' hook sends go without its weights, as rows one by
-    one, BF16 or each coded as LogFMT (logfmt_against_bf16). Hidden 8192: a LogFMT message in two strides
-    of a warp group's stage, the second of 8 blocks; channel 3 about 1e6, so block 0 travels as BF16."""
+    """Rank 0 late to its combine by LATE_S: the others' hook sends go without its weights, as BF16 rows one
+    by one, which rank 0 sums beside LogFMT partials in the LogFMT combine (logfmt_against_bf16). Hidden
+    8192: a LogFMT message in two strides of a warp group's stage, the second of 8 blocks; channel 3 about
+    1e6, so block 0 travels as BF16."""
     big = cuep.Buffer(comm, 0, cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, 8192, num_ranks, EXPERTS),
                       low_latency_mode=True)
     logfmt_against_bf16(big, 8192, use_fp8=True, huge_channel=3, late_source=0)
@@ -841,7 +842,8 @@ def main() -> None:
         ("LogFMT on the NVSHMEM put path, with and without a fallen-back block", logfmt_on_the_put_path),
         ("LogFMT: a block with a huge channel falls back to BF16",
          on_buffer(logfmt_block_with_a_huge_channel_falls_back)),
-        ("BF16 and LogFMT rows sent one by one to a late source, hidden 8192", rows_one_by_one_to_a_late_source_hidden_8192),
+        ("rows sent one by one to a late source, BF16 and LogFMT combines, hidden 8192",
+         rows_one_by_one_to_a_late_source_hidden_8192),
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ], lambda named: getattr(named[1], "func", named[1]).__name__))
