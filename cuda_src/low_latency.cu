@@ -602,11 +602,13 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
 }
 
 // Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
-// peer's words show themselves (read_word). False if the signal never came.
+// peer's words show themselves (read_word). False if the signal never came. `all_direct` (the
+// launch's: every peer direct) spares the peer's lookup, two dependent reads (NVSHMEM's state, then
+// the peer's base) that a receive launched after other work finds cold, ahead of the table's own.
 __device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
                                                 const MaskedStatus& status, int pe, int rank, bool force_put,
-                                                int phase) {
-    if (direct_address(flag, pe, rank, force_put) != nullptr)
+                                                bool all_direct, int phase) {
+    if (all_direct || direct_address(flag, pe, rank, force_put) != nullptr)
         return true;
     return wait_for_call(flag, seq, deadline_ns, status, pe, phase);
 }
@@ -671,6 +673,8 @@ struct DispatchArgs {
     int num_tokens, hidden, use_fp8, round_scale, use_ue8m0;
     const void* topk_idx;          // [num_tokens, num_topk], int64 or int32
     int ids_are_int64, num_topk, num_experts, rank, num_ranks, max_tokens, force_put;
+    int all_direct;                // the host found every peer reachable by load/store, force_put off: no
+                                   // lookup tells a receive whether to wait for a put's signal
     // The call's buffer (symmetric addresses; the same offsets on every rank; buffer 0's from the host)
     uint64_t* routing_flags;       // [num_ranks]
     uint64_t* token_flags;         // [num_ranks][flag_stride]
@@ -1070,7 +1074,7 @@ static __device__ void publish_own_routing_rows(const Team& team, const Dispatch
 // Ends with a team barrier.
 __device__ __forceinline__ bool has_put_peer(const Team& team, const DispatchArgs& a) {
     bool put = false;
-    for (int pe = team.thread(); pe < a.num_ranks; pe += team.size)
+    for (int pe = team.thread(); !a.all_direct && pe < a.num_ranks; pe += team.size)
         put |= direct_address(a.routing_flags, pe, a.rank, a.force_put) == nullptr;
     return team.sync_or(put);
 }
@@ -1150,7 +1154,8 @@ __device__ __forceinline__ int read_routing_word(const DispatchArgs& a, int s, i
                                                  uint64_t deadline_ns, const MaskedStatus& status) {
     uint32_t value = 0;
     const bool came =
-        table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, kPhaseLowLatencyRouting) &&
+        table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, a.all_direct,
+                        kPhaseLowLatencyRouting) &&
         read_word(source_table(a, s) + index, seq, deadline_ns, status, s, kPhaseLowLatencyRouting, value);
     return came ? static_cast<int>(value) : -1;
 }
@@ -1164,18 +1169,14 @@ __device__ __forceinline__ int read_expert_count(const DispatchArgs& a, int s, i
 // Wait for every source's token count and its counts of this rank's experts (0 from a masked source,
 // shrink mode, as every block of the call agrees): source s's count of expert e goes to entry s + 1 of
 // e's first rows (lay_out_call sums them). Every word at once, except in shrink mode, where a source's
-// header comes last: its counts are read once the blocks agreed that it sent. Ends with a team barrier.
+// header comes last: its counts are read once the blocks agreed that it sent. The team's first threads
+// read the headers and its last the counts, away from the warps that stage a token first (whose reads
+// would wait for that token's flag). Ends with a team barrier.
 static __device__ void read_tables(const Team& team, const DispatchArgs& a, const DispatchShared& d, uint64_t seq,
                                    uint64_t deadline_ns) {
     const int R = a.num_ranks, L = a.num_experts / R;
     const bool shrink = a.source_decisions != nullptr;
-    for (int i = team.thread(); i < R + (shrink ? 0 : R * L); i += team.size) {
-        if (i >= R) {
-            const int s = (i - R) / L, e = (i - R) % L;
-            d.source_first[e * (R + 1) + s + 1] = read_expert_count(a, s, e, seq, deadline_ns, a.status);
-            continue;
-        }
-        const int s = i;
+    for (int s = team.thread(); s < R; s += team.size) {
         const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
         int sent = read_routing_word(a, s, 0, seq, deadline_ns, a.status);  // the header's token count
         if (blockIdx.x == 0)  // every block waits for every table; one counts it
@@ -1185,6 +1186,10 @@ static __device__ void read_tables(const Team& team, const DispatchArgs& a, cons
         d.source_tokens[s] = max(0, min(sent, a.max_tokens));
         if (blockIdx.x == 0)
             a.source_tokens[s] = d.source_tokens[s];
+    }
+    for (int i = team.size - 1 - team.thread(); !shrink && i < R * L; i += team.size) {
+        const int s = i / L, e = i % L;
+        d.source_first[e * (R + 1) + s + 1] = read_expert_count(a, s, e, seq, deadline_ns, a.status);
     }
     team.sync();
     if (!shrink)
@@ -1277,6 +1282,19 @@ __device__ __forceinline__ void copy_to_targets(int count, uint32_t targets, int
     }
 }
 
+// A lane's routed word of pair `first` (receive_token's `early`), loaded at the receive's start, before
+// its tables are read: where every source stores directly, a word shows its call by its tag, so one
+// that carries this call's is its value, and the pair's own read of its words waits for none. 0 (no
+// call's tag) past the pairs, on lanes past num_topk, or where some peer puts (its words are whole only
+// once its signal came).
+__device__ __forceinline__ uint64_t early_routed_word(const DispatchArgs& a, int first) {
+    const int lane = threadIdx.x % kWarpSize;
+    if (!a.all_direct || lane >= a.num_topk || first >= a.num_ranks * a.max_tokens)
+        return 0;
+    const Pair p = pair_of(a, first);
+    return ld_volatile_global(routed_words(a, p.s, p.t) + lane);
+}
+
 // What a warp of the receive does for its pair: all of it, or one of two parts that two warps take at
 // once (dispatch_recv says when): the rows with their combine_rows and source entries, or the FP8 scales.
 enum class PairPart { kWhole, kRows, kScales };
@@ -1285,11 +1303,12 @@ enum class PairPart { kWhole, kRows, kScales };
 // stored to each row), and its combine_rows entries: the flat row of each choice, -1 for another rank's
 // expert (or none). Its routed words give each choice's expert and row within the expert's rows from s.
 // `staged`: the token's message, already arrived and loaded into shared memory (stage_first_token), or
-// nullptr. `part`: which of the pair's stores this warp makes (the two warps of a split pair read the
-// same words and flag, so they find the same rows; in shrink mode, where a source masked during the
-// call leaves its rows undefined, one may store while the other gives up).
+// nullptr; `early`: the lane's routed word if already loaded (early_routed_word), else 0. `part`: which
+// of the pair's stores this warp makes (the two warps of a split pair read the same words and flag, so
+// they find the same rows; in shrink mode, where a source masked during the call leaves its rows
+// undefined, one may store while the other gives up).
 static __device__ void receive_token(const DispatchArgs& a, const DispatchShared& d, int s, int t, uint64_t seq,
-                                     uint64_t deadline_ns, const int4* staged, PairPart part) {
+                                     uint64_t deadline_ns, const int4* staged, uint64_t early, PairPart part) {
     const bool stores_rows = part != PairPart::kScales, stores_scales = part != PairPart::kRows && a.use_fp8;
     const int lane = threadIdx.x % kWarpSize;
     const int R = a.num_ranks, L = a.num_experts / R;
@@ -1297,7 +1316,10 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
     int e = -1, row = 0;
     if (lane < a.num_topk) {
         uint32_t word = kNoExpert;  // kept where the wait gave up
-        read_word(routed_words(a, s, t) + lane, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting, word);
+        if (has_tag(early, seq))
+            word = static_cast<uint32_t>(early);
+        else
+            read_word(routed_words(a, s, t) + lane, seq, deadline_ns, a.status, s, kPhaseLowLatencyRouting, word);
         e = routed_expert(word) - a.rank * L;
         e = e >= 0 && e < L ? e : -1;
         if (e >= 0) {
@@ -1399,6 +1421,7 @@ static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, ui
     const PairPart part = !split ? PairPart::kWhole : warp_order < warps_per_part ? PairPart::kRows : PairPart::kScales;
     const int order = warp_order % warps_per_part;
     const int first = order * gridDim.x + blockIdx.x;
+    const uint64_t first_word = early_routed_word(a, first);  // issued before the staged token's flag is read
     const int4* staged = part != PairPart::kScales ? stage_first_token(a, d, order, first, seq) : nullptr;
     read_tables(team, a, d, seq, deadline_ns);
     if (team.leader())
@@ -1410,7 +1433,8 @@ static __device__ void dispatch_recv(const Team& team, const DispatchArgs& a, ui
     for (int i = first; i < a.num_ranks * a.max_tokens; i += stride) {
         const Pair p = pair_of(a, i);
         if (p.t < d.source_tokens[p.s])
-            receive_token(a, d, p.s, p.t, seq, deadline_ns, i == first ? staged : nullptr, part);
+            receive_token(a, d, p.s, p.t, seq, deadline_ns, i == first ? staged : nullptr, i == first ? first_word : 0,
+                          part);
     }
     if (staged != nullptr)  // a staged token that was not received (shrink mode: its source counted none)
         cp_async_wait_all();
@@ -1453,6 +1477,7 @@ struct CombineArgs {
     int ids_are_int64;
     const float* topk_weights;     // [num_tokens, num_topk]
     int num_tokens, num_topk, hidden, num_experts, rank, num_ranks, max_tokens, force_put;
+    int all_direct;                // as DispatchArgs
     const int32_t* combine_rows;   // from the dispatch, see DispatchArgs
     const int32_t* source_tokens;
     // The call's buffer
@@ -1568,7 +1593,7 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
     } else if (count > 1) {  // warp-uniform
         if (lane == 0)
             ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
-                                    kPhaseLowLatencyWeights);
+                                    a.all_direct, kPhaseLowLatencyWeights);
         ready = __shfl_sync(kFullWarpMask, ready, 0);
         if (ready && lane < count) {
             uint32_t word = 0;

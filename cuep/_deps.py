@@ -21,6 +21,7 @@ _INSTALL_HINTS = {
     "cuda.bindings.driver": f"cuep needs cuda-bindings (cuda-python): {_CUDA_EXTRA}.",
     "cuda.pathfinder": f"cuep needs cuda-pathfinder to find NVRTC and the CUDA headers: {_CUDA_EXTRA}.",
     "nvshmem.core": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
+    "nvshmem.bindings": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
     "mpi4py.MPI": "cuep needs mpi4py and an MPI library: pip install mpi4py mpich (or use your cluster's MPI).",
     "ml_dtypes": "cuep needs ml_dtypes for bfloat16 arrays: pip install ml_dtypes.",
     "torch": "cuep.torch needs PyTorch with CUDA: pip install torch.",

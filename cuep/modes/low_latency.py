@@ -190,6 +190,7 @@ class Context:
     trace: Any = None             # [num_sms, TRACE_POINTS] uint64 device array in CUEP_TRACE builds
     status_words: StatusWords | None = None  # owner of ``status`` and its host mirror
     shrink: bool = False          # a timed-out peer is masked instead of failing the call (enable_shrink)
+    all_direct: bool = False      # every peer takes direct stores (SymmetricMemory.reaches_every_rank), force_put off
     source_decisions: Any = None  # shrink mode: [NUM_BUFFERS, num_ranks] uint64, what each receive counts each source sent
 
     plans: dict = field(default_factory=dict)       # see Plan
@@ -200,13 +201,15 @@ class Context:
     @classmethod
     def create(cls, library: Library, receive_library: Library, front: Front, region_ptr: int, region_bytes: int,
                rank: int, num_ranks: int, num_sms: int, force_put: bool, timeout_s: float, trace: bool,
-               shrink: bool = False) -> "Context":
+               shrink: bool = False, all_direct: bool = False) -> "Context":
         """The context of a Buffer's low-latency region (zeroed), with status words of its own;
-        ``receive_library``: the family's receive-only build."""
+        ``receive_library``: the family's receive-only build; ``all_direct``: this GPU reaches every
+        rank's region by load and store (ignored with ``force_put``)."""
         cupy = _deps.cupy()
         status = StatusWords()
         return cls(library=library, receive_library=receive_library, front=front, rank=rank, num_ranks=num_ranks,
                    region_ptr=region_ptr, region_bytes=region_bytes, num_sms=num_sms, force_put=force_put,
+                   all_direct=all_direct and not force_put,
                    timeout_ns=int(timeout_s * 1e9),
                    split_after_ns=int(env.get("CUEP_COMBINE_SPLIT_US") * 1e3),
                    hook_split_after_ns=int(env.get("CUEP_COMBINE_HOOK_SPLIT_US") * 1e3),
@@ -390,6 +393,7 @@ def _plan(ctx: Context, key: tuple, build: Callable[[], Plan], attach: Callable[
 def _common(ctx: Context, args) -> None:
     args.phases, args.buffer, args.buffer_bytes = SEND_PHASE | RECV_PHASE, 0, ctx.buffer_bytes
     args.rank, args.num_ranks, args.force_put = ctx.rank, ctx.num_ranks, int(ctx.force_put)
+    args.all_direct = int(ctx.all_direct)
     args.flag_stride = MAX_TOKENS_PER_RANK
     args.seq_state, args.timeout_ns = ctx.seq_state.data.ptr, ctx.timeout_ns
     args.status = MaskedStatus(ctx.status.data.ptr, ctx.status_host_ptr, ctx.mask.data.ptr if ctx.shrink else 0,

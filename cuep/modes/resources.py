@@ -89,7 +89,8 @@ class Resources:
             if "internode" in libraries else None
         self.low_latency = low_latency.Context.create(
             libraries["low_latency"], libraries[LOW_LATENCY_RECEIVE], front, self.memory.rdma, num_rdma_bytes,
-            self.rank, self.num_ranks, num_sms, force_put, timeout_s, env.get("CUEP_TRACE"), shrink) \
+            self.rank, self.num_ranks, num_sms, force_put, timeout_s, env.get("CUEP_TRACE"), shrink,
+            all_direct=self.memory.reaches_every_rank(self.num_ranks, self.rank)) \
             if "low_latency" in libraries else None
         # Which mode the RDMA buffer serves where both use it (None: neither yet; it starts zeroed).
         self.rdma_shared = self.internode is not None and self.low_latency is not None

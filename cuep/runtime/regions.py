@@ -81,6 +81,14 @@ class SymmetricMemory:
         return [offset + (self.base if pe == rank else int(nvshmem.get_peer_buffer(self._memory, pe).handle))
                 for pe in (range(num_ranks) if pes is None else pes)]
 
+    def reaches_every_rank(self, num_ranks: int, rank: int) -> bool:
+        """Whether this GPU addresses every rank's allocation directly (NVSHMEM's P2P transport: NVLink,
+        or the same GPU), as the kernels' per-peer lookups (``nvshmem_ptr``) would find it. A kernel told
+        so skips those lookups where it only asks whether, not where."""
+        _deps.nvshmem()  # first, as cuep imports NVSHMEM (torch hidden); it loads nvshmem.bindings
+        address_on = _deps.require("nvshmem.bindings").ptr  # nvshmem_ptr: 0 where a peer is not mapped
+        return all(pe == rank or address_on(self.base, pe) != 0 for pe in range(num_ranks))
+
     def view(self, call: str, region: str, dtype, size, offset: int, owner, device_id: int):
         """A CuPy array over ``region`` (``"nvl"`` or ``"rdma"``) from byte ``offset``: ``size`` (an int or
         a shape; ``None``: every whole element to the region's end) elements of ``dtype`` (a NumPy
