@@ -405,7 +405,7 @@ static __device__ __forceinline__ uint64_t round_number(uint64_t call, int round
 template <typename Release>
 static __device__ __forceinline__ void finish_round(uint64_t* state, uint64_t call, const Round& round,
                                                     bool last_kernel_of_round, Release release) {
-    if (last_block_done<Scope::kSystem>(state, kStateBlocksDone)) {
+    if (last_block_done(state, kStateBlocksDone)) {
         state[kStateBlocksDone] = 0;
         release();
         if (last_kernel_of_round && round.index + 1 == round.count)

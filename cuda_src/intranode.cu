@@ -556,7 +556,7 @@ __device__ __forceinline__ bool received_rows_fit(int num_recv, int num_rows, co
 // block that finishes last, after it has cleared the block count and the work counters
 // (next_row[0, num_ranks]) for the next kernel. That thread then finishes the call.
 __device__ bool last_block_finished(uint64_t* state, int32_t* next_row, int num_ranks) {
-    if (!last_block_done<Scope::kSystem>(state, kStateBlocksDone))
+    if (!last_block_done(state, kStateBlocksDone))
         return false;
     state[kStateBlocksDone] = 0;
     for (int r = 0; r <= num_ranks; ++r)

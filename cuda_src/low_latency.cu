@@ -346,6 +346,7 @@ __device__ __forceinline__ bool start_call(const Args& a, uint64_t& seq) {
     __shared__ int32_t block_broken;
     if (threadIdx.x == 0) {
         block_broken = check_call(a, block_seq);
+        fence_acq_rel_gpu();  // the reads above, before this block counts itself done (finish_launch)
         if (block_broken != 0 && blockIdx.x == 0)
             a.status.break_call_order(block_broken, block_seq, -1);
     }
@@ -370,15 +371,15 @@ __device__ __forceinline__ void tell_pending_masks(const MaskedStatus& status) {
             status.tell(peer);
 }
 
-// The last block of a launch publishes a send's call number, in the sequence state and in the call's
-// record, and a receive's (every block has read the old ones; only this GPU reads them, so a GPU-scope
-// fence orders them after every block's reads) and, in shrink mode, tells the other ranks of masks set
-// by hand. A send refused by the call order counts as made, so that the ranks' numbers stay equal,
-// but records no call (record_call): its receive is refused at once instead of waiting for data this
-// rank never sent.
+// The last block of a launch to count itself (last_block_counted: after every block's reads of the
+// state, start_call; only this GPU reads it, in later launches) publishes a send's call number, in the
+// sequence state and in the call's record, and a receive's, and, in shrink mode, tells the other ranks
+// of masks set by hand. A send refused by the call order counts as made, so that the ranks' numbers
+// stay equal, but records no call (record_call): its receive is refused at once instead of waiting for
+// data this rank never sent.
 template <typename Args>
 __device__ __forceinline__ void finish_launch(const Args& a, uint64_t seq, bool in_order) {
-    if (!last_block_done<Scope::kGpu>(a.seq_state + kSeqBlocksDone, a.buffer))
+    if (!last_block_counted(a.seq_state + kSeqBlocksDone, a.buffer))
         return;
     a.seq_state[kSeqBlocksDone + a.buffer] = 0;
     if (a.phases & kSendPhase) {

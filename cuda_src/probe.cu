@@ -129,7 +129,7 @@ __device__ void await_peers(const ProbeArgs& args, uint64_t epoch) {
 // Every thread at the end of a launch: the last block clears the block count and the work counters
 // for the next launch, and records `epoch` as finished.
 __device__ __forceinline__ void finish_launch(const ProbeArgs& args, uint64_t epoch) {
-    if (!last_block_done<Scope::kSystem>(args.state, kStateBlocksDone))
+    if (!last_block_done(args.state, kStateBlocksDone))
         return;
     args.state[kStateBlocksDone] = 0;
     for (int r = 0; r <= args.num_ranks; ++r)

@@ -40,6 +40,18 @@ __device__ __forceinline__ void red_release_sys_add(uint32_t* ptr, uint32_t valu
     asm volatile("red.release.sys.global.add.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
 }
 
+// Orders this thread's earlier memory operations (and those it synchronised with) before its later ones,
+// GPU-wide: with a later strong write, a release pattern. Its cost is the writes still in flight.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Adds to a GPU-wide counter, returning the old value; this thread's later memory operations follow it
+// (acquire), while its earlier writes may still be in flight.
+__device__ __forceinline__ uint64_t atom_add_acquire_gpu(uint64_t* ptr, uint64_t value) {
+    uint64_t old;
+    asm volatile("atom.acquire.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(ptr), "l"(value) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ int64_t ld_volatile_global(const int64_t* ptr) {
     int64_t value;
     asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(value) : "l"(ptr));

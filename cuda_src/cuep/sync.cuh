@@ -7,12 +7,13 @@
 // timeout itself and gives up at once once another wait of the launch has timed out.
 //
 // Call numbers are not here: both NVSHMEM families number calls on the device (a counter in this
-// rank's device memory, read at launch and advanced by the last block, last_block_done), but what
-// they count differs. The low-latency family numbers every send launch, and a receive-only launch (a
-// hook) reads its call's number from the call's own record, because other calls may have been sent
-// since (low_latency.cu, "Call order"). The intranode family counts dispatches
-// on their own, because a sender's header is reused per dispatch (done[] holds dispatch epochs), and
-// derives the call number, which picks the region, as dispatches plus combines (intranode.cu, next_call).
+// rank's device memory, read at launch and advanced by the last block: last_block_done, or
+// last_block_counted where only later launches on this GPU read it), but what they count differs.
+// The low-latency family numbers every send launch, and a receive-only launch (a hook) reads its
+// call's number from the call's own record, because other calls may have been sent since
+// (low_latency.cu, "Call order"). The intranode family counts dispatches on their own, because a
+// sender's header is reused per dispatch (done[] holds dispatch epochs), and derives the call number,
+// which picks the region, as dispatches plus combines (intranode.cu, next_call).
 #pragma once
 
 #include <cuep/common.cuh>
@@ -123,26 +124,29 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t tar
                       phase);
 }
 
-// The scope of the fence a block passes before it counts itself done (last_block_done).
-enum class Scope { kGpu, kSystem };
-
 // Called by every thread of every block at the end of a launch (with the same arguments), whose
 // blocks count themselves in counters[index]: true only for thread 0 of the block that finishes
 // last, which then finishes the call and resets the count (zero between launches) for the next
-// launch. Each block's thread 0 fences before counting itself, so what the last block writes next
-// follows every block's writes: kGpu when that is read on this GPU only (the low-latency call
-// number), kSystem when it tells peers that this rank's writes into their memory are done
-// (intranode). The count's address is formed after the fence, as the families did before sharing it.
-template <Scope kFenceScope>
+// launch. Each block's thread 0 fences (system scope) before counting itself, so what the last block
+// writes next, which tells peers that this rank's writes into their memory are done, follows every
+// block's writes. The count's address is formed after the fence, as the families did before sharing it.
 __device__ __forceinline__ bool last_block_done(uint64_t* counters, int index) {
     __syncthreads();
     if (threadIdx.x != 0)
         return false;
-    if constexpr (kFenceScope == Scope::kSystem)
-        __threadfence_system();
-    else
-        __threadfence();
+    __threadfence_system();
     return atomicAdd(reinterpret_cast<unsigned long long*>(counters + index), 1ull) == gridDim.x - 1;
+}
+
+// last_block_done for a launch whose last block only rewrites state that its blocks read at their start
+// and that only this GPU reads: by each block's thread 0 once its own part is done (true for the last
+// block's), which fenced right after those reads (fence_acq_rel_gpu, while none of the launch's writes
+// was in flight yet): that fence and this count make a release pattern, the counts are one chain of
+// read-modify-writes, and the last block's count is an acquire, so every block's reads precede the
+// last block's writes. The count waits for no write of the block, where a fence here would wait for
+// them all.
+__device__ __forceinline__ bool last_block_counted(uint64_t* counters, int index) {
+    return threadIdx.x == 0 && atom_add_acquire_gpu(counters + index, 1) == gridDim.x - 1;
 }
 
 }  // namespace cuep
