@@ -70,3 +70,29 @@ def test_gpus_command_prints_a_rank_count(capsys, monkeypatch):
     assert cli.main(["gpus", "--at-least", "2"]) == 0 and capsys.readouterr().out.strip() == "2"
     monkeypatch.setattr(world, "visible_gpu_count", lambda: 4)
     assert cli.main(["gpus", "--at-least", "2"]) == 0 and capsys.readouterr().out.strip() == "4"
+
+
+def test_every_rank_is_reached_directly_only_where_nvshmem_maps_each_peer(monkeypatch):
+    """SymmetricMemory.reaches_every_rank asks NVSHMEM (nvshmem_ptr) for every peer but this rank, and says no
+    as soon as one peer is not mapped: the low-latency kernels then look each peer up as before."""
+    import sys
+    import types
+
+    from cuep import _deps
+    from cuep.runtime.regions import SymmetricMemory
+
+    mapped = {0: 0x1000, 1: 0x2000, 2: 0, 3: 0x4000}  # what nvshmem_ptr gives for each pe; rank 2 unmapped
+    asked = []
+
+    def ptr(address, pe):
+        asked.append((address, pe))
+        return mapped[pe]
+
+    monkeypatch.setattr(_deps, "nvshmem", lambda: None)
+    monkeypatch.setitem(sys.modules, "nvshmem.bindings", types.SimpleNamespace(ptr=ptr))
+    memory = object.__new__(SymmetricMemory)  # no allocation: only its base address is read
+    memory.base = 0x7000
+    assert memory.reaches_every_rank(4, rank=2)  # rank 2 itself is never asked for
+    assert asked == [(0x7000, 0), (0x7000, 1), (0x7000, 3)]
+    assert not memory.reaches_every_rank(4, rank=0)
+    assert memory.reaches_every_rank(1, rank=0)
