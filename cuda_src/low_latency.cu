@@ -139,7 +139,8 @@ constexpr int kTraceLastRowFlag = CUEP_TRACE_LAST_ROW_FLAG;       // latest toke
 constexpr int kTraceRowsCopied = CUEP_TRACE_ROWS_COPIED;
 constexpr int kTraceEnd = CUEP_TRACE_END;
 constexpr int kTraceEntry = CUEP_TRACE_ENTRY;  // the block entered the kernel (both calls)
-constexpr int kTraceExit = CUEP_TRACE_EXIT;    // the block leaves, after the call's bookkeeping (both calls)
+constexpr int kTraceExit = CUEP_TRACE_EXIT;    // thread 0 leaves, the block counted done (both calls; other
+                                               // warps of the block may still run)
 // Combine (kTraceStart, kTraceTablePublished, kTraceEnd as above):
 constexpr int kTraceWeightsReady = CUEP_TRACE_WEIGHTS_READY;      // latest pair with rows and weights ready
 constexpr int kTracePartialStored = CUEP_TRACE_PARTIAL_STORED;    // latest partial stored (before its flag)
@@ -1405,8 +1406,8 @@ static __device__ void receive_token(const DispatchArgs& a, const DispatchShared
 // Read the tables and lay out the call, then receive every (source, token) pair, a warp each: pair i
 // goes to block i % grid, so that every SM takes a share of the copies (a decode call often has fewer
 // pairs than the grid has warps, and given in order they would fill only the first blocks). The team's
-// first warp reads the tables' headers (read_tables; every warp reads counts), so it takes the last
-// share of pairs, and the others stage their first token first where it has arrived.
+// first warp reads the tables' headers (read_tables; its last warps read the counts), so it takes the
+// last share of pairs, and the others stage their first token first where it has arrived.
 // Where the team has two warps for every pair of an FP8 call, each pair is split: the first half of
 // the warps in that rotated order store the rows (they stage), the second half the scales of the same
 // pairs (the first warp among them: it takes the last share's scales). A token's scales go to its rows

@@ -610,7 +610,7 @@ class Buffer:
         """Mask (``mask=True``) or unmask a rank in this rank's mask, in stream order (shrink mode).
 
         A masked rank is sent nothing and waited for by no low-latency call; its experts' tokens add
-        nothing to a combine. A rank masked here reaches every other live rank at the end of this rank's
+        nothing to a combine. A rank masked here reaches every other live rank by the end of this rank's
         next low-latency kernel, as a mask set by a timeout does. Unmasking is local: it undoes a mask
         no call has used yet; a rank that its peers masked rejoins through
         :meth:`low_latency_clean_mask_buffer`.

@@ -116,19 +116,20 @@ def test_a_dispatch_let_go_of_comes_back_with_its_handle_and_arguments_and_this_
     assert run.args.num_tokens == handle.num_tokens == 5 and run.args.x == x.data_ptr()
 
 
-@pytest.mark.parametrize("all_direct", [False, True])
-def test_both_launches_tell_the_kernels_whether_every_peer_takes_direct_stores(ctx, all_direct):
-    """The kernels skip their per-peer lookups only where the Buffer found every peer mapped (all_direct)."""
-    ctx.all_direct = all_direct
+def test_both_launches_tell_the_kernels_that_every_peer_takes_direct_stores(ctx):
+    """The kernels skip their per-peer lookups only where the Buffer found every peer mapped (all_direct; a
+    Context made without it keeps the lookups)."""
+    assert not ctx.all_direct
+    ctx.all_direct = True
     x, topk_idx = inputs()
     *_, handle, exported, run = dispatch(ctx, x, topk_idx)
-    assert run.args.all_direct == int(all_direct) and run.args.force_put == 0
+    assert run.args.all_direct == 1 and run.args.force_put == 0
     expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
     weights = torch.zeros((5, 2), dtype=torch.float32)
     shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx, weights,
                                                     handle, None, None)
     _, combine_run = low_latency.combine(ctx, shape, handle, *addresses)
-    assert combine_run.args.all_direct == int(all_direct)
+    assert combine_run.args.all_direct == 1
 
 
 def test_a_held_handle_keeps_its_allocation_from_the_next_dispatch(ctx):

@@ -75,7 +75,6 @@ def test_gpus_command_prints_a_rank_count(capsys, monkeypatch):
 def test_every_rank_is_reached_directly_only_where_nvshmem_maps_each_peer(monkeypatch):
     """SymmetricMemory.reaches_every_rank asks NVSHMEM (nvshmem_ptr) for every peer but this rank, and says no
     as soon as one peer is not mapped: the low-latency kernels then look each peer up as before."""
-    import sys
     import types
 
     from cuep import _deps
@@ -89,7 +88,8 @@ def test_every_rank_is_reached_directly_only_where_nvshmem_maps_each_peer(monkey
         return mapped[pe]
 
     monkeypatch.setattr(_deps, "nvshmem", lambda: None)
-    monkeypatch.setitem(sys.modules, "nvshmem.bindings", types.SimpleNamespace(ptr=ptr))
+    bindings = types.SimpleNamespace(ptr=ptr)
+    monkeypatch.setattr(_deps, "require", lambda module: {"nvshmem.bindings": bindings}[module])
     memory = object.__new__(SymmetricMemory)  # no allocation: only its base address is read
     memory.base = 0x7000
     assert memory.reaches_every_rank(4, rank=2)  # rank 2 itself is never asked for

@@ -68,7 +68,7 @@ DISPATCH_TRACE = {"entry": (11, "kernel entered"),
                   "last_row_flag": (7, "last token flag seen"),
                   "rows_copied": (8, "tokens copied"),
                   "end": (9, "end"),
-                  "exit": (12, "kernel left, its bookkeeping done")}
+                  "exit": (12, "thread 0 left, the block counted done")}
 COMBINE_TRACE = {"entry": (11, "kernel entered"),
                  "start": (0, "start"),
                  "table_published": (1, "weight tables published"),
@@ -78,7 +78,7 @@ COMBINE_TRACE = {"entry": (11, "kernel entered"),
                  "partials_arrived": (5, "token's partials arrived"),
                  "tokens_summed": (6, "tokens summed"),
                  "end": (9, "end"),
-                 "exit": (12, "kernel left, its bookkeeping done")}
+                 "exit": (12, "thread 0 left, the block counted done")}
 
 
 def _trace_constants() -> dict[str, int]:

@@ -229,7 +229,7 @@ class Context:
 
     def set_mask(self, rank: int, masked: bool) -> None:
         """Mask (or unmask) ``rank`` in this rank's mask, in stream order; a rank masked here reaches
-        the peers at the end of this rank's next low-latency kernel."""
+        the peers by the end of this rank's next low-latency kernel."""
         self.mask[rank] = MASKED_TO_TELL if masked else 0
 
     def query_mask(self, out) -> None:
