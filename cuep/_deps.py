@@ -15,13 +15,15 @@ from .errors import MissingDependencyError
 
 _CUDA_EXTRA = "pip install 'cuep[cu13]' (or 'cuep[cu12]' on a CUDA 12 driver)"
 
+_NVSHMEM_HINT = f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}."  # both of nvshmem4py's modules
+
 _INSTALL_HINTS = {
     "cupy": f"cuep needs CuPy: {_CUDA_EXTRA}.",
     "cuda.core": f"cuep needs cuda.core >= 1.2 (cuda-python): {_CUDA_EXTRA}.",
     "cuda.bindings.driver": f"cuep needs cuda-bindings (cuda-python): {_CUDA_EXTRA}.",
     "cuda.pathfinder": f"cuep needs cuda-pathfinder to find NVRTC and the CUDA headers: {_CUDA_EXTRA}.",
-    "nvshmem.core": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
-    "nvshmem.bindings": f"cuep needs nvshmem4py and NVSHMEM >= 3.5.21: {_CUDA_EXTRA}.",
+    "nvshmem.core": _NVSHMEM_HINT,
+    "nvshmem.bindings": _NVSHMEM_HINT,
     "mpi4py.MPI": "cuep needs mpi4py and an MPI library: pip install mpi4py mpich (or use your cluster's MPI).",
     "ml_dtypes": "cuep needs ml_dtypes for bfloat16 arrays: pip install ml_dtypes.",
     "torch": "cuep.torch needs PyTorch with CUDA: pip install torch.",
