@@ -251,7 +251,8 @@ class _FakeStart:
         monkeypatch.setattr(world, "_world", None)
         monkeypatch.setattr(doctor, "read_host", lambda environ: host.facts(environ))
         for name in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_SYMMETRIC_SIZE",
-                     "NVSHMEM_DISABLE_NCCL", "NVSHMEM_MAX_TEAMS", "NVSHMEM_IBGDA_NUM_RC_PER_PE"):
+                     "NVSHMEM_DISABLE_NCCL", "NVSHMEM_MAX_TEAMS", "NVSHMEM_IBGDA_NUM_RC_PER_PE",
+                     "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"):
             monkeypatch.delenv(name, raising=False)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)

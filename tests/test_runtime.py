@@ -48,10 +48,12 @@ def test_heap_is_sized_from_the_request(monkeypatch):
 def test_nvshmem_defaults_keep_the_users_values():
     environ = {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
     world.apply_nvshmem_defaults(environ, num_qps_per_rank=12)
-    assert environ == {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4"}
-    environ = {}
+    assert environ == {"NVSHMEM_MAX_TEAMS": "40", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "4",
+                       "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
+    environ = {"NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "0"}  # a user who wants NVSHMEM's device-side global exit
     world.apply_nvshmem_defaults(environ, num_qps_per_rank=12)
-    assert environ == {"NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "12"}
+    assert environ == {"NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_IBGDA_NUM_RC_PER_PE": "12",
+                       "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "0"}
     environ = {}
     world.apply_nvshmem_defaults(environ, one_host=True)  # one host: the heap in 2-MiB pieces
     assert environ["NVSHMEM_CUMEM_GRANULARITY"] == "2097152"
