@@ -49,10 +49,10 @@ _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 #  - NVSHMEM_MAX_TEAMS: NVSHMEM sizes a synchronisation pool for every team it may ever create (256 by
 #    default in 3.8), each slot scaled by the rank count for its collectives; NVSHMEM raises any value below
 #    the number of its predefined teams to that number, so 1 means "the predefined teams only".
-#  - NVSHMEM_DISABLE_LOCAL_ONLY_PROXY: where no transport needs NVSHMEM's proxy (NVLink alone, or IBGDA),
-#    NVSHMEM still starts a thread that spins on a CPU core for the whole run, only to serve a device-side
-#    nvshmem_global_exit; cuep never calls it, and its waits time out on their own clocks. A transport
-#    that needs the proxy (IBRC, UCX) still gets it.
+#  - NVSHMEM_DISABLE_LOCAL_ONLY_PROXY: where no transport needs NVSHMEM's proxy (NVLink alone, or IBGDA ringing
+#    the NIC from the GPU, its default), NVSHMEM still starts a thread that spins on a CPU core for the whole
+#    run, only to serve a device-side nvshmem_global_exit; cuep never calls it, and its waits time out on
+#    their own clocks. A transport that needs the proxy (IBRC, UCX, IBGDA ringing from the CPU) still gets it.
 NVSHMEM_DEFAULTS = {"NVSHMEM_DISABLE_NCCL": "1", "NVSHMEM_MAX_TEAMS": "1", "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
 # With CUDA VMM, NVSHMEM maps the heap in pieces of NVSHMEM_CUMEM_GRANULARITY (512 MiB by default), so a heap
 # of any smaller size took a whole piece of GPU memory. On one host cuep sets 2 MiB, the GPU's own granularity:
