@@ -250,9 +250,9 @@ class _FakeStart:
         monkeypatch.setattr(world._deps, "nvshmem", lambda: fake_nvshmem)
         monkeypatch.setattr(world, "_world", None)
         monkeypatch.setattr(doctor, "read_host", lambda environ: host.facts(environ))
+        # The transport the test chooses, and every variable cuep sets when the user has not (world's own lists).
         for name in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_SYMMETRIC_SIZE",
-                     "NVSHMEM_DISABLE_NCCL", "NVSHMEM_MAX_TEAMS", "NVSHMEM_IBGDA_NUM_RC_PER_PE",
-                     "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"):
+                     world.IBGDA_QPS_VARIABLE, *world.NVSHMEM_DEFAULTS, *world.ONE_HOST_GRANULARITY):
             monkeypatch.delenv(name, raising=False)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
