@@ -135,12 +135,13 @@ def bench_normal(args) -> None:
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     hidden_bytes = args.hidden * 2
-    round_tokens = None if args.fixed_buffer else args.tokens
+    round_tokens = args.round_tokens or (None if args.fixed_buffer else args.tokens)
     nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)
     rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)  # 0 on one node
     buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
     if rank == 0:
-        sizing = "fixed, as frameworks size them" if args.fixed_buffer else "one round of the tokens"
+        sizing = (f"rounds of {args.round_tokens} tokens" if args.round_tokens else
+                  "fixed, as frameworks size them" if args.fixed_buffer else "one round of the tokens")
         print(f"NVL buffer: {nvl_bytes / 2**20:.1f} MiB, RDMA buffer: {rdma_bytes / 2**20:.1f} MiB ({sizing})",
               flush=True)
     x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)
@@ -751,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="normal mode: size the buffers as frameworks do, from the hints with no token count "
                              "(no larger than DeepEP's), so that a call takes several rounds; by default the buffers "
                              "take --tokens in one round")
+    parser.add_argument("--round-tokens", type=int, default=None,
+                        help="normal mode: size the buffers for rounds of this many source tokens, so that a call "
+                             "of --tokens takes ceil(tokens / round tokens) rounds (what each round costs)")
     parser.add_argument("--progress", action="store_true", help="print a line after each SM count")
     parser.add_argument("--copy-warps", type=int, default=None,
                         help="ceiling: warps of each block that copy (default all 16; the combine's pushers: 8)")
@@ -764,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="low latency: build the kernels with CUEP_TRACE and print when blocks reach each phase")
     args = parser.parse_args(argv)
     low_latency = args.mode == "low_latency"
+    if args.round_tokens is not None and (args.fixed_buffer or args.round_tokens <= 0):
+        parser.error("--round-tokens takes a positive count and excludes --fixed-buffer")
     if args.trace:
         if not low_latency:
             parser.error("--trace applies to --mode low_latency")

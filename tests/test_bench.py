@@ -2,6 +2,8 @@
 
 import types
 
+import pytest
+
 from cuep import bench
 from cuep.runtime import world
 
@@ -270,3 +272,14 @@ def test_a_trace_prints_the_points_some_rank_reached_and_leaves_out_the_rest(cap
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:]}
     assert rows == {"start": [1.0, 1.0, 1.5], "end": [4.0, 5.0, 6.0]}  # end: only the rank that reached it
+
+
+def test_round_tokens_sizes_the_buffer_for_them_and_refuses_what_contradicts_it(monkeypatch, capsys):
+    taken = []
+    monkeypatch.setattr(bench, "bench_normal", lambda args: taken.append((args.round_tokens, args.fixed_buffer)))
+    assert bench.main(["--mode", "normal", "--round-tokens", "512"]) == 0
+    assert taken == [(512, False)]
+    for argv in (["--round-tokens", "512", "--fixed-buffer"], ["--round-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert "--round-tokens" in capsys.readouterr().err
