@@ -135,13 +135,16 @@ def bench_normal(args) -> None:
     comm = mpi.COMM_WORLD
     rank, num_ranks = comm.Get_rank(), comm.Get_size()
     hidden_bytes = args.hidden * 2
-    round_tokens = args.round_tokens or (None if args.fixed_buffer else args.tokens)
+    if args.round_tokens:
+        round_tokens, sizing = args.round_tokens, f"rounds of {args.round_tokens} tokens"
+    elif args.fixed_buffer:
+        round_tokens, sizing = None, "fixed, as frameworks size them"
+    else:
+        round_tokens, sizing = args.tokens, "one round of the tokens"
     nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)
     rdma_bytes = Config().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, round_tokens, args.topk)  # 0 on one node
     buffer = cuep.Buffer(comm, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
     if rank == 0:
-        sizing = (f"rounds of {args.round_tokens} tokens" if args.round_tokens else
-                  "fixed, as frameworks size them" if args.fixed_buffer else "one round of the tokens")
         print(f"NVL buffer: {nvl_bytes / 2**20:.1f} MiB, RDMA buffer: {rdma_bytes / 2**20:.1f} MiB ({sizing})",
               flush=True)
     x, topk_idx, weights = _workload(rank, args.tokens, args.hidden, args.experts, args.topk)

@@ -274,7 +274,7 @@ def test_a_trace_prints_the_points_some_rank_reached_and_leaves_out_the_rest(cap
     assert rows == {"start": [1.0, 1.0, 1.5], "end": [4.0, 5.0, 6.0]}  # end: only the rank that reached it
 
 
-def test_round_tokens_sizes_the_buffer_for_them_and_refuses_what_contradicts_it(monkeypatch, capsys):
+def test_round_tokens_reaches_the_normal_bench_and_refuses_what_contradicts_it(monkeypatch, capsys):
     taken = []
     monkeypatch.setattr(bench, "bench_normal", lambda args: taken.append((args.round_tokens, args.fixed_buffer)))
     assert bench.main(["--mode", "normal", "--round-tokens", "512"]) == 0
