@@ -519,6 +519,34 @@ static __device__ __forceinline__ int chunks_of(int rows, int chunk_rows) {
     return (rows + chunk_rows - 1) / chunk_rows;
 }
 
+// Called by every warp of the grid: the send's or the forward's (Args: SendArgs, ForwardArgs) outgoing chunks of one
+// round (`number`), node n's `rows_to[n]` rows in chunks of args.chunk_rows (`chunk_prefix`: their prefix over
+// nodes), dealt to the warps in turn. A warp has `write_rows(n, first_slot, rows, staged)` write a chunk's rows at
+// `staged` (OutgoingChunk), then delivers them with the chunk's signal, counted in `traffic` (the rows' kind in
+// args.traffic). The staging is reused by the next round: every put of this one must have read it before the
+// warp returns.
+template <typename Args, typename WriteRows>
+static __device__ __forceinline__ void deliver_chunks(const Args& args, const int* chunk_prefix, const int32_t* rows_to,
+                                                      uint64_t number, uint64_t* traffic, WriteRows write_rows) {
+    const Topology& topo = args.topo;
+    const int N = topo.num_nodes, lane = threadIdx.x % kWarpSize;
+    const int num_chunks = chunk_prefix[N];
+    const int first_warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize, num_warps = gridDim.x * kWarpsPerBlock;
+    for (int item = first_warp; item < num_chunks; item += num_warps) {
+        const int n = find_range(chunk_prefix, N + 1, item);
+        const int chunk = item - chunk_prefix[n];
+        const int first_slot = chunk * args.chunk_rows;
+        const int rows = min(args.chunk_rows, rows_to[n] - first_slot);
+        const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
+        const OutgoingChunk out(args.rdma, args.layout, topo, n, offset, args.direct_peers);
+        write_rows(n, first_slot, rows, out.staged);
+        out.deliver(rows, args.row_bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number, traffic,
+                    lane);
+    }
+    if (lane == 0)
+        nvshmem_quiet();
+}
+
 // Block-wide: thread p < `count` waits until `flags[p]` reaches `target`, recording `peer_of(p)` and `phase`
 // on a timeout. True unless some wait timed out.
 template <typename PeerOf>
@@ -694,17 +722,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
         }
     }
     const RowShape shape(args.tokens.hidden_bytes, args.tokens.num_scales, args.tokens.num_topk, L);
-    const int num_chunks = chunk_prefix[N];
-    const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
-    for (int item = first_warp; item < num_chunks; item += num_warps) {
-        const int n = find_range(chunk_prefix, N + 1, item);
-        const int chunk = item - chunk_prefix[n];
-        const int first_slot = chunk * args.chunk_rows;
-        const int rows = min(args.chunk_rows, node_rows[n] - first_slot);
-        const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // This rank forwards its own node's rows itself: they are written in place, as are those for a forwarder
-        // this GPU addresses; the others are staged, then put.
-        const OutgoingChunk out(args.rdma, args.layout, topo, n, offset, args.direct_peers);
+    // This rank forwards its own node's rows itself: they are written in place, as are those for a forwarder this
+    // GPU addresses; the others are staged, then put.
+    deliver_chunks(args, chunk_prefix, node_rows, number, args.traffic + kTrafficDispatchRows,
+                   [&](int n, int first_slot, int rows, uint8_t* staged) {
         const int32_t* tokens =
             args.node_list + static_cast<int64_t>(n) * args.tokens.num_tokens + node_first[n] + first_slot;
         for (int first_row = 0; first_row < rows; first_row += kWarpSize) {
@@ -713,14 +734,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) send(const SendArgs args) {
             const int lane_token = lane < batch ? tokens[first_row + lane] : 0;
             for (int b = 0; b < batch; ++b)
                 stage_row(args, shape, __shfl_sync(kFullWarpMask, lane_token, b), n, round_first,
-                          out.staged + (first_row + b) * args.row_bytes, lane);
+                          staged + (first_row + b) * args.row_bytes, lane);
         }
-        out.deliver(rows, args.row_bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
-                    args.traffic + kTrafficDispatchRows, lane);
-    }
-    // The staging is reused by the next round: every put of this one must have read it.
-    if (lane == 0)
-        nvshmem_quiet();
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1051,7 +1067,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
     const uint64_t call = this_call(args.state);
     const uint64_t number = round_number(call, args.round.index);
     const uint64_t deadline_ns = globaltimer_ns() + args.timeout_ns;
-    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
     bool ok = wait_for_each(at<const uint64_t>(args.nvl, args.nvl_layout.push_done), L, number, deadline_ns,
                             args.status, [&](int j) { return topo.node * L + j; }, kPhaseInternodePushed);
     // The partials of the last round at each source are overwritten below: it must be done with them.
@@ -1079,17 +1095,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
     __syncthreads();
     const uint8_t* landing = args.nvl + args.nvl_layout.landing;
     const int num_vectors = static_cast<int>(input.hidden_bytes / sizeof(int4));
-    const int num_chunks = chunk_prefix[N];
-    const int first_warp = blockIdx.x * kWarpsPerBlock + warp, num_warps = gridDim.x * kWarpsPerBlock;
-    for (int item = first_warp; item < num_chunks; item += num_warps) {
-        const int m = find_range(chunk_prefix, N + 1, item);
-        const int chunk = item - chunk_prefix[m];
-        const int first_slot = chunk * args.chunk_rows;
-        const int rows = min(args.chunk_rows, round_rows[m] - first_slot);
-        const int64_t offset = static_cast<int64_t>(first_slot) * args.row_bytes;
-        // The partials of this rank's own tokens are summed in place, as are those for a source this GPU addresses;
-        // the others are staged, then put.
-        const OutgoingChunk partials(args.rdma, args.layout, topo, m, offset, args.direct_peers);
+    // The partials of this rank's own tokens are summed in place, as are those for a source this GPU addresses; the
+    // others are staged, then put.
+    deliver_chunks(args, chunk_prefix, round_rows, number, args.traffic + kTrafficCombineRows,
+                   [&](int m, int first_slot, int rows, uint8_t* staged) {
         for (int r = 0; r < rows; ++r) {
             const int f = round_first[m] + first_slot + r;
             const int position = lane < L ? args.forward_pos[static_cast<int64_t>(f) * L + lane] : -1;
@@ -1140,7 +1149,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
             const auto copy_at = [&](int c) {
                 return reinterpret_cast<const uint8_t*>(__shfl_sync(kFullWarpMask, placed, c));
             };
-            uint8_t* out = partials.staged + r * args.row_bytes;
+            uint8_t* out = staged + r * args.row_bytes;
             warp_sum_bf16_rows<kSumUnroll, kSumRowsPerLoad>(
                 reinterpret_cast<int4*>(out), num_vectors, num_copies,
                 [&](int c) { return reinterpret_cast<const int4*>(copy_at(c)); }, NoAddend{}, NoAddend{}, lane);
@@ -1165,12 +1174,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) forward(const ForwardArgs args
                     reinterpret_cast<float*>(out + input.hidden_bytes)[k] = sum;
             }
         }
-        partials.deliver(rows, args.row_bytes, chunk_signal(args.rdma, args.layout, topo.node, chunk), number,
-                         args.traffic + kTrafficCombineRows, lane);
-    }
-    // The staging is reused by the next round: every put of this one must have read it.
-    if (lane == 0)
-        nvshmem_quiet();
+    });
     finish_round(args.state, call, args.round, false, [&] {
         for (int j = 0; j < L; ++j)
             st_release_sys_global(at<uint64_t>(reinterpret_cast<uint8_t*>(args.node_nvl[j]), args.nvl_layout.released) +
