@@ -14,7 +14,10 @@ steps after ``--warmup``, CUDA events around each step and no synchronisation be
 - ``host``: the host's wall time per step over the same loop (the calls and the two event records);
 - ``dispatch``, ``combine``: the host's time inside each call;
 - ``aligned``: ``events`` again, every rank starting together (a barrier and a device synchronisation first);
-- ``synced``: the wall time of a step that ends with a device synchronisation.
+- ``synced``: the wall time of a step that ends with a device synchronisation;
+- ``dispatch, paced``, ``combine, paced``: the host's time inside each call again, over ``--steps`` steps with a
+  device synchronisation (not timed) every ``--sync-every`` steps, so that the GPU never falls far behind: what
+  the calls themselves cost the host, without a launch that waits for room behind a backlog of queued work.
 
 ``--default-device cuda``: every rank first calls ``torch.set_default_device('cuda')``, as DeepEP's tests do.
 ``--profile``: rank 0 then prints where its host time goes (cProfile, by own and by cumulative time; it slows
@@ -108,8 +111,15 @@ def run_rank(rank: int, args, port: int) -> None:
         step()
         torch.cuda.synchronize()
     synced = (time.perf_counter() - began) / args.steps * 1e6
+    inside.update(dispatch=0.0, combine=0.0)
+    for i in range(args.steps):
+        step()
+        if (i + 1) % args.sync_every == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
     row = {"events": events, "least event span": least, "host": host, "dispatch": per_call["dispatch"],
-           "combine": per_call["combine"], "aligned": aligned, "synced": synced}
+           "combine": per_call["combine"], "aligned": aligned, "synced": synced,
+           **{f"{name}, paced": seconds / args.steps * 1e6 for name, seconds in inside.items()}}
     rows = [None] * args.num_ranks
     dist.all_gather_object(rows, row, group=group)
     if rank == 0:
@@ -149,7 +159,11 @@ def main() -> None:
     parser.add_argument("--use-logfmt", action="store_true", help="combine with use_logfmt=True, as DeepEP's test's "
                         "--use-logfmt does")
     parser.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of its steps' host time")
+    parser.add_argument("--sync-every", type=int, default=20,
+                        help="steps between the synchronisations of the paced rows (not timed)")
     args = parser.parse_args()
+    if args.sync_every < 1:
+        parser.error(f"--sync-every must be at least 1, got {args.sync_every}")
     torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
 
 

@@ -283,3 +283,16 @@ def test_round_tokens_reaches_the_normal_bench_and_refuses_what_contradicts_it(m
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert "--round-tokens" in capsys.readouterr().err
+
+
+def test_the_decode_step_refuses_a_pace_of_no_steps():
+    """benchmarks/decode_step.py's paced rows synchronise every --sync-every steps: 0 or less is refused by name,
+    before any rank starts."""
+    pytest.importorskip("torch")
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "decode_step.py"
+    done = subprocess.run([sys.executable, str(script), "--sync-every", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--sync-every must be at least 1, got 0" in done.stderr
