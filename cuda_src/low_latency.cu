@@ -604,13 +604,14 @@ static __device__ void publish_table(const Team& team, uint64_t* table, uint64_t
 }
 
 // Before reading a table from `pe`: a put peer's words are complete once its signal came; a direct
-// peer's words show themselves (read_word). False if the signal never came. `all_direct` (the
-// launch's: every peer direct) spares the peer's lookup, two dependent reads (NVSHMEM's state, then
-// the peer's base) that a receive launched after other work finds cold, ahead of the table's own.
-__device__ __forceinline__ bool table_signalled(const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
-                                                const MaskedStatus& status, int pe, int rank, bool force_put,
-                                                bool all_direct, int phase) {
-    if (all_direct || direct_address(flag, pe, rank, force_put) != nullptr)
+// peer's words show themselves (read_word). False if the signal never came. `a`: the launch's arguments
+// (DispatchArgs or CombineArgs), whose rank and ways to its peers (force_put, all_direct) say which `pe` is;
+// all_direct (every peer direct) spares the peer's lookup, two dependent reads (NVSHMEM's state, then the
+// peer's base) that a receive launched after other work finds cold, ahead of the table's own.
+template <typename Args>
+__device__ __forceinline__ bool table_signalled(const Args& a, const uint64_t* flag, uint64_t seq, uint64_t deadline_ns,
+                                                const MaskedStatus& status, int pe, int phase) {
+    if (a.all_direct || direct_address(flag, pe, a.rank, a.force_put) != nullptr)
         return true;
     return wait_for_call(flag, seq, deadline_ns, status, pe, phase);
 }
@@ -1156,8 +1157,7 @@ __device__ __forceinline__ int read_routing_word(const DispatchArgs& a, int s, i
                                                  uint64_t deadline_ns, const MaskedStatus& status) {
     uint32_t value = 0;
     const bool came =
-        table_signalled(a.routing_flags + s, seq, deadline_ns, status, s, a.rank, a.force_put, a.all_direct,
-                        kPhaseLowLatencyRouting) &&
+        table_signalled(a, a.routing_flags + s, seq, deadline_ns, status, s, kPhaseLowLatencyRouting) &&
         read_word(source_table(a, s) + index, seq, deadline_ns, status, s, kPhaseLowLatencyRouting, value);
     return came ? static_cast<int>(value) : -1;
 }
@@ -1594,8 +1594,7 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
             pair.weights[lane] = ready ? __uint_as_float(static_cast<uint32_t>(word)) : 1.0f;
     } else if (count > 1) {  // warp-uniform
         if (lane == 0)
-            ready = table_signalled(a.weight_flags + s, seq, deadline_ns, a.status, s, a.rank, a.force_put,
-                                    a.all_direct, kPhaseLowLatencyWeights);
+            ready = table_signalled(a, a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
         ready = __shfl_sync(kFullWarpMask, ready, 0);
         if (ready && lane < count) {
             uint32_t word = 0;
