@@ -102,8 +102,12 @@ def run_rank(rank: int, args, port: int) -> None:
         spans = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)][1:]  # DeepEP drops the first
         return sum(spans) / len(spans), min(spans), host
 
+    def inside_per_step(suffix: str = "") -> dict[str, float]:
+        """The host's time inside each call over the last ``args.steps`` steps, us per step, named ``call + suffix``."""
+        return {name + suffix: seconds / args.steps * 1e6 for name, seconds in inside.items()}
+
     events, least, host = timed(aligned=False)
-    per_call = {name: seconds / args.steps * 1e6 for name, seconds in inside.items()}
+    unpaced = inside_per_step()
     aligned, _, _ = timed(aligned=True)
     torch.cuda.synchronize()
     began = time.perf_counter()
@@ -117,9 +121,8 @@ def run_rank(rank: int, args, port: int) -> None:
         if (i + 1) % args.sync_every == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    row = {"events": events, "least event span": least, "host": host, "dispatch": per_call["dispatch"],
-           "combine": per_call["combine"], "aligned": aligned, "synced": synced,
-           **{f"{name}, paced": seconds / args.steps * 1e6 for name, seconds in inside.items()}}
+    row = {"events": events, "least event span": least, "host": host, **unpaced, "aligned": aligned, "synced": synced,
+           **inside_per_step(", paced")}
     rows = [None] * args.num_ranks
     dist.all_gather_object(rows, row, group=group)
     if rank == 0:
