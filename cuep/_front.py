@@ -112,13 +112,16 @@ class OutputPool:
     asked of an entry no caller holds, whether a caller changed one of its objects in a way the next call must
     not inherit (that entry is dropped).
 
+    ``context()``, where given, says what else an allocation's reuse depends on: its allocations are kept apart
+    by its value too (torch's inference mode, whose tensors only calls under it may take).
+
     The caller may attach objects of its own to an allocation when it is made (``attach``: the call's handle,
     its filled kernel arguments), which come back with it: they are made once per allocation instead of once
     per call, and the ones it hands out (``attach``'s second result) count as holders too."""
 
     def __init__(self, allocate: Callable[..., tuple[Any, list]], watch: Callable[[Any, list], tuple],
-                 enabled: bool = True):
-        self._allocate, self._watch, self.enabled = allocate, watch, enabled
+                 enabled: bool = True, context: Callable[[], Any] | None = None):
+        self._allocate, self._watch, self.enabled, self._context = allocate, watch, enabled, context
         self._entries: dict[tuple, list[_PoolEntry]] = {}
 
     def take(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool,
@@ -129,7 +132,7 @@ class OutputPool:
         if not self.enabled or key is None or stream.is_capturing():
             storage, views = self._allocate(nbytes, dtype, regions, readable)
             return storage, views, attach(storage, views)[0] if attach is not None else None
-        key = (key, stream.ptr)
+        key = (key, stream.ptr) if self._context is None else (key, stream.ptr, self._context())
         entries = self._entries.get(key)
         if entries is None:
             if len(self._entries) >= _POOL_KEYS:

@@ -129,7 +129,7 @@ def test_an_output_made_to_require_gradients_is_dropped_not_handed_out(torch_poo
     del storage, recv_x, recv_count, scales
     again, views = take(pool, shape)
     assert again.ptr != pointer and not any(view.requires_grad for view in views)
-    assert len(pool._entries[(("dispatch", False), STREAM.ptr)]) == 1  # the spoiled one went back to torch
+    assert len(pool._entries[("dispatch", STREAM.ptr, False)]) == 1  # the spoiled one went back to torch
 
 
 def test_a_handle_s_tensors_hold_the_allocation_while_they_live(torch_pool):
@@ -170,7 +170,7 @@ def test_allocations_are_kept_per_key_and_stream_and_bounded(torch_pool):
     assert take(pool, shape, FakeStream(2))[0].ptr != pointer
     assert take(pool, shape, key="another shape")[0].ptr != pointer
     held = [take(pool, shape) for _ in range(_front._POOL_ENTRIES + 2)]
-    assert len(pool._entries[(("dispatch", False), STREAM.ptr)]) == _front._POOL_ENTRIES
+    assert len(pool._entries[("dispatch", STREAM.ptr, False)]) == _front._POOL_ENTRIES
     assert len({storage.ptr for storage, _ in held}) == len(held)
     for key in range(_front._POOL_KEYS + 1):
         take(pool, shape, key=key)

@@ -379,14 +379,13 @@ assert [getattr(DispatchArgs, name).offset for name in _OUTPUT_FIELDS] == \
     [_OUTPUT_START + i * ctypes.sizeof(ctypes.c_void_p) for i in range(len(_OUTPUT_FIELDS))], "DispatchArgs order"
 
 
-def _plan(ctx: Context, key: tuple, build: Callable[[], Plan], attach: Callable[..., tuple[tuple, tuple]]) -> Plan:
-    """The plan of ``key``, built on its first call, with ``attach(ctx, plan, storage, views)`` bound to it."""
-    plan = ctx.plans.get(key)
-    if plan is None:
-        if len(ctx.plans) >= _MAX_PLANS:
-            ctx.plans.clear()
-        built = build()
-        plan = ctx.plans[key] = dataclasses.replace(built, attach=functools.partial(attach, ctx, built))
+def _new_plan(ctx: Context, key: tuple, build: Callable[[], Plan], attach: Callable[..., tuple[tuple, tuple]]) -> Plan:
+    """The plan of ``key`` (which ``ctx.plans`` lacks), built now and kept, with ``attach(ctx, plan, storage,
+    views)`` bound to it. A call looks its plan up in ``ctx.plans`` first: a hit costs no function call."""
+    if len(ctx.plans) >= _MAX_PLANS:
+        ctx.plans.clear()
+    built = build()
+    plan = ctx.plans[key] = dataclasses.replace(built, attach=functools.partial(attach, ctx, built))
     return plan
 
 
@@ -442,7 +441,7 @@ class CombineRun(Run):
         if phases == SEND_PHASE:
             args = self.args
             args.hook_split_after_ns = args.split_after_ns if stream.is_capturing() else self.eager_look_ns
-        super().__call__(stream, phases)
+        Run.__call__(self, stream, phases)  # (not super(): its lookup costs more, on every combine)
 
 
 def dispatch_regions(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int, use_fp8: bool,
@@ -586,7 +585,7 @@ def dispatch(ctx: Context, call: DispatchCall, x: int, topk_idx: int, cumulative
         the callers get), and the call's :class:`Run`.
     """
     key = call.plan_key
-    plan = _plan(ctx, key, lambda: _dispatch_plan(ctx, key, call.x_dtype), _attach_dispatch)
+    plan = ctx.plans.get(key) or _new_plan(ctx, key, lambda: _dispatch_plan(ctx, key, call.x_dtype), _attach_dispatch)
     front = ctx.front
     # One allocation for every output of the call (each allocation costs host time on the decode path), the
     # same one again, with its handle and filled arguments, once the caller has let go of it.
@@ -609,14 +608,17 @@ class CombineCall:
     ids_are_int64: int
     out_regions: tuple[View, ...]  # the combined output, where the caller passes no ``out``
     out_bytes: int
+    # The pooled outputs' key: the plan's (the attached struct holds its layout) and the output's shape, as plain
+    # values, which hash faster than the regions' Views on every call.
+    outputs_key: tuple
 
     @classmethod
     def of(cls, max_tokens: int, hidden: int, num_experts: int, num_tokens: int, num_topk: int,
            ids_are_int64: bool) -> CombineCall:
         """The call of these shapes (which the caller has checked)."""
         out_regions, out_bytes = combined_regions(num_tokens, hidden)
-        return cls(("combine", max_tokens, hidden, num_experts), num_tokens, num_topk, int(ids_are_int64), out_regions,
-                   out_bytes)
+        plan_key = ("combine", max_tokens, hidden, num_experts)
+        return cls(plan_key, num_tokens, num_topk, int(ids_are_int64), out_regions, out_bytes, (*plan_key, num_tokens))
 
 
 @functools.lru_cache(maxsize=64)
@@ -705,12 +707,11 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
         ``(out, run)``: the combined output, `[num_tokens, hidden]` `bfloat16`, and the call's :class:`Run`.
     """
     key = call.plan_key
-    plan = _plan(ctx, key, lambda: _combine_plan(ctx, key), _attach_combine)
+    plan = ctx.plans.get(key) or _new_plan(ctx, key, lambda: _combine_plan(ctx, key), _attach_combine)
     front = ctx.front
     if out is None:
         regions = call.out_regions
-        # Keyed by the plan too: the attached struct holds the plan's layout (max_tokens, experts, its slots).
-        _, (out,), (a, run) = front.outputs((key, regions), front.current_stream(), call.out_bytes, regions[0].dtype,
+        _, (out,), (a, run) = front.outputs(call.outputs_key, front.current_stream(), call.out_bytes, regions[0].dtype,
                                             regions, readable=True, attach=plan.attach)
     else:
         a, run = _combine_arguments(ctx, plan, front.pointer(out))

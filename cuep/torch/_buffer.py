@@ -278,9 +278,12 @@ class Buffer:
         Arguments and returns as DeepEP's (``cuep.Buffer.low_latency_combine`` has the details):
         ``(combined_x, event, hook)``, ``combined_x`` `[num_tokens, hidden]` `bfloat16` (``out`` if given).
         """
+        # A handle this Buffer's dispatch made, checked inline (the call counts microseconds); else the full check.
+        core_handle = (handle.core if type(handle) is LowLatencyHandle and handle.front is self._front else
+                       self._core_low_latency_handle("low_latency_combine()", handle))
         combined_x, event, hook = self._core.low_latency_combine(
-            x, topk_idx, topk_weights, self._core_low_latency_handle("low_latency_combine()", handle), use_logfmt,
-            zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats)
+            x, topk_idx, topk_weights, core_handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats)
         return combined_x, wrap(event), hook
 
     @_torch_function_off

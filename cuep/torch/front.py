@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from typing import Any, Callable, ContextManager
 
 import numpy as np
@@ -47,11 +48,11 @@ class TorchFront:
         # Keyed by the NumPy scalar type and by its dtype (the modes pass either): (torch dtype, NumPy dtype).
         self._dtypes = {key: (theirs, np.dtype(ours)) for ours, theirs in pairs for key in (ours, np.dtype(ours))}
         self._uint8, self._tensor = torch.uint8, torch.Tensor
-        # Outputs made under inference mode are inference tensors: they go to calls under it only.
-        self._inference_mode = torch.is_inference_mode_enabled
         counts_holders = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
+        # Outputs made under inference mode are inference tensors: they go to calls under it only.
         self._pool = OutputPool(self._allocate, functools.partial(_watch, torch),
-                                enabled=counts_holders and env.get("CUEP_REUSE_OUTPUTS"))
+                                enabled=counts_holders and env.get("CUEP_REUSE_OUTPUTS"),
+                                context=torch.is_inference_mode_enabled)
 
     def empty(self, shape: tuple[int, ...], dtype) -> TensorView:
         torch_dtype, numpy_dtype = self._dtypes[dtype]
@@ -92,8 +93,6 @@ class TorchFront:
 
     def outputs(self, key: Any, stream, nbytes: int, dtype, regions: tuple[View, ...], readable: bool = False,
                 attach: Attach | None = None) -> tuple[Any, list, Any]:
-        if key is not None:
-            key = (key, self._inference_mode())
         return self._pool.take(key, stream, nbytes, dtype, regions, readable, attach)
 
     def signature(self, value: Any) -> Any:
@@ -217,13 +216,15 @@ def _watch(torch, storage: Storage, views: list) -> tuple[list, Callable[[], tup
     outputs = [view.tensor if type(view) is TensorView else view for view in views]
     typed = storage.typed_views()
     tensors = (*outputs, *typed)
-    use_count, handle = torch._C._storage_Use_Count, storage.untyped._cdata
+    use_count, handle, tensor_use_count = torch._C._storage_Use_Count, storage.untyped._cdata, torch.Tensor._use_count
+    requires_grad = operator.attrgetter("requires_grad")
 
+    # (map over C functions: every call that takes an output from the pool asks these)
     def counts() -> tuple[int, ...]:
-        return (use_count(handle) - storage.num_typed_views(), *[tensor._use_count() for tensor in tensors])
+        return (use_count(handle) - storage.num_typed_views(), *map(tensor_use_count, tensors))
 
     def spoiled() -> bool:
-        return any([output.requires_grad for output in outputs])
+        return any(map(requires_grad, outputs))
 
     readable = [view for view in views if type(view) is TensorView]
     return [*views, *(view.tensor for view in readable), storage, storage.untyped, *typed], counts, spoiled
