@@ -624,7 +624,7 @@ class CombineCall:
 @functools.lru_cache(maxsize=64)
 def combined_regions(num_tokens: int, hidden: int) -> tuple[tuple[View, ...], int]:
     """The combine's output, `[num_tokens, hidden]` `bfloat16`, as a call's one region, and its bytes (one tuple
-    per shape: it keys the pooled allocations)."""
+    per shape)."""
     regions, nbytes = carve([("combined_x", (num_tokens, hidden), bf16_dtype(), None)])
     return tuple(regions.values()), nbytes
 
