@@ -506,8 +506,13 @@ class Buffer:
         """
         call = "low_latency_combine()"
         ctx = self._resources.low_latency_ready(call)
-        _checks.check_hook_options(call, async_finish, return_recv_hook)
         wait_stats = combine_wait_recv_cost_stats
+        if not (async_finish or return_recv_hook) and out is None:  # the decode loop's call, once it is known
+            combined = low_latency.eager_combine(ctx, self._front.current_stream(), x, topk_idx, topk_weights, handle,
+                                                 wait_stats, bool(use_logfmt))
+            if combined is not None:
+                return self._front.export(combined), EventOverlap(), None
+        _checks.check_hook_options(call, async_finish, return_recv_hook)
         shape, x_address, ids_address, weights_address, out_array, wait_address = low_latency.checked_combine(
             call, ctx, x, topk_idx, topk_weights, handle, out, wait_stats)
         out_array, run = low_latency.combine(ctx, shape, handle, x_address, ids_address, weights_address, out_array,

@@ -286,3 +286,44 @@ def test_a_routing_table_past_its_room_is_refused_naming_the_arguments(ctx, monk
                                          r"num_experts=2050 need a routing table of 33798 words"):
         dispatch(ctx, x, topk_idx, max_tokens=1024, num_experts=2050)
     assert low_latency.routing_table_words(1024, 32, 1024, NUM_RANKS) <= low_latency.ROUTING_WORDS
+
+
+def test_an_eager_combine_makes_the_general_path_s_output_struct_and_launch(ctx, monkeypatch):
+    """A plain eager combine whose signature is known (``eager_combine``, the decode loop's call) takes the pooled
+    output the general path (checked_combine, combine, both phases launched) would, fills the same struct and
+    launches both phases on the given stream; before its signature and plan are known, and for a handle that is not
+    a dispatch's, it does nothing and says so (None), for the general path to check and plan."""
+    from cuep.kernels import launcher
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(
+        (self.entry, self.function, stream, bytes(self.args))))
+    x, topk_idx = inputs()
+    *_, handle, _, _ = dispatch(ctx, x, topk_idx)
+    expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+    stream = FakeStream()
+    for use_logfmt, waits in ((False, None), (True, torch.zeros(NUM_RANKS, dtype=torch.int64))):
+        weights = torch.rand((5, 2), dtype=torch.float32)
+        assert low_latency.eager_combine(ctx, stream, expert_x, topk_idx, weights, ("not", "a handle"), waits,
+                                         use_logfmt) is None
+        if waits is None:  # the first call: no signature checked, no plan made
+            assert low_latency.eager_combine(ctx, stream, expert_x, topk_idx, weights, handle, waits,
+                                             use_logfmt) is None
+        shape, *addresses = low_latency.checked_combine("low_latency_combine()", ctx, expert_x, topk_idx, weights,
+                                                        handle, None, waits)
+        out, run = low_latency.combine(ctx, shape, handle, *addresses, use_logfmt=use_logfmt)
+        run(stream, SEND_PHASE | RECV_PHASE)
+        general, pointer = launched.pop(), out.data.ptr
+        del out, run
+        gc.collect()
+        other_weights = torch.rand((5, 2), dtype=torch.float32)  # a new array of the same signature
+        eager = low_latency.eager_combine(ctx, stream, expert_x, topk_idx, other_weights, handle, waits, use_logfmt)
+        assert eager is not None and eager.data.ptr == pointer  # the same pooled output, let go of
+        entry, function, on, struct = launched.pop()
+        assert (entry, function, on) == general[:3] == (COMBINE_ENTRY, ctx.library.function(COMBINE_ENTRY), stream)
+        args = low_latency.CombineArgs.from_buffer_copy(struct)
+        assert args.phases == SEND_PHASE | RECV_PHASE and args.topk_weights == other_weights.data_ptr()
+        args.topk_weights = weights.data_ptr()
+        assert bytes(args) == general[3]  # every other field as the general path set it
+        del eager
+        gc.collect()
+    assert not launched

@@ -642,10 +642,7 @@ def checked_combine(call: str, ctx: Context, x, topk_idx, topk_weights, handle: 
     if not isinstance(handle, Handle):
         raise TypeError(f"{call}: handle must be the handle a low_latency_dispatch() on this Buffer returned")
     front = ctx.front
-    signature = front.signature
-    key = ("combine", signature(x), signature(topk_idx), signature(topk_weights), signature(out),
-           signature(wait_stats), handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
-           handle.num_tokens, handle.num_topk)
+    key = _combine_signature(front.signature, x, topk_idx, topk_weights, out, wait_stats, handle)
     known = ctx.known.get(key)
     if known is None:
         x, topk_idx, topk_weights, out = _checks.low_latency_combine_inputs(call, x, topk_idx, topk_weights, handle,
@@ -658,6 +655,15 @@ def checked_combine(call: str, ctx: Context, x, topk_idx, topk_weights, handle: 
     pointer = front.pointer
     return (known, pointer(x), pointer(topk_idx), pointer(topk_weights), out,
             0 if wait_stats is None else pointer(wait_stats))
+
+
+def _combine_signature(signature: Callable[[Any], Any], x, topk_idx, topk_weights, out, wait_stats,
+                       handle: Handle) -> tuple:
+    """The key a combine's checked conclusion is kept under: what the front's ``signature`` reads of each array,
+    and the shapes of the dispatch ``handle`` came from."""
+    return ("combine", signature(x), signature(topk_idx), signature(topk_weights), signature(out),
+            signature(wait_stats), handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+            handle.num_tokens, handle.num_topk)
 
 
 def _combine_plan(ctx: Context, key: tuple) -> Plan:
@@ -715,6 +721,42 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
                                             regions, readable=True, attach=plan.attach)
     else:
         a, run = _combine_arguments(ctx, plan, front.pointer(out))
+    _fill_combine(a, plan, call, handle, x, topk_idx, topk_weights, wait_stats, use_logfmt)
+    return out, run
+
+
+def eager_combine(ctx: Context, stream, x, topk_idx, topk_weights, handle: Handle, wait_stats,
+                  use_logfmt: bool) -> Any | None:
+    """A plain eager combine (no ``out``, no hook, no ``async_finish``) whose signature was checked before, in one
+    step: the same conclusion, pooled output, argument struct and launch (both phases, on ``stream``, the current
+    one) as :func:`checked_combine`, :func:`combine` and ``CallStreams.run_with_hook`` make of it, with fewer Python
+    calls between them (a decode step's host time is DeepEP's yardstick, issue 46).
+
+    Returns the combined output, its kernel launched; ``None``, having done nothing, where the call needs those
+    three: a handle not of this module (the checks name the error), a signature not checked yet, a plan not made
+    yet. Arguments are the device arrays :func:`checked_combine` takes (``wait_stats`` ``None`` or an array)."""
+    if type(handle) is not Handle:
+        return None
+    front = ctx.front
+    call = ctx.known.get(_combine_signature(front.signature, x, topk_idx, topk_weights, None, wait_stats, handle))
+    if call is None:
+        return None
+    plan = ctx.plans.get(call.plan_key)
+    if plan is None:
+        return None
+    regions = call.out_regions
+    _, (out,), (a, run) = front.outputs(call.outputs_key, stream, call.out_bytes, regions[0].dtype, regions, True,
+                                        plan.attach)
+    pointer = front.pointer
+    _fill_combine(a, plan, call, handle, pointer(x), pointer(topk_idx), pointer(topk_weights),
+                  0 if wait_stats is None else pointer(wait_stats), use_logfmt)
+    run(stream, SEND_PHASE | RECV_PHASE)
+    return out
+
+
+def _fill_combine(a: CombineArgs, plan: Plan, call: CombineCall, handle: Handle, x: int, topk_idx: int,
+                  topk_weights: int, wait_stats: int, use_logfmt: bool) -> None:
+    """Set this call's own fields of a combine's argument struct ``a`` (the rest are its plan's and its output's)."""
     num_topk = call.num_topk
     a.x, a.topk_idx, a.ids_are_int64, a.topk_weights = x, topk_idx, call.ids_are_int64, topk_weights
     a.num_tokens, a.num_topk = call.num_tokens, num_topk
@@ -723,11 +765,11 @@ def combine(ctx: Context, call: CombineCall, handle: Handle, x: int, topk_idx: i
     a.combine_rows, a.source_tokens = handle.combine_rows, handle.source_tokens
     a.call_record = handle.call_record + _RECORD_BYTES
     a.use_logfmt, a.wait_stats = use_logfmt, wait_stats
-    return out, run
 
 
 __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUTING_WORDS", "SEND_PHASE", "SEQ_WORDS",
            "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall",
            "Handle", "Plan", "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch",
-           "combine", "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "fixed_bytes",
+           "combine", "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "eager_combine",
+           "fixed_bytes",
            "flags_bytes", "mask_bytes", "size_hint"]
