@@ -730,7 +730,7 @@ def eager_combine(ctx: Context, stream, x, topk_idx, topk_weights, handle: Handl
     """A plain eager combine (no ``out``, no hook, no ``async_finish``) whose signature was checked before, in one
     step: the same conclusion, pooled output, argument struct and launch (both phases, on ``stream``, the current
     one) as :func:`checked_combine`, :func:`combine` and ``CallStreams.run_with_hook`` make of it, with fewer Python
-    calls between them (a decode step's host time is DeepEP's yardstick, issue 46).
+    calls between them: an eager decode step's host time is what users compare with DeepEP's.
 
     Returns the combined output, its kernel launched; ``None``, having done nothing, where the call needs those
     three: a handle not of this module (the checks name the error), a signature not checked yet, a plan not made
@@ -771,5 +771,4 @@ __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUT
            "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall",
            "Handle", "Plan", "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch",
            "combine", "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "eager_combine",
-           "fixed_bytes",
-           "flags_bytes", "mask_bytes", "size_hint"]
+           "fixed_bytes", "flags_bytes", "mask_bytes", "size_hint"]
