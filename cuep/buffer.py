@@ -507,9 +507,10 @@ class Buffer:
         call = "low_latency_combine()"
         ctx = self._resources.low_latency_ready(call)
         wait_stats = combine_wait_recv_cost_stats
-        if not (async_finish or return_recv_hook) and out is None:  # the decode loop's call, once it is known
+        # The decode loop's call, once it is known (an option of another type goes where the checks read it).
+        if not (async_finish or return_recv_hook) and out is None and type(use_logfmt) is bool:
             combined = low_latency.eager_combine(ctx, self._front.current_stream(), x, topk_idx, topk_weights, handle,
-                                                 wait_stats, bool(use_logfmt))
+                                                 wait_stats, use_logfmt)
             if combined is not None:
                 return self._front.export(combined), EventOverlap(), None
         _checks.check_hook_options(call, async_finish, return_recv_hook)

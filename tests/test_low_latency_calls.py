@@ -313,6 +313,10 @@ def test_an_eager_combine_makes_the_general_path_s_output_struct_and_launch(ctx,
         out, run = low_latency.combine(ctx, shape, handle, *addresses, use_logfmt=use_logfmt)
         run(stream, SEND_PHASE | RECV_PHASE)
         general, pointer = launched.pop(), out.data.ptr
+        # The call's own fields scribbled over: the one-step path must set each of them again.
+        for name in ("phases", "x", "topk_idx", "ids_are_int64", "topk_weights", "num_tokens", "num_topk",
+                     "choice_slots", "combine_rows", "source_tokens", "call_record", "use_logfmt", "wait_stats"):
+            setattr(run.args, name, 0x5A5A)
         del out, run
         gc.collect()
         other_weights = torch.rand((5, 2), dtype=torch.float32)  # a new array of the same signature
@@ -326,4 +330,44 @@ def test_an_eager_combine_makes_the_general_path_s_output_struct_and_launch(ctx,
         assert bytes(args) == general[3]  # every other field as the general path set it
         del eager
         gc.collect()
+    plans = dict(ctx.plans)
+    ctx.plans.clear()  # a known signature whose plan was forgotten (past _MAX_PLANS): the general path plans it
+    assert low_latency.eager_combine(ctx, stream, expert_x, topk_idx, weights, handle, None, False) is None
+    ctx.plans.update(plans)
     assert not launched
+
+
+def test_a_buffer_s_plain_combine_takes_one_step_once_known_and_every_other_the_general_path(ctx, monkeypatch):
+    """cuep.Buffer.low_latency_combine: a plain call (no out, hook or async_finish, a bool use_logfmt) asks
+    eager_combine first, on the current stream, and returns its exported output, an event of no work and no hook;
+    the first call of a signature, and every call with out, a hook or another option, take the general path."""
+    import cuep
+    from cuep._streams import CallStreams
+    from cuep.kernels import launcher
+    launched, asked = [], []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
+    eager = low_latency.eager_combine
+    monkeypatch.setattr(low_latency, "eager_combine", lambda *args: asked.append(args[1]) or eager(*args))
+    buffer = cuep.Buffer.__new__(cuep.Buffer)
+    streams = CallStreams.__new__(CallStreams)
+    streams.front = ctx.front
+    buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
+    buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    x, topk_idx = inputs()
+    *_, handle, _, _ = dispatch(ctx, x, topk_idx)
+    expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+    weights = torch.zeros((5, 2), dtype=torch.float32)
+    both = SEND_PHASE | RECV_PHASE
+    first, event, hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle)  # learns the signature
+    assert len(asked) == 1 and launched == [both] and hook is None and not event.stands_for_work
+    pointer = first.data_ptr()
+    del first
+    gc.collect()
+    combined, event, hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle)
+    assert type(combined) is torch.Tensor and combined.data_ptr() == pointer  # the front's export, pooled
+    assert len(asked) == 2 and type(asked[1]) is FakeStream and launched == [both, both]
+    assert hook is None and not event.stands_for_work
+    out = torch.zeros((5, HIDDEN), dtype=torch.bfloat16)
+    assert buffer.low_latency_combine(expert_x, topk_idx, weights, handle, out=out)[0] is out
+    _, _, hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle, return_recv_hook=True)
+    assert callable(hook) and len(asked) == 2 and launched[2:] == [both, SEND_PHASE]
