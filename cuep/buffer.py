@@ -457,8 +457,15 @@ class Buffer:
         """
         call = "low_latency_dispatch()"
         ctx = self._resources.low_latency_ready(call)
-        _checks.check_hook_options(call, async_finish, return_recv_hook)
         stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        if not (async_finish or return_recv_hook):  # the decode loop's call, once it is known
+            done = low_latency.eager_dispatch(ctx, self._front.current_stream(), x, topk_idx,
+                                              num_max_dispatch_tokens_per_rank, num_experts, stats, wait_stats, use_fp8,
+                                              round_scale, use_ue8m0)
+            if done is not None:
+                recv_x, recv_scales, recv_count, handle = done
+                return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, EventOverlap(), None
+        _checks.check_hook_options(call, async_finish, return_recv_hook)
         shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                                          num_experts, stats, wait_stats, use_fp8, round_scale,
                                                          use_ue8m0)

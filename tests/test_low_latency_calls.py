@@ -371,3 +371,76 @@ def test_a_buffer_s_plain_combine_takes_one_step_once_known_and_every_other_the_
     assert buffer.low_latency_combine(expert_x, topk_idx, weights, handle, out=out)[0] is out
     _, _, hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle, return_recv_hook=True)
     assert callable(hook) and len(asked) == 2 and launched[2:] == [both, SEND_PHASE]
+
+
+def test_an_eager_dispatch_makes_the_general_path_s_outputs_struct_and_launch(ctx, monkeypatch):
+    """A plain eager dispatch whose signature is known (``eager_dispatch``) takes the pooled outputs and handle the
+    general path (checked_dispatch, dispatch, both phases launched) would, sets the same fields and the handle's
+    token count, and launches both phases on the given stream; unknown, or its plan forgotten, it does nothing."""
+    from cuep.kernels import launcher
+    launched = []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(
+        (self.entry, self.function, stream, bytes(self.args))))
+    stream = FakeStream()
+    for num_tokens, stats, waits in ((5, None, None), (3, torch.zeros(NUM_EXPERTS // NUM_RANKS, dtype=torch.int32),
+                                                      torch.zeros(NUM_RANKS, dtype=torch.int64))):
+        x, topk_idx = inputs(num_tokens=num_tokens)
+        arguments = (x, topk_idx, MAX_TOKENS, NUM_EXPERTS, stats, waits, True, False, False)
+        assert low_latency.eager_dispatch(ctx, stream, *arguments) is None  # the signature is new
+        recv_x, scales, count, handle, exported, run = dispatch(ctx, x, topk_idx, stats, waits)
+        run(stream, SEND_PHASE | RECV_PHASE)
+        general, pointers = launched.pop(), (recv_x.data_ptr(), scales.data_ptr(), count.data_ptr())
+        for name in ("phases", "x", "num_tokens", "topk_idx", "ids_are_int64", "cumulative_stats", "wait_stats"):
+            setattr(run.args, name, 0x5A5A)  # scribbled over: the one-step path must set each again
+        handle.num_tokens = -1
+        del recv_x, scales, count, handle, exported, run
+        gc.collect()
+        other_x = torch.zeros_like(x)  # a new array of the same signature
+        recv_x, scales, count, exported = low_latency.eager_dispatch(ctx, stream, other_x, *arguments[1:])
+        assert (recv_x.data_ptr(), scales.data_ptr(), count.data_ptr()) == pointers and exported.core.num_tokens == \
+            num_tokens
+        entry, function, on, struct = launched.pop()
+        assert (entry, function, on) == general[:3] == (DISPATCH_ENTRY, ctx.library.function(DISPATCH_ENTRY), stream)
+        args = low_latency.DispatchArgs.from_buffer_copy(struct)
+        assert args.phases == SEND_PHASE | RECV_PHASE and args.x == other_x.data_ptr()
+        args.x = x.data_ptr()
+        assert bytes(args) == general[3]  # every other field as the general path set it
+        del recv_x, scales, count, exported
+        gc.collect()
+    plans = dict(ctx.plans)
+    ctx.plans.clear()  # a known signature whose plan was forgotten: the general path plans it
+    assert low_latency.eager_dispatch(ctx, stream, *arguments) is None
+    ctx.plans.update(plans)
+    assert not launched
+
+
+def test_a_buffer_s_plain_dispatch_takes_one_step_once_known_and_hooks_the_general_path(ctx, monkeypatch):
+    """cuep.Buffer.low_latency_dispatch: a plain call asks eager_dispatch first, on the current stream, and returns
+    its outputs and exported handle, an event of no work and no hook; its first call, and a hook's, take the general
+    path."""
+    import cuep
+    from cuep._streams import CallStreams
+    from cuep.kernels import launcher
+    launched, asked = [], []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
+    eager = low_latency.eager_dispatch
+    monkeypatch.setattr(low_latency, "eager_dispatch", lambda *args: asked.append(args[1]) or eager(*args))
+    buffer = cuep.Buffer.__new__(cuep.Buffer)
+    streams = CallStreams.__new__(CallStreams)
+    streams.front = ctx.front
+    buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
+    buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    x, topk_idx = inputs()
+    both = SEND_PHASE | RECV_PHASE
+    (recv_x, scales), count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS)
+    assert len(asked) == 1 and launched == [both] and hook is None and not event.stands_for_work
+    first = (recv_x.data_ptr(), scales.data_ptr(), count.data_ptr(), id(handle))
+    del recv_x, scales, count, handle
+    gc.collect()
+    (recv_x, scales), count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS)
+    assert (recv_x.data_ptr(), scales.data_ptr(), count.data_ptr(), id(handle)) == first
+    assert type(handle).__name__ == "LowLatencyHandle" and handle.core.num_tokens == 5
+    assert len(asked) == 2 and type(asked[1]) is FakeStream and launched == [both, both]
+    assert hook is None and not event.stands_for_work
+    *_, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS, return_recv_hook=True)
+    assert callable(hook) and len(asked) == 2 and launched[2:] == [SEND_PHASE]

@@ -494,9 +494,8 @@ def checked_dispatch(call: str, ctx: Context, x, topk_idx, max_tokens, num_exper
     `int64` or `int32`; ``cumulative_stats`` `[num_local_experts]` `int32` or ``None``; ``wait_stats``
     `[num_ranks]` `int64` or ``None``."""
     front = ctx.front
-    signature = front.signature
-    key = ("dispatch", signature(x), signature(topk_idx), signature(cumulative_stats), signature(wait_stats),
-           type(max_tokens), max_tokens, type(num_experts), num_experts, use_fp8, round_scale, use_ue8m0)
+    key = _dispatch_signature(front.signature, x, topk_idx, max_tokens, num_experts, cumulative_stats, wait_stats,
+                              use_fp8, round_scale, use_ue8m0)
     known = ctx.known.get(key)
     if known is None:
         x, topk_idx = _checks.low_latency_dispatch_inputs(call, x, topk_idx, max_tokens, num_experts, ctx.num_ranks,
@@ -513,6 +512,14 @@ def checked_dispatch(call: str, ctx: Context, x, topk_idx, max_tokens, num_exper
     pointer = front.pointer
     return (known, pointer(x), pointer(topk_idx), 0 if cumulative_stats is None else pointer(cumulative_stats),
             0 if wait_stats is None else pointer(wait_stats))
+
+
+def _dispatch_signature(signature: Callable[[Any], Any], x, topk_idx, max_tokens, num_experts, cumulative_stats,
+                        wait_stats, use_fp8, round_scale, use_ue8m0) -> tuple:
+    """The key a dispatch's checked conclusion is kept under: what the front's ``signature`` reads of each array,
+    and the other arguments (with the types of the two counts, which the checks read too)."""
+    return ("dispatch", signature(x), signature(topk_idx), signature(cumulative_stats), signature(wait_stats),
+            type(max_tokens), max_tokens, type(num_experts), num_experts, use_fp8, round_scale, use_ue8m0)
 
 
 def _dispatch_plan(ctx: Context, key: tuple, x_dtype) -> Plan:
@@ -592,10 +599,45 @@ def dispatch(ctx: Context, call: DispatchCall, x: int, topk_idx: int, cumulative
     _, views, (handle, exported, a, run) = front.outputs(
         key if reuse_outputs else None, front.current_stream(), plan.storage_bytes, plan.outputs[0].dtype,
         plan.outputs, attach=plan.attach)
+    _fill_dispatch(a, handle, call, x, topk_idx, cumulative_stats, wait_stats)
+    return views[0], views[2] if call.use_fp8 else None, views[1], handle, exported, run
+
+
+def eager_dispatch(ctx: Context, stream, x, topk_idx, max_tokens, num_experts, cumulative_stats, wait_stats,
+                   use_fp8, round_scale, use_ue8m0) -> tuple[Any, Any, Any, Any] | None:
+    """A plain eager dispatch (no hook, no ``async_finish``) whose signature was checked before, in one step: the
+    same conclusion, pooled outputs and handle, argument struct and launch (both phases, on ``stream``, the current
+    one) as :func:`checked_dispatch`, :func:`dispatch` and ``CallStreams.run_with_hook`` make of it, with fewer
+    Python calls between them (see :func:`eager_combine`).
+
+    Returns ``(recv_x, recv_scales, recv_count, exported)`` as :func:`dispatch` does, its kernel launched; ``None``,
+    having done nothing, where the call needs those three: a signature not checked yet, a plan not made yet.
+    Arguments are those :func:`checked_dispatch` takes."""
+    front = ctx.front
+    call = ctx.known.get(_dispatch_signature(front.signature, x, topk_idx, max_tokens, num_experts, cumulative_stats,
+                                             wait_stats, use_fp8, round_scale, use_ue8m0))
+    if call is None:
+        return None
+    plan = ctx.plans.get(call.plan_key)
+    if plan is None:
+        return None
+    _, views, (handle, exported, a, run) = front.outputs(call.plan_key, stream, plan.storage_bytes,
+                                                         plan.outputs[0].dtype, plan.outputs, False, plan.attach)
+    pointer = front.pointer
+    _fill_dispatch(a, handle, call, pointer(x), pointer(topk_idx),
+                   0 if cumulative_stats is None else pointer(cumulative_stats),
+                   0 if wait_stats is None else pointer(wait_stats))
+    run(stream, SEND_PHASE | RECV_PHASE)
+    return views[0], views[2] if call.use_fp8 else None, views[1], exported
+
+
+def _fill_dispatch(a: DispatchArgs, handle: Handle, call: DispatchCall, x: int, topk_idx: int, cumulative_stats: int,
+                   wait_stats: int) -> None:
+    """Set this call's own fields of a dispatch's argument struct ``a`` and its ``handle``'s token count (the rest
+    are its plan's and its outputs')."""
     num_tokens = handle.num_tokens = call.num_tokens
     a.x, a.num_tokens, a.topk_idx, a.ids_are_int64 = x, num_tokens, topk_idx, call.ids_are_int64
     a.cumulative_stats, a.wait_stats = cumulative_stats, wait_stats
-    return views[0], views[2] if call.use_fp8 else None, views[1], handle, exported, run
 
 
 @dataclass(frozen=True)
@@ -771,4 +813,4 @@ __all__ = ["MAX_TOKENS_PER_RANK", "MAX_TOPK", "NUM_BUFFERS", "RECV_PHASE", "ROUT
            "TRACE_POINTS", "WEIGHT_WORDS", "CombineCall", "CombineRun", "Context", "DataLayout", "DispatchCall",
            "Handle", "Plan", "Run", "View", "buffer_bytes", "check_fits", "checked_combine", "checked_dispatch",
            "combine", "combined_regions", "data_bytes", "data_layout", "dispatch", "dispatch_regions", "eager_combine",
-           "fixed_bytes", "flags_bytes", "mask_bytes", "size_hint"]
+           "eager_dispatch", "fixed_bytes", "flags_bytes", "mask_bytes", "size_hint"]
