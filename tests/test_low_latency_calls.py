@@ -444,3 +444,26 @@ def test_a_buffer_s_plain_dispatch_takes_one_step_once_known_and_hooks_the_gener
     assert hook is None and not event.stands_for_work
     *_, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS, return_recv_hook=True)
     assert callable(hook) and len(asked) == 2 and launched[2:] == [SEND_PHASE]
+
+
+def test_a_buffer_s_bf16_dispatch_returns_its_rows_alone_on_both_paths(ctx, monkeypatch):
+    """Without FP8 a dispatch returns recv_x alone (no scales), from the general path and from the one step."""
+    import cuep
+    from cuep._streams import CallStreams
+    from cuep.kernels import launcher
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: None)
+    buffer = cuep.Buffer.__new__(cuep.Buffer)
+    streams = CallStreams.__new__(CallStreams)
+    streams.front = ctx.front
+    buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
+    buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    x, topk_idx = inputs()
+    pointers = []
+    for _ in range(2):  # the general path, then the one step
+        recv_x, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+        assert type(recv_x) is torch.Tensor and recv_x.dtype == torch.bfloat16
+        assert tuple(recv_x.shape) == (NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN)
+        pointers.append(recv_x.data_ptr())
+        del recv_x, count, handle
+        gc.collect()
+    assert pointers[0] == pointers[1]
