@@ -337,22 +337,28 @@ def test_an_eager_combine_makes_the_general_path_s_output_struct_and_launch(ctx,
     assert not launched
 
 
-def test_a_buffer_s_plain_combine_takes_one_step_once_known_and_every_other_the_general_path(ctx, monkeypatch):
-    """cuep.Buffer.low_latency_combine: a plain call (no out, hook or async_finish, a bool use_logfmt) asks
-    eager_combine first, on the current stream, and returns its exported output, an event of no work and no hook;
-    the first call of a signature, and every call with out, a hook or another option, take the general path."""
+def core_buffer(ctx):
+    """A ``cuep.Buffer`` over ``ctx`` alone: its low-latency calls run their host path, launches as the test sets."""
     import cuep
     from cuep._streams import CallStreams
-    from cuep.kernels import launcher
-    launched, asked = [], []
-    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
-    eager = low_latency.eager_combine
-    monkeypatch.setattr(low_latency, "eager_combine", lambda *args: asked.append(args[1]) or eager(*args))
     buffer = cuep.Buffer.__new__(cuep.Buffer)
     streams = CallStreams.__new__(CallStreams)
     streams.front = ctx.front
     buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
     buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    return buffer
+
+
+def test_a_buffer_s_plain_combine_takes_one_step_once_known_and_every_other_the_general_path(ctx, monkeypatch):
+    """cuep.Buffer.low_latency_combine: a plain call (no out, hook or async_finish, a bool use_logfmt) asks
+    eager_combine first, on the current stream, and returns its exported output, an event of no work and no hook;
+    the first call of a signature, and every call with out, a hook or another option, take the general path."""
+    from cuep.kernels import launcher
+    launched, asked = [], []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
+    eager = low_latency.eager_combine
+    monkeypatch.setattr(low_latency, "eager_combine", lambda *args: asked.append(args[1]) or eager(*args))
+    buffer = core_buffer(ctx)
     x, topk_idx = inputs()
     *_, handle, _, _ = dispatch(ctx, x, topk_idx)
     expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
@@ -418,18 +424,12 @@ def test_a_buffer_s_plain_dispatch_takes_one_step_once_known_and_hooks_the_gener
     """cuep.Buffer.low_latency_dispatch: a plain call asks eager_dispatch first, on the current stream, and returns
     its outputs and exported handle, an event of no work and no hook; its first call, and a hook's, take the general
     path."""
-    import cuep
-    from cuep._streams import CallStreams
     from cuep.kernels import launcher
     launched, asked = [], []
     monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
     eager = low_latency.eager_dispatch
     monkeypatch.setattr(low_latency, "eager_dispatch", lambda *args: asked.append(args[1]) or eager(*args))
-    buffer = cuep.Buffer.__new__(cuep.Buffer)
-    streams = CallStreams.__new__(CallStreams)
-    streams.front = ctx.front
-    buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
-    buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    buffer = core_buffer(ctx)
     x, topk_idx = inputs()
     both = SEND_PHASE | RECV_PHASE
     (recv_x, scales), count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS)
@@ -448,15 +448,9 @@ def test_a_buffer_s_plain_dispatch_takes_one_step_once_known_and_hooks_the_gener
 
 def test_a_buffer_s_bf16_dispatch_returns_its_rows_alone_on_both_paths(ctx, monkeypatch):
     """Without FP8 a dispatch returns recv_x alone (no scales), from the general path and from the one step."""
-    import cuep
-    from cuep._streams import CallStreams
     from cuep.kernels import launcher
     monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: None)
-    buffer = cuep.Buffer.__new__(cuep.Buffer)
-    streams = CallStreams.__new__(CallStreams)
-    streams.front = ctx.front
-    buffer._resources = types.SimpleNamespace(low_latency_ready=lambda call, hand_over=True: ctx)
-    buffer._front, buffer._streams, buffer._check_alive = ctx.front, streams, lambda call: None
+    buffer = core_buffer(ctx)
     x, topk_idx = inputs()
     pointers = []
     for _ in range(2):  # the general path, then the one step
