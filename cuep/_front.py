@@ -173,22 +173,15 @@ class _PoolEntry:
         self._counts: tuple[int, ...] = ()
 
     def count_unheld(self) -> None:
-        """Take the counts of an entry nobody else holds: what :meth:`unheld` compares with. Each object is
-        counted as :meth:`unheld` counts it, by index, so that no loop variable adds a reference to one count
-        and not to the other."""
-        watched = self.watched
-        self._references = tuple([sys.getrefcount(watched[i]) for i in range(len(watched))])
+        """Take the counts of an entry nobody else holds: what :meth:`unheld` compares with, counted the same way
+        (``map`` hands each object to ``getrefcount`` with the one reference of its iteration, no loop variable)."""
+        self._references = tuple(map(sys.getrefcount, self.watched))
         self._counts = self.counts()
 
     def unheld(self) -> bool:
-        """Whether no caller holds any of the entry's objects: every reference count as when it was made (the
-        first that differs ends the look: an entry in use usually differs at one of its first objects, the
-        outputs), then the front's counts."""
-        watched, references = self.watched, self._references
-        for i in range(len(watched)):
-            if sys.getrefcount(watched[i]) != references[i]:
-                return False
-        return self.counts() == self._counts
+        """Whether no caller holds any of the entry's objects: every reference count as when it was made, then
+        the front's counts (one ``map`` over a C function: the decode loop asks this every call)."""
+        return tuple(map(sys.getrefcount, self.watched)) == self._references and self.counts() == self._counts
 
 
 def _cupy_watch(storage, views: list) -> tuple[list, Callable[[], tuple], Callable[[], bool]]:

@@ -461,3 +461,53 @@ def test_a_buffer_s_bf16_dispatch_returns_its_rows_alone_on_both_paths(ctx, monk
         del recv_x, count, handle
         gc.collect()
     assert pointers[0] == pointers[1]
+
+
+def torch_buffer(ctx):
+    """A ``cuep.torch.Buffer`` over :func:`core_buffer`."""
+    import cuep.torch
+    buffer = cuep.torch.Buffer.__new__(cuep.torch.Buffer)
+    buffer._core, buffer._front = core_buffer(ctx), ctx.front
+    return buffer
+
+
+def test_the_torch_buffer_s_plain_calls_take_the_core_s_one_step_once_known(ctx, monkeypatch):
+    """cuep.torch.Buffer's low_latency_dispatch and low_latency_combine: a plain call of a known signature goes
+    straight to the core's one step (not through cuep.Buffer's public methods) and returns DeepEP's types: the
+    pooled torch outputs, a LowLatencyHandle, an EventOverlap of no event, no hook. The first call of a signature,
+    a hook's, and a combine with ``out`` take the core's full path."""
+    from cuep.kernels import launcher
+    from cuep.torch import EventOverlap
+    launched, full = [], []
+    monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
+    buffer = torch_buffer(ctx)
+    for name in ("low_latency_dispatch", "low_latency_combine"):
+        method = getattr(buffer._core, name)
+        monkeypatch.setattr(buffer._core, name, lambda *args, _name=name, _method=method: full.append(_name)
+                            or _method(*args))
+    x, topk_idx = inputs()
+    expert_x = torch.zeros((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * MAX_TOKENS, HIDDEN), dtype=torch.bfloat16)
+    weights = torch.zeros((5, 2), dtype=torch.float32)
+    both = SEND_PHASE | RECV_PHASE
+    seen = []
+    for _ in range(2):  # the first calls learn the signatures, the second take the one step
+        (recv_x, scales), count, handle, event, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS,
+                                                                                   NUM_EXPERTS)
+        combined, combine_event, combine_hook = buffer.low_latency_combine(expert_x, topk_idx, weights, handle)
+        assert type(handle).__name__ == "LowLatencyHandle" and handle.core.num_tokens == 5
+        assert all(type(tensor) is torch.Tensor for tensor in (recv_x, scales, count, combined))
+        assert recv_x.dtype == torch.float8_e4m3fn and combined.shape == (5, HIDDEN)
+        for made in (event, combine_event):
+            assert type(made) is EventOverlap and made.event is None
+        assert hook is None and combine_hook is None
+        seen.append((recv_x.data_ptr(), scales.data_ptr(), count.data_ptr(), id(handle), combined.data_ptr()))
+        del recv_x, scales, count, handle, combined
+        gc.collect()
+    assert full == ["low_latency_dispatch", "low_latency_combine"] and launched == [both] * 4
+    assert seen[0] == seen[1]  # the one step hands back the pooled outputs the full path made
+    *_, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS, return_recv_hook=True)
+    out = torch.zeros((5, HIDDEN), dtype=torch.bfloat16)
+    assert buffer.low_latency_combine(expert_x, topk_idx, weights, handle, out=out)[0] is out
+    assert full[2:] == ["low_latency_dispatch", "low_latency_combine"] and launched[4:] == [SEND_PHASE, both]
+    with pytest.raises(TypeError, match="handle"):
+        buffer.low_latency_combine(expert_x, topk_idx, weights, handle.core)  # not the torch handle
