@@ -1581,7 +1581,16 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
         pair.weights[0] = 1.0f;
     const uint64_t* token_weights =
         a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
-    if (count > 1 && split_ns != 0) {  // warp-uniform
+    if (count > 1 && s == a.rank) {  // warp-uniform
+        // This rank's own token: its weights are this launch's input, the words it publishes (combine_send)
+        // before they land. Read there, the pair never waits for its own table, nor splits in a hook's send.
+        if (lane < count) {
+            const int64_t choice = static_cast<int64_t>(t) * a.num_topk + pair.choices[lane];
+            const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, choice, a.num_experts, a.status) >= 0;
+            pair.weights[lane] = routed ? a.topk_weights[choice] : 0.0f;
+        }
+        ready = true;
+    } else if (count > 1 && split_ns != 0) {  // warp-uniform
         uint64_t word = 0;
         bool looking = true;
         do {
