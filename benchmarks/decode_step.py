@@ -23,6 +23,14 @@ steps after ``--warmup``, CUDA events around each step and no synchronisation be
 ``--profile``: rank 0 then prints where its host time goes (cProfile, by own and by cumulative time; it slows
 every call).
 
+``--beside-deepep PATH``: the comparison the docs quote. This script runs again, in turn, on cuep.torch and on the
+DeepEP tree at ``PATH`` (built in place; put first on ``PYTHONPATH``, and ``--deepep-unset`` variables taken out of
+its environment, such as a preload of another NVSHMEM), ``--processes`` times each, then prints every process's mean
+of each row and the least of each backend. The host's figures move up to 2x between processes of one tree, more
+than most changes move them, so the least of several processes in one command is what compares.
+
+    python benchmarks/decode_step.py --num-ranks 1 --default-device cuda --steps 1000 --beside-deepep ../DeepEP
+
 A step whose event span is near its host time is set by the host (the GPU idles between launches, and each
 rank's kernels wait for the slowest rank's); one near the ``synced`` figure is set by the GPU. Rank 0 prints
 the mean and the largest over ranks. One process per rank (``torch.multiprocessing``), one GPU each, an NCCL
@@ -32,6 +40,9 @@ group.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -164,10 +175,67 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="rank 0 prints a cProfile of its steps' host time")
     parser.add_argument("--sync-every", type=int, default=20,
                         help="steps between the synchronisations of the paced rows (not timed)")
+    parser.add_argument("--beside-deepep", metavar="PATH", default=None,
+                        help="run on cuep.torch and on the DeepEP tree at PATH in turn, --processes times each, and "
+                        "print each row's values and least")
+    parser.add_argument("--processes", type=int, default=5, help="processes of each backend with --beside-deepep")
+    parser.add_argument("--deepep-unset", nargs="*", default=[], metavar="VAR",
+                        help="environment variables DeepEP's processes run without (with --beside-deepep)")
     args = parser.parse_args()
     if args.sync_every < 1:
         parser.error(f"--sync-every must be at least 1, got {args.sync_every}")
+    if args.beside_deepep is not None:
+        if args.processes < 1:
+            parser.error(f"--processes must be at least 1, got {args.processes}")
+        beside_deepep(args)
+        return
     torch.multiprocessing.spawn(run_rank, args=(args, free_port()), nprocs=args.num_ranks)
+
+
+def _rows(output: str, num_ranks: int) -> dict[str, float]:
+    """Each row's mean over the ranks, from a run's printed table (a row: its name, the mean, the largest, then one
+    value per rank)."""
+    rows = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) <= num_ranks + 2:
+            continue
+        try:
+            values = [float(v) for v in parts[-(num_ranks + 2):]]
+        except ValueError:
+            continue
+        rows[" ".join(parts[:-(num_ranks + 2)])] = values[0]
+    return rows
+
+
+def beside_deepep(args) -> None:
+    """This script on cuep.torch and on DeepEP in turn, ``args.processes`` processes each; prints every process's
+    row means, then the least of each backend."""
+    workload = ["--num-ranks", str(args.num_ranks), "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+                "--experts", str(args.experts), "--topk", str(args.topk), "--warmup", str(args.warmup), "--steps",
+                str(args.steps), "--sync-every", str(args.sync_every)]
+    workload += ["--default-device", args.default_device] if args.default_device else []
+    workload += ["--use-logfmt"] if args.use_logfmt else []
+    deepep_env = {k: v for k, v in os.environ.items() if k not in set(args.deepep_unset)}
+    deepep_env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.beside_deepep),
+                                                *filter(None, [deepep_env.get("PYTHONPATH")])])
+    found: dict[str, list[dict[str, float]]] = {"cuep": [], "deepep": []}
+    for _ in range(args.processes):
+        for backend, env in (("cuep", None), ("deepep", deepep_env)):
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--backend", backend, *workload],
+                                 env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"decode_step.py --backend {backend} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
+            found[backend].append(_rows(run.stdout, args.num_ranks))
+    print(f"decode step, cuep.torch beside DeepEP ({args.beside_deepep}), {args.processes} processes each, in turn: "
+          f"{args.num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}"
+          f"{', LogFMT combine' if args.use_logfmt else ''}; us per step, each process's mean over the ranks")
+    print(f"{'':18} {'cuep least':>10} {'DeepEP least':>12}   cuep | DeepEP")
+    for name in found["cuep"][0]:
+        values = {backend: [rows[name] for rows in runs] for backend, runs in found.items()}
+        print(f"{name:18} {min(values['cuep']):10.1f} {min(values['deepep']):12.1f}   "
+              + " ".join(f"{v:.1f}" for v in values["cuep"]) + " | "
+              + " ".join(f"{v:.1f}" for v in values["deepep"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -296,3 +296,44 @@ def test_the_decode_step_refuses_a_pace_of_no_steps():
     done = subprocess.run([sys.executable, str(script), "--sync-every", "0"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "--sync-every must be at least 1, got 0" in done.stderr
+
+
+def test_the_decode_step_beside_deepep_runs_both_in_turn_and_prints_each_least(monkeypatch, capsys):
+    """benchmarks/decode_step.py --beside-deepep: the script again per backend and process, alternating, DeepEP's
+    with its tree first on PYTHONPATH and the named variables gone; then each row's least per backend, beside every
+    process's mean."""
+    pytest.importorskip("torch")
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode_step
+    monkeypatch.setenv("CUEP_TEST_PRELOAD", "other-nvshmem.so")
+    monkeypatch.setenv("PYTHONPATH", "/kit")
+    started = []
+    # Each run's table as a run prints it at 2 ranks (name, mean, max, a value per rank); mean = 10 x the run's turn.
+
+    def run(argv, env, capture_output, text):
+        backend = argv[argv.index("--backend") + 1]
+        started.append((backend, env))
+        mean = 10.0 * len(started)
+        table = (f"decode step on {backend}: 2 ranks, 128 tokens, hidden 7168, top-8 of 288; us per step, 50 steps\n"
+                 f"{'':18} {'mean':>8} {'max':>8}   per rank\n"
+                 f"events             {mean:8.1f} {mean + 1:8.1f}   {mean - 1:7.1f} {mean + 1:7.1f}\n"
+                 f"dispatch, paced    {mean / 2:8.1f} {mean:8.1f}   {0.0:7.1f} {mean:7.1f}\n")
+        return subprocess.CompletedProcess(argv, 0, table, "")
+
+    monkeypatch.setattr(decode_step.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["decode_step.py", "--num-ranks", "2", "--beside-deepep", "/src/DeepEP",
+                                      "--processes", "2", "--deepep-unset", "CUEP_TEST_PRELOAD"])
+    decode_step.main()
+    assert [backend for backend, _ in started] == ["cuep", "deepep", "cuep", "deepep"]
+    assert all(env is None for backend, env in started if backend == "cuep")
+    deepep_env = started[1][1]
+    assert deepep_env["PYTHONPATH"] == os.path.abspath("/src/DeepEP") + os.pathsep + "/kit"
+    assert "CUEP_TEST_PRELOAD" not in deepep_env
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split() == ["events", "10.0", "20.0", "10.0", "30.0", "|", "20.0", "40.0"]
+    assert lines[3].split() == ["dispatch,", "paced", "5.0", "10.0", "5.0", "15.0", "|", "10.0", "20.0"]
+    assert len(lines) == 4
