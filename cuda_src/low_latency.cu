@@ -1570,6 +1570,7 @@ static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, Pair
 // Warp 0 of a group, after gather_pair_rows and a group barrier: source s's weights of the pair's rows,
 // waited for, or with `split_ns` (s a direct peer) looked for until the global timer passes it: a pair
 // whose weights are not all here by then is not ready, and goes as its rows, unweighted (weights 1).
+// This rank's own tokens (s the rank) take theirs from the launch's input: always ready.
 static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
                                     PairRows& pair, uint64_t split_ns) {
     const int lane = threadIdx.x % kWarpSize;
@@ -1740,7 +1741,8 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     // ranks in step (graph replays) at one partial per pair. A hook's send (this launch does not receive)
     // looks for hook_split_after_ns: as long, where the host captured it into a CUDA graph, else
     // CUEP_COMBINE_HOOK_SPLIT_US (0 by default: one look, no wait for a peer). A pair that may not split (a
-    // put peer, more than kChoiceSlots choices, shrink mode) waits for its weights in either launch.
+    // put peer, more than kChoiceSlots choices, shrink mode) waits for its weights in either launch; a pair
+    // of this rank's own token neither looks nor waits (gather_pair_weights).
     const uint64_t split_ns =
         globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : a.hook_split_after_ns);
     // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
