@@ -309,16 +309,25 @@ def low_latency_dispatch(xs: list[np.ndarray], topk_idxs: list[np.ndarray], num_
 
 
 def low_latency_combine(expert_outputs: list[np.ndarray], topk_idxs: list[np.ndarray], topk_weights: list[np.ndarray],
-                        num_experts: int) -> list[np.ndarray]:
+                        num_experts: int, dispatch_topk_idxs: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Every source rank's low-latency combine result, float32 `[num_tokens, hidden]`.
 
     ``expert_outputs[r]``: rank ``r``'s `[L, R * max_tokens, hidden]` outputs, row-aligned with its
     dispatch result. Token ``t`` of rank ``s`` gets ``sum_k weights[t, k] * output(expert k, its row)``
     over the entries naming an expert (summed in float64 in ``k`` order, then rounded to float32).
+    ``dispatch_topk_idxs``: the dispatch's ids, where the combine's (``topk_idxs``) set some of them to
+    ``-1`` since (those entries add nothing); default ``topk_idxs``.
     """
     num_ranks = len(expert_outputs)
     per_rank = num_experts // num_ranks
-    routes = _Routes.of(topk_idxs, num_experts)
+    if dispatch_topk_idxs is None:
+        dispatch_topk_idxs = topk_idxs
+    for s, (combined_ids, dispatched_ids) in enumerate(zip(topk_idxs, dispatch_topk_idxs)):
+        combined_ids, dispatched_ids = np.asarray(combined_ids), np.asarray(dispatched_ids)
+        if combined_ids.shape != dispatched_ids.shape or not (
+                (combined_ids == dispatched_ids) | (combined_ids == -1)).all():
+            raise ValueError(f"rank {s}'s combine ids differ from its dispatch's other than by entries set to -1")
+    routes = _Routes.of(dispatch_topk_idxs, num_experts)
     combined = []
     for s, (topk, weights) in enumerate(zip(topk_idxs, topk_weights)):
         topk, weights = np.asarray(topk, dtype=np.int64), np.asarray(weights, dtype=np.float64)

@@ -129,6 +129,21 @@ def test_low_latency_combine_weights_each_choice():
     assert combined[:, 0].tolist() == [0.5 * 1 + 2 * 10, 3 * 100]
 
 
+def test_low_latency_combine_skips_choices_set_to_minus_one_since_the_dispatch():
+    """The rows stay where the dispatch put them; an entry the combine's ids set to -1 adds nothing."""
+    dispatched = [np.array([[0, 1], [1, -1]])]
+    combined_ids = [np.array([[0, -1], [1, -1]])]
+    weights = [np.array([[0.5, 2.0], [3.0, 7.0]], np.float32)]
+    outputs = [np.zeros((2, 2, 128), np.float32)]
+    outputs[0][0, 0], outputs[0][1, 0], outputs[0][1, 1] = 1.0, 10.0, 100.0  # expert 1: token 0's row, then 1's
+    (combined,) = reference.low_latency_combine(outputs, combined_ids, weights, num_experts=2,
+                                                dispatch_topk_idxs=dispatched)
+    assert combined[:, 0].tolist() == [0.5 * 1, 3 * 100]  # token 1's row is still expert 1's second
+    with pytest.raises(ValueError, match="rank 0's combine ids differ"):
+        reference.low_latency_combine(outputs, [np.array([[1, 1], [1, -1]])], weights, num_experts=2,
+                                      dispatch_topk_idxs=dispatched)
+
+
 def test_rank_prefix_matrix_by_hand():
     # 2 ranks, 4 experts (2 per rank). Rank 0: token 0 -> rank 0, token 1 -> ranks 0 and 1, token 2 -> none.
     # Rank 1: token 0 -> rank 1 (twice, counted once), token 1 -> rank 0.
