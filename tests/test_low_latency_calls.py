@@ -322,19 +322,34 @@ def test_an_eager_combine_makes_the_general_path_s_output_struct_and_launch(ctx,
         other_weights = torch.rand((5, 2), dtype=torch.float32)  # a new array of the same signature
         eager = low_latency.eager_combine(ctx, stream, expert_x, topk_idx, other_weights, handle, waits, use_logfmt)
         assert eager is not None and eager.data.ptr == pointer  # the same pooled output, let go of
-        entry, function, on, struct = launched.pop()
-        assert (entry, function, on) == general[:3] == (COMBINE_ENTRY, ctx.library.function(COMBINE_ENTRY), stream)
-        args = low_latency.CombineArgs.from_buffer_copy(struct)
-        assert args.phases == SEND_PHASE | RECV_PHASE and args.topk_weights == other_weights.data_ptr()
-        args.topk_weights = weights.data_ptr()
-        assert bytes(args) == general[3]  # every other field as the general path set it
+        assert_launched_as_the_general_path(ctx, stream, launched.pop(), general, low_latency.CombineArgs,
+                                            "topk_weights", other_weights.data_ptr(), weights.data_ptr())
         del eager
         gc.collect()
-    plans = dict(ctx.plans)
-    ctx.plans.clear()  # a known signature whose plan was forgotten (past _MAX_PLANS): the general path plans it
-    assert low_latency.eager_combine(ctx, stream, expert_x, topk_idx, weights, handle, None, False) is None
-    ctx.plans.update(plans)
+    assert_a_forgotten_plan_is_declined(ctx, lambda: low_latency.eager_combine(ctx, stream, expert_x, topk_idx, weights,
+                                                                              handle, None, False))
     assert not launched
+
+
+def assert_launched_as_the_general_path(ctx, stream, launch, general, mirror, field, pointer, general_pointer):
+    """The one step's ``launch`` (entry, function, stream, struct bytes) is the general path's (``general``): the
+    same entry, function and stream, both phases, and every byte of the struct (a ``mirror``) but ``field``, which
+    holds ``pointer`` where the general path's held ``general_pointer``."""
+    entry, function, on, struct = launch
+    assert (entry, function, on) == general[:3] == (mirror.entry, ctx.library.function(mirror.entry), stream)
+    args = mirror.from_buffer_copy(struct)
+    assert args.phases == SEND_PHASE | RECV_PHASE and getattr(args, field) == pointer
+    setattr(args, field, general_pointer)
+    assert bytes(args) == general[3]  # every other field as the general path set it
+
+
+def assert_a_forgotten_plan_is_declined(ctx, one_step):
+    """``one_step()`` (a call of a known signature) declines, doing nothing, once its plan was forgotten (past
+    _MAX_PLANS): the general path plans it."""
+    plans = dict(ctx.plans)
+    ctx.plans.clear()
+    assert one_step() is None
+    ctx.plans.update(plans)
 
 
 def core_buffer(ctx):
@@ -405,18 +420,11 @@ def test_an_eager_dispatch_makes_the_general_path_s_outputs_struct_and_launch(ct
         recv_x, scales, count, exported = low_latency.eager_dispatch(ctx, stream, other_x, *arguments[1:])
         assert (recv_x.data_ptr(), scales.data_ptr(), count.data_ptr()) == pointers and exported.core.num_tokens == \
             num_tokens
-        entry, function, on, struct = launched.pop()
-        assert (entry, function, on) == general[:3] == (DISPATCH_ENTRY, ctx.library.function(DISPATCH_ENTRY), stream)
-        args = low_latency.DispatchArgs.from_buffer_copy(struct)
-        assert args.phases == SEND_PHASE | RECV_PHASE and args.x == other_x.data_ptr()
-        args.x = x.data_ptr()
-        assert bytes(args) == general[3]  # every other field as the general path set it
+        assert_launched_as_the_general_path(ctx, stream, launched.pop(), general, low_latency.DispatchArgs, "x",
+                                            other_x.data_ptr(), x.data_ptr())
         del recv_x, scales, count, exported
         gc.collect()
-    plans = dict(ctx.plans)
-    ctx.plans.clear()  # a known signature whose plan was forgotten: the general path plans it
-    assert low_latency.eager_dispatch(ctx, stream, *arguments) is None
-    ctx.plans.update(plans)
+    assert_a_forgotten_plan_is_declined(ctx, lambda: low_latency.eager_dispatch(ctx, stream, *arguments))
     assert not launched
 
 
