@@ -455,23 +455,12 @@ class Buffer:
         per token; `int32` ids accepted; FP8 is `uint8` (CuPy has no FP8 dtype); wait statistics count
         nanoseconds (DeepEP counts clock cycles).
         """
-        call = "low_latency_dispatch()"
-        stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
-        if not (async_finish or return_recv_hook):  # the decode loop's call, once it is known
-            done = self._eager_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats,
-                                                    wait_stats, use_fp8, round_scale, use_ue8m0)
-            if done is not None:
-                return (*done, EventOverlap(), None)
-        ctx = self._resources.low_latency_ready(call)
-        _checks.check_hook_options(call, async_finish, return_recv_hook)
-        shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                                         num_experts, stats, wait_stats, use_fp8, round_scale,
-                                                         use_ue8m0)
-        recv_x, recv_scales, recv_count, _, handle, run = low_latency.dispatch(ctx, shape, *addresses)
-        event, hook = self._streams.run_with_hook(
-            run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
-            (x, topk_idx, stats, wait_stats, recv_x, recv_scales, recv_count, handle), self._check_alive)
-        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
+        arguments = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                     dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        done = self._eager_low_latency_dispatch(*arguments)  # the decode loop's call, once known: one step
+        if done is not None:
+            return (*done, EventOverlap(), None)
+        return self._full_low_latency_dispatch(*arguments)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle: low_latency.Handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -509,13 +498,65 @@ class Buffer:
         LogFMT is cuep's own format (DeepEP's LogFMT-10 inspired it; the bytes differ) and works with
         ``zero_copy``.
         """
+        arguments = (x, topk_idx, topk_weights, handle, use_logfmt, async_finish, return_recv_hook, out,
+                     combine_wait_recv_cost_stats)
+        combined = self._eager_low_latency_combine(*arguments)  # the decode loop's call, once known: one step
+        if combined is not None:
+            return combined, EventOverlap(), None
+        return self._full_low_latency_combine(*arguments)
+
+    # Both fronts' low-latency calls: the one step where it serves, else the full path.
+    def _eager_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                                    cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                                    return_recv_hook) -> tuple | None:
+        """The decode loop's dispatch (no hook, no ``async_finish``) in one step, once a call of its signature was
+        checked (:func:`cuep.modes.low_latency.eager_dispatch`): ``(recv_x, recv_count, handle)`` as
+        :meth:`low_latency_dispatch` returns them, its kernel launched on the current stream; ``None``, having done
+        nothing, for any other call (:meth:`_full_low_latency_dispatch` serves it)."""
+        if async_finish or return_recv_hook:
+            return None
+        done = low_latency.eager_dispatch(self._resources.low_latency_ready("low_latency_dispatch()"),
+                                          self._front.current_stream(), x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                          num_experts, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0)
+        if done is None:
+            return None
+        recv_x, recv_scales, recv_count, handle = done
+        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle
+
+    def _full_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                                   cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                                   return_recv_hook):
+        """:meth:`low_latency_dispatch` through the checks, the plan, and the launch with its event or hook."""
+        call = "low_latency_dispatch()"
+        ctx = self._resources.low_latency_ready(call)
+        _checks.check_hook_options(call, async_finish, return_recv_hook)
+        shape, *addresses = low_latency.checked_dispatch(call, ctx, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                                         num_experts, cumulative_stats, wait_stats, use_fp8,
+                                                         round_scale, use_ue8m0)
+        recv_x, recv_scales, recv_count, _, handle, run = low_latency.dispatch(ctx, shape, *addresses)
+        event, hook = self._streams.run_with_hook(
+            run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
+            (x, topk_idx, cumulative_stats, wait_stats, recv_x, recv_scales, recv_count, handle), self._check_alive)
+        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
+
+    def _eager_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
+                                   return_recv_hook, out, wait_stats):
+        """The decode loop's combine (no ``out``, no hook, no ``async_finish``, a ``bool`` ``use_logfmt``) in one
+        step, once a call of its signature was checked (:func:`cuep.modes.low_latency.eager_combine`): the combined
+        output as :meth:`low_latency_combine` returns it, its kernel launched on the current stream; ``None``,
+        having done nothing, for any other call (:meth:`_full_low_latency_combine` serves it; an option of another
+        type goes where the checks read it)."""
+        if async_finish or return_recv_hook or out is not None or type(use_logfmt) is not bool:
+            return None
+        combined = low_latency.eager_combine(self._resources.low_latency_ready("low_latency_combine()"),
+                                             self._front.current_stream(), x, topk_idx, topk_weights, handle,
+                                             wait_stats, use_logfmt)
+        return None if combined is None else self._front.export(combined)
+
+    def _full_low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
+                                  return_recv_hook, out, wait_stats):
+        """:meth:`low_latency_combine` through the checks, the plan, and the launch with its event or hook."""
         call = "low_latency_combine()"
-        wait_stats = combine_wait_recv_cost_stats
-        # The decode loop's call, once it is known (an option of another type goes where the checks read it).
-        if not (async_finish or return_recv_hook) and out is None and type(use_logfmt) is bool:
-            combined = self._eager_low_latency_combine(x, topk_idx, topk_weights, handle, wait_stats, use_logfmt)
-            if combined is not None:
-                return combined, EventOverlap(), None
         ctx = self._resources.low_latency_ready(call)
         _checks.check_hook_options(call, async_finish, return_recv_hook)
         shape, x_address, ids_address, weights_address, out_array, wait_address = low_latency.checked_combine(
@@ -526,31 +567,6 @@ class Buffer:
             run, low_latency.SEND_PHASE, low_latency.RECV_PHASE, async_finish, return_recv_hook,
             (x, topk_idx, topk_weights, handle, out_array, wait_stats), self._check_alive)
         return self._front.export(out_array), event, hook
-
-    def _eager_low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                                    cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0) -> tuple | None:
-        """The decode loop's dispatch (no hook, no ``async_finish``) in one step, once a call of its signature was
-        checked (:func:`cuep.modes.low_latency.eager_dispatch`): ``(recv_x, recv_count, handle)`` as
-        :meth:`low_latency_dispatch` returns them, its kernel launched on the current stream; ``None``, having done
-        nothing, where the call needs the full path. Both fronts' ``low_latency_dispatch`` ask it first."""
-        done = low_latency.eager_dispatch(self._resources.low_latency_ready("low_latency_dispatch()"),
-                                          self._front.current_stream(), x, topk_idx, num_max_dispatch_tokens_per_rank,
-                                          num_experts, cumulative_stats, wait_stats, use_fp8, round_scale, use_ue8m0)
-        if done is None:
-            return None
-        recv_x, recv_scales, recv_count, handle = done
-        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle
-
-    def _eager_low_latency_combine(self, x, topk_idx, topk_weights, handle, wait_stats, use_logfmt: bool):
-        """The decode loop's combine (no ``out``, no hook, no ``async_finish``, a ``bool`` ``use_logfmt``) in one
-        step, once a call of its signature was checked (:func:`cuep.modes.low_latency.eager_combine`): the combined
-        output as :meth:`low_latency_combine` returns it, its kernel launched on the current stream; ``None``,
-        having done nothing, where the call needs the full path. Both fronts' ``low_latency_combine`` ask it
-        first."""
-        combined = low_latency.eager_combine(self._resources.low_latency_ready("low_latency_combine()"),
-                                             self._front.current_stream(), x, topk_idx, topk_weights, handle,
-                                             wait_stats, use_logfmt)
-        return None if combined is None else self._front.export(combined)
 
     def get_next_low_latency_combine_buffer(self, handle: low_latency.Handle):
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` `bfloat16` array for

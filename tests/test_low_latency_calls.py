@@ -481,15 +481,15 @@ def torch_buffer(ctx):
 
 def test_the_torch_buffer_s_plain_calls_take_the_core_s_one_step_once_known(ctx, monkeypatch):
     """cuep.torch.Buffer's low_latency_dispatch and low_latency_combine: a plain call of a known signature goes
-    straight to the core's one step (not through cuep.Buffer's public methods) and returns DeepEP's types: the
-    pooled torch outputs, a LowLatencyHandle, an EventOverlap of no event, no hook. The first call of a signature,
-    a hook's, and a combine with ``out`` take the core's full path."""
+    straight to the core's one step (the core's full path not called) and returns DeepEP's types: the pooled torch
+    outputs, a LowLatencyHandle, an EventOverlap of no event, no hook. The first call of a signature, a hook's, and a
+    combine with ``out`` take the core's full path."""
     from cuep.kernels import launcher
     from cuep.torch import EventOverlap
     launched, full = [], []
     monkeypatch.setattr(launcher.Launch, "__call__", lambda self, stream: launched.append(self.args.phases))
     buffer = torch_buffer(ctx)
-    for name in ("low_latency_dispatch", "low_latency_combine"):
+    for name in ("_full_low_latency_dispatch", "_full_low_latency_combine"):
         method = getattr(buffer._core, name)
         monkeypatch.setattr(buffer._core, name, lambda *args, _name=name, _method=method: full.append(_name)
                             or _method(*args))
@@ -511,11 +511,12 @@ def test_the_torch_buffer_s_plain_calls_take_the_core_s_one_step_once_known(ctx,
         seen.append((recv_x.data_ptr(), scales.data_ptr(), count.data_ptr(), id(handle), combined.data_ptr()))
         del recv_x, scales, count, handle, combined
         gc.collect()
-    assert full == ["low_latency_dispatch", "low_latency_combine"] and launched == [both] * 4
+    assert full == ["_full_low_latency_dispatch", "_full_low_latency_combine"] and launched == [both] * 4
     assert seen[0] == seen[1]  # the one step hands back the pooled outputs the full path made
     *_, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, NUM_EXPERTS, return_recv_hook=True)
     out = torch.zeros((5, HIDDEN), dtype=torch.bfloat16)
     assert buffer.low_latency_combine(expert_x, topk_idx, weights, handle, out=out)[0] is out
-    assert full[2:] == ["low_latency_dispatch", "low_latency_combine"] and launched[4:] == [SEND_PHASE, both]
+    assert full[2:] == ["_full_low_latency_dispatch", "_full_low_latency_combine"] and launched[4:] == [SEND_PHASE,
+                                                                                                        both]
     with pytest.raises(TypeError, match="handle"):
         buffer.low_latency_combine(expert_x, topk_idx, weights, handle.core)  # not the torch handle

@@ -263,15 +263,12 @@ class Buffer:
         `float8_e4m3fn` data and its scales (`float32` `[..., hidden // 128]`, or packed UE8M0 `int32`
         `[..., hidden // 512]`, column-major in the last two dims); ``handle`` a :class:`LowLatencyHandle`.
         """
-        if not (async_finish or return_recv_hook):  # the decode loop's call, once known: the core's one step
-            done = self._core._eager_low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-            if done is not None:
-                return (*done, EventOverlap(), None)
-        recv_x, recv_count, handle, event, hook = self._core.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        arguments = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                     dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        done = self._core._eager_low_latency_dispatch(*arguments)  # the decode loop's call, once known: one step
+        if done is not None:
+            return (*done, EventOverlap(), None)
+        recv_x, recv_count, handle, event, hook = self._core._full_low_latency_dispatch(*arguments)
         # The front made recv_x (FP8 as float8_e4m3fn), its scales, recv_count and the handle for torch already.
         return recv_x, recv_count, handle, wrap(event), hook
 
@@ -287,15 +284,12 @@ class Buffer:
         # A handle this Buffer's dispatch made, checked inline (the call counts microseconds); else the full check.
         core_handle = (handle.core if type(handle) is LowLatencyHandle and handle.front is self._front else
                        self._core_low_latency_handle("low_latency_combine()", handle))
-        # The decode loop's call, once known: the core's one step (an option of another type goes to the checks).
-        if not (async_finish or return_recv_hook) and out is None and type(use_logfmt) is bool:
-            combined = self._core._eager_low_latency_combine(x, topk_idx, topk_weights, core_handle,
-                                                             combine_wait_recv_cost_stats, use_logfmt)
-            if combined is not None:
-                return combined, EventOverlap(), None
-        combined_x, event, hook = self._core.low_latency_combine(
-            x, topk_idx, topk_weights, core_handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats)
+        arguments = (x, topk_idx, topk_weights, core_handle, use_logfmt, async_finish, return_recv_hook, out,
+                     combine_wait_recv_cost_stats)
+        combined = self._core._eager_low_latency_combine(*arguments)  # the decode loop's call, once known: one step
+        if combined is not None:
+            return combined, EventOverlap(), None
+        combined_x, event, hook = self._core._full_low_latency_combine(*arguments)
         return combined_x, wrap(event), hook
 
     @_torch_function_off
