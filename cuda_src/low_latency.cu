@@ -119,6 +119,10 @@ static_assert(kGroupsPerBlock * sizeof(PartialStage) <= 40 * 1024,
 constexpr int kSumBatch = 2;             // combine receive: block-wide strides summed at once (7168: 2)
 constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
 constexpr int kChoiceSlots = CUEP_CHOICE_SLOTS;  // combine: rows of a token sent one by one (its top-k bound)
+// A weights-table word's value for a choice the combine's ids no longer route (-1 since the dispatch): a NaN of
+// one bit pattern (all ones), so that a choice of weight 0 still counts as routed. (A weight of exactly those
+// bits would read as unrouted: a NaN weight spoils its token either way.)
+constexpr uint32_t kUnroutedWeight = 0xFFFFFFFFu;
 
 // A launch's phases (a bit set): both for a whole call, one of them for a hook's send and receive.
 constexpr int kSendPhase = CUEP_SEND_PHASE;
@@ -484,7 +488,10 @@ __device__ __forceinline__ int wait_for_call_on(const uint64_t* first, const uin
     const bool came = wait_until(
         [&] {
             first_seen = early.first_read ? early.first : ld_acquire_sys_global(first);
-            second_seen = second == nullptr ? 0 : early.second_read ? early.second : ld_acquire_sys_global(second);
+            // The second flag only where the first has not come: acquires do not overlap.
+            second_seen = second == nullptr || first_seen >= seq ? 0
+                          : early.second_read                    ? early.second
+                                                                 : ld_acquire_sys_global(second);
             early = FlagsRead{};
             return first_seen >= seq || second_seen >= seq;
         },
@@ -1545,6 +1552,8 @@ struct PairRows {
     int choices[kMaxTopk];  // top-k slot of each row
     float weights[kMaxTopk];
     int count;
+    int first_row;  // rows[0] as gather_pair_rows found it (-1: none), the row whose loads send_partial starts
+                    // early: gather_pair_weights may then drop rows, which the other warps must not race
     bool ready;  // the weights are here (or the pair needs none); false: they never came, or are not here yet
     bool fell_back;  // some LogFMT block of the partial went as BF16: the whole message travels
 };
@@ -1563,14 +1572,18 @@ static __device__ void gather_pair_rows(const CombineArgs& a, int s, int t, Pair
         pair.rows[slot] = row;
         pair.choices[slot] = lane;
     }
-    if (lane == 0)
+    const int first_row = held != 0 ? __shfl_sync(kFullWarpMask, row, __ffs(held) - 1) : -1;  // warp-uniform
+    if (lane == 0) {
         pair.count = __popc(held);
+        pair.first_row = first_row;
+    }
 }
 
 // Warp 0 of a group, after gather_pair_rows and a group barrier: source s's weights of the pair's rows,
 // waited for, or with `split_ns` (s a direct peer) looked for until the global timer passes it: a pair
 // whose weights are not all here by then is not ready, and goes as its rows, unweighted (weights 1).
-// This rank's own tokens (s the rank) take theirs from the launch's input: always ready.
+// This rank's own tokens (s the rank) take theirs from the launch's input: always ready. A ready pair
+// then keeps only the rows whose choices the combine's ids still route (pair.count drops).
 static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, uint64_t seq, uint64_t deadline_ns,
                                     PairRows& pair, uint64_t split_ns) {
     const int lane = threadIdx.x % kWarpSize;
@@ -1578,8 +1591,7 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
     // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
     // partial needs nothing from the source, so it leaves at once, before the weights can arrive.
     bool ready = count == 1;
-    if (count == 1 && lane == 0)
-        pair.weights[0] = 1.0f;
+    uint32_t weight = __float_as_uint(1.0f);  // this lane's row's weight word (lane < count)
     const uint64_t* token_weights =
         a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
     if (count > 1 && s == a.rank) {  // warp-uniform
@@ -1588,7 +1600,7 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
         if (lane < count) {
             const int64_t choice = static_cast<int64_t>(t) * a.num_topk + pair.choices[lane];
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, choice, a.num_experts, a.status) >= 0;
-            pair.weights[lane] = routed ? a.topk_weights[choice] : 0.0f;
+            weight = routed ? __float_as_uint(a.topk_weights[choice]) : kUnroutedWeight;
         }
         ready = true;
     } else if (count > 1 && split_ns != 0) {  // warp-uniform
@@ -1600,23 +1612,35 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
             // Lane 0's clock decides for the warp: lanes that read it apart must not leave apart.
             looking = __shfl_sync(kFullWarpMask, globaltimer_ns() < split_ns, 0);
         } while (!ready && looking);
-        if (lane < count)
-            pair.weights[lane] = ready ? __uint_as_float(static_cast<uint32_t>(word)) : 1.0f;
+        if (ready)
+            weight = static_cast<uint32_t>(word);
     } else if (count > 1) {  // warp-uniform
         if (lane == 0)
             ready = table_signalled(a, a.weight_flags + s, seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights);
         ready = __shfl_sync(kFullWarpMask, ready, 0);
-        if (ready && lane < count) {
-            uint32_t word = 0;
+        if (ready && lane < count)
             ready = read_word(token_weights + pair.choices[lane], seq, deadline_ns, a.status, s, kPhaseLowLatencyWeights,
-                              word);
-            if (ready)
-                pair.weights[lane] = __uint_as_float(word);
-        }
+                              weight);
         ready = __all_sync(kFullWarpMask, ready);
     }
-    if (lane == 0)
+    // A choice set to -1 since the dispatch takes no row: the pair keeps the rows still routed, as many as the
+    // token's source counts on this rank (gather_partials), which weighs a partial of one row itself. So a pair
+    // left with one row goes unweighted, and one left with none sends nothing. Rows of a pair not ready all go.
+    const bool kept = lane < count && !(ready && weight == kUnroutedWeight);
+    const uint32_t kept_lanes = __ballot_sync(kFullWarpMask, kept);
+    const int kept_count = __popc(kept_lanes);
+    const int row = kept ? pair.rows[lane] : 0, choice = kept ? pair.choices[lane] : 0;
+    __syncwarp();  // every lane read its row before a lower slot is written
+    if (kept) {
+        const int slot = __popc(kept_lanes & ((1u << lane) - 1));
+        pair.rows[slot] = row;
+        pair.choices[slot] = choice;
+        pair.weights[slot] = ready && kept_count > 1 ? __uint_as_float(weight) : 1.0f;
+    }
+    if (lane == 0) {
+        pair.count = kept_count;
         pair.ready = ready;
+    }
 }
 
 // This thread's vectors of one stride of expert-output row `row` (kPartialBatch, kGroupThreads apart from `first`).
@@ -1708,8 +1732,9 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
         pair.fell_back = false;
     group.sync();
     int4 raw[kPartialBatch];
-    if (pair.count > 0)
-        load_row_stride(a, pair.rows[0], thread, raw);
+    const int loaded_row = pair.first_row;
+    if (loaded_row >= 0)
+        load_row_stride(a, loaded_row, thread, raw);
     uint8_t* slot = message_slot(a.slots, a.rank, t, a.max_tokens, a.slot_bytes);
     uint8_t* direct = direct_address(slot, s, a.rank, a.force_put);
     const bool may_split = direct != nullptr && a.choice_slots != nullptr;
@@ -1718,14 +1743,16 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
     group.sync();
     if (thread == 0)
         trace_latest(a.trace, kTraceWeightsReady);
-    if (pair.ready) {
+    // The pair's rows may have dropped one (gather_pair_weights): the row in flight is the first one only if kept.
+    const bool preloaded = pair.count > 0 && pair.rows[0] == loaded_row;
+    if (pair.ready && pair.count > 0) {
         uint8_t* out = direct != nullptr ? direct : message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
-        store_message(a, s, seq, group, pair, stage, 0, pair.count, a.use_logfmt, raw, true, out, direct != nullptr,
-                      slot, a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
-    } else if (may_split && pair.count > 1) {
+        store_message(a, s, seq, group, pair, stage, 0, pair.count, a.use_logfmt, raw, preloaded, out,
+                      direct != nullptr, slot, a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
+    } else if (!pair.ready && may_split && pair.count > 1) {
         for (int j = 0; j < pair.count; ++j) {
             const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + pair.choices[j];
-            store_message(a, s, seq, group, pair, stage, j, 1, false, raw, j == 0,
+            store_message(a, s, seq, group, pair, stage, j, 1, false, raw, preloaded && j == 0,
                           direct_address(a.choice_slots + choice * a.slot_bytes, s, a.rank, false), true, nullptr,
                           a.choice_flags + choice);
         }
@@ -1745,7 +1772,7 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     // of this rank's own token neither looks nor waits (gather_pair_weights).
     const uint64_t split_ns =
         globaltimer_ns() + ((a.phases & kRecvPhase) ? a.split_after_ns : a.hook_split_after_ns);
-    // This rank's weights (zero where the id is -1) go to every rank first: the others look for them.
+    // This rank's weights (kUnroutedWeight where the id is -1) go to every rank first: the others look for them.
     // They go from the last blocks, which hold the fewest pairs.
     const int count = a.num_tokens * a.num_topk;
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
@@ -1753,7 +1780,7 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
             continue;
         auto word = [&](int i) -> uint32_t {
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
-            return __float_as_uint(routed ? a.topk_weights[i] : 0.0f);
+            return routed ? __float_as_uint(a.topk_weights[i]) : kUnroutedWeight;
         };
         publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
                       a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count, word,
@@ -1775,7 +1802,8 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
 // Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
 // memory, nullptr where a message never came), the `num_partials` partials first; returns how many in
 // all. Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here
-// when it holds one choice, summed with the weights there when it holds several. Or, when it did not
+// when it holds one choice (of those the combine's ids still route), summed with the weights there when it
+// holds several. Or, when it did not
 // have the weights yet, each choice's row at choice slot (t, k), weighted here (send_partial). Masked
 // ranks (shrink mode) add nothing.
 static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns,
@@ -1811,11 +1839,13 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
     int form = 0;  // 0: nothing to add, 1: the rank's partial, 2: each choice's row
     if (lane == leader && r >= 0 && !a.status.is_masked(r)) {
         const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
-        const uint64_t* row_flag = choices > 1 && a.choice_slots != nullptr
+        // A rank of one choice may send its row too: one that held more at the dispatch, whose others were set
+        // to -1 since, and could not weigh them (send_partial).
+        const uint64_t* row_flag = a.choice_slots != nullptr
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
-        // The rank's partial, or (several choices) the first of its rows sent one by one, from the values
-        // read early where there are.
+        // The rank's partial, or the first of its rows sent one by one, from the values read early where
+        // there are.
         form = wait_for_call_on(a.token_flags + static_cast<int64_t>(r) * a.flag_stride + t, row_flag, seq,
                                 deadline_ns, a.status, r, kPhaseLowLatencyPartial,
                                 FlagsRead{rank_known, row_flag != nullptr && choice_known, rank_flag, choice_flag});

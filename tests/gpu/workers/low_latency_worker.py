@@ -634,6 +634,20 @@ def partials_sent(expected, outputs, inputs: AllInputs, num_experts):
     return np.stack(rows) if rows else np.zeros((0, outputs[rank].shape[-1]), dtype=np.float32)
 
 
+def combined_error(combined, want, scale, use_logfmt: bool, what: str) -> np.ndarray:
+    """|combined - want|, asserted within the combine's rounding: with LogFMT each partial element within
+    ``logfmt.MAX_RELATIVE_ERROR`` (BF16 blocks: 2^-8), then the BF16 rounding of the result, so (MAX_RELATIVE_ERROR +
+    2^-8 (1 + MAX_RELATIVE_ERROR)) sum_k |w_k x_k| (+ float32 summation slack); BF16, 2^-7 of it. ``scale``: that
+    sum (the reference's combine of the absolute values)."""
+    from cuep import logfmt
+    error = np.abs(combined.get().astype(np.float32) - want)
+    relative = (logfmt.MAX_RELATIVE_ERROR + 2.0 ** -8 * (1 + logfmt.MAX_RELATIVE_ERROR) + 2.0 ** -16
+                if use_logfmt else 2.0 ** -7)
+    excess = error - (scale * relative + 1e-6)
+    assert (excess <= 0).all(), (what, float(error.max()), float(excess.max()), np.argwhere(excess > 0)[:4].tolist())
+    return error
+
+
 def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=None):
     """The same dispatch combined with BF16 partials, then with LogFMT ones: each within its bound of
     the exact result. LogFMT: each partial element within ``logfmt.MAX_RELATIVE_ERROR`` (BF16 blocks:
@@ -688,11 +702,7 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
                 f"use_logfmt={use_logfmt}: rank {rank}'s hook send took {sent_in:.3f} s while rank {late_source} "
                 f"was {LATE_S} s late: it waited for that rank")
             hook()
-        error = np.abs(combined.get().astype(np.float32) - want)
-        relative = (logfmt.MAX_RELATIVE_ERROR + 2.0 ** -8 * (1 + logfmt.MAX_RELATIVE_ERROR) + 2.0 ** -16
-                    if use_logfmt else 2.0 ** -7)
-        excess = error - (scale * relative + 1e-6)
-        assert (excess <= 0).all(), (f"use_logfmt={use_logfmt}", float(error.max()), float(excess.max()))
+        error = combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}")
         counted = scale > 0
         ratio = float((error[counted] / scale[counted]).max()) if counted.any() else 0.0
         worst[use_logfmt] = comm.allreduce(ratio, op=MPI.MAX)
@@ -803,6 +813,58 @@ def wait_stats_point_at_a_late_rank(buffer):
     np.testing.assert_array_equal(combine_waits.get(), before[1])
 
 
+def ids_set_to_minus_one_after_the_dispatch(buffer):
+    """The combine's topk_idx sets some of the dispatch's choices to -1 (about a third, the same on every rank):
+    a rank's second choice of a token, leaving it one, a rank's only choice, all of a rank's choices. Each token
+    gets exactly its choices still routed: whole, with LogFMT, and through hooks with rank 0 late to its
+    combine, whose pairs the others' sends split into rows (a rank left with one choice sends that row)."""
+    hidden, per_rank = 2048, FEW_EXPERTS // num_ranks
+    inputs = all_inputs(MAX_TOKENS, hidden, FEW_EXPERTS, 4, masked=0.0)
+    dispatched = inputs.topk_idxs
+    combined_ids = []
+    for s, ids in enumerate(dispatched):
+        drop = np.random.default_rng([SEED, 4646, s]).random(ids.shape) < 0.35
+        combined_ids.append(np.where(drop, -1, ids))
+
+    def held(ids):  # [num_ranks, tokens]: how many of each token's routed choices each rank holds
+        return np.stack([((ids >= 0) & (ids // per_rank == r)).sum(axis=1) for r in range(num_ranks)])
+
+    # What the case is for: a rank that held several of a token's choices at the dispatch and holds one now, among
+    # them a rank other than 0 for rank 0's tokens (whose rows the late combine splits).
+    left_one = [((held(ids) > 1) & (held(now) == 1)).sum(axis=1) for ids, now in zip(dispatched, combined_ids)]
+    assert sum(int(n.sum()) for n in left_one) > 0 and (num_ranks == 1 or left_one[0][1:].sum() > 0), \
+        "no rank keeps one of several choices: the case tests nothing"
+    expected = reference.low_latency_dispatch(inputs.xs, dispatched, FEW_EXPERTS, MAX_TOKENS, use_fp8=False)
+    outputs = expert_outputs(expected, FEW_EXPERTS)
+    weights = inputs.topk_weights
+    want = reference.low_latency_combine(outputs, combined_ids, weights, FEW_EXPERTS, dispatched)[rank]
+    scale = reference.low_latency_combine([AbsoluteRows(o) for o in outputs], combined_ids,
+                                          [np.abs(w) for w in weights], FEW_EXPERTS, dispatched)[rank]
+    mine = inputs[rank]
+    x, topk, now, topk_weights, expert_x = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, combined_ids[rank],
+                                                                       mine.topk_weights, outputs[rank]))
+    for use_logfmt, late in ((False, False), (True, False), (False, True)):
+        received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS,
+                                                                         use_fp8=False)
+        check_received(received, recv_count, expected[rank], use_fp8=False)
+        if late:
+            cupy.cuda.get_current_stream().synchronize()
+            comm.Barrier()
+            if rank == 0:
+                time.sleep(LATE_S)
+            started = time.perf_counter()
+        combined, _, hook = buffer.low_latency_combine(expert_x, now, topk_weights, handle, use_logfmt=use_logfmt,
+                                                       return_recv_hook=late)
+        if late:
+            cupy.cuda.get_current_stream().synchronize()
+            sent_in = time.perf_counter() - started
+            assert rank == 0 or sent_in < LATE_S / 2, (
+                f"rank {rank}'s hook send took {sent_in:.3f} s while rank 0 was {LATE_S} s late: it waited for rank 0 "
+                f"(CUEP_COMBINE_HOOK_SPLIT_US set?), so no pair split")
+            hook()
+        combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}, late={late}")
+
+
 def main() -> None:
     buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True)
 
@@ -845,6 +907,8 @@ def main() -> None:
         ("rows sent one by one to a late source, BF16 and LogFMT combines, hidden 8192",
          rows_one_by_one_to_a_late_source_hidden_8192),
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
+        ("choices set to -1 between a dispatch and its combine, whole, LogFMT and split by a late rank",
+         on_buffer(ids_set_to_minus_one_after_the_dispatch)),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ], lambda named: getattr(named[1], "func", named[1]).__name__))
     buffer.destroy()
