@@ -1508,8 +1508,8 @@ struct CombineArgs {
     int staging_words;
     uint8_t* slot_staging;         // [num_ranks][max_tokens][slot_bytes]
     int4* combined_x;              // [num_tokens, hidden] bf16
-    int use_logfmt;                // partials travel as LogFMT (cuep/logfmt.cuh), else BF16 (rows sent one by one:
-                                   // BF16 either way, see send_partial)
+    int use_logfmt;                // other ranks' partials travel as LogFMT (cuep/logfmt.cuh), else BF16 (this
+                                   // rank's own partials and rows sent one by one: BF16 either way, see send_partial)
     int64_t* wait_stats;           // [num_ranks] or nullptr: nanoseconds the receive waited for each rank, added
     uint64_t* seq_state;
     uint64_t timeout_ns;
@@ -1747,8 +1747,11 @@ static __device__ void send_partial(const CombineArgs& a, int s, int t, uint64_t
     const bool preloaded = pair.count > 0 && pair.rows[0] == loaded_row;
     if (pair.ready && pair.count > 0) {
         uint8_t* out = direct != nullptr ? direct : message_slot(a.slot_staging, s, t, a.max_tokens, a.slot_bytes);
-        store_message(a, s, seq, group, pair, stage, 0, pair.count, a.use_logfmt, raw, preloaded, out,
-                      direct != nullptr, slot, a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
+        // A partial for this rank itself stays on the GPU: coding it would cost the send and the receive for
+        // no bytes saved, so it goes as BF16 with LogFMT too (gather_partials sorts it among the BF16 parts).
+        const bool coded = a.use_logfmt && s != a.rank;
+        store_message(a, s, seq, group, pair, stage, 0, pair.count, coded, raw, preloaded, out, direct != nullptr,
+                      slot, a.token_flags + static_cast<int64_t>(a.rank) * a.flag_stride + t);
     } else if (!pair.ready && may_split && pair.count > 1) {
         for (int j = 0; j < pair.count; ++j) {
             const int64_t choice = static_cast<int64_t>(t) * kChoiceSlots + pair.choices[j];
@@ -1800,14 +1803,14 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
 }
 
 // Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
-// memory, nullptr where a message never came), the `num_partials` partials first; returns how many in
-// all. Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here
+// memory, nullptr where a message never came), the `num_coded` partials of other ranks first (LogFMT where
+// the call is), then this rank's own partial and the rows sent one by one (BF16); returns how many in all. Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here
 // when it holds one choice (of those the combine's ids still route), summed with the weights there when it
 // holds several. Or, when it did not
 // have the weights yet, each choice's row at choice slot (t, k), weighted here (send_partial). Masked
 // ranks (shrink mode) add nothing.
 static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns,
-                                      const uint8_t** parts, float* part_weights, int& num_partials) {
+                                      const uint8_t** parts, float* part_weights, int& num_coded) {
     const int lane = threadIdx.x % kWarpSize;
     int r = -1;
     float weight = 0.0f;
@@ -1865,17 +1868,19 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
                                                kPhaseLowLatencyPartial, FlagsRead{choice_known, false, choice_flag}))
             part = a.choice_slots + choice * a.slot_bytes;
     }
-    // Partials first, then rows: the two may differ in format (rows travel as BF16).
-    const uint32_t partials = __ballot_sync(kFullWarpMask, adds && form == 1);
-    const uint32_t rows = __ballot_sync(kFullWarpMask, adds && form == 2);
+    // Other ranks' partials first, then the rest: the two may differ in format (this rank's own partial and
+    // rows travel as BF16).
+    const bool coded = adds && form == 1 && r != a.rank;
+    const uint32_t coded_lanes = __ballot_sync(kFullWarpMask, coded);
+    const uint32_t bf16_lanes = __ballot_sync(kFullWarpMask, adds && !coded);
     if (adds) {
-        const int i = form == 1 ? __popc(partials & ((1u << lane) - 1))
-                                : __popc(partials) + __popc(rows & ((1u << lane) - 1));
+        const uint32_t below = (1u << lane) - 1;
+        const int i = coded ? __popc(coded_lanes & below) : __popc(coded_lanes) + __popc(bf16_lanes & below);
         parts[i] = part;
         part_weights[i] = weight;
     }
-    num_partials = __popc(partials);
-    return __popc(partials | rows);
+    num_coded = __popc(coded_lanes);
+    return __popc(coded_lanes | bf16_lanes);
 }
 
 // How combine_token reads a part's vector `v`: a BF16 partial's vector whole, or a LogFMT partial's codes.
@@ -1931,23 +1936,23 @@ __device__ __forceinline__ void add_parts(float (&sum)[kSumBatch][kBf16PerVector
 }
 
 // Block-wide: sum, in FP32, what every rank holding one of token t's experts sent (gather_partials): its
-// partials, BF16 or LogFMT, and rows sent one by one, BF16.
+// partials, BF16 or LogFMT (this rank's own, BF16), and rows sent one by one, BF16.
 __device__ void combine_token(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns) {
     __shared__ const uint8_t* parts[kMaxTopk];
     __shared__ float part_weights[kMaxTopk];
-    __shared__ int num_parts, num_partials;
+    __shared__ int num_parts, num_coded;
     if (threadIdx.x < kWarpSize) {
-        int partials;
-        const int count = gather_partials(a, t, seq, deadline_ns, parts, part_weights, partials);
+        int partials_coded;
+        const int count = gather_partials(a, t, seq, deadline_ns, parts, part_weights, partials_coded);
         if (threadIdx.x == 0) {
             num_parts = count;
-            num_partials = partials;
+            num_coded = partials_coded;
         }
     }
     __syncthreads();
     trace_block(a.trace, kTracePartialsArrived);
     const int num_vectors = a.hidden / kBf16PerVector;
-    const int count = num_parts, coded = a.use_logfmt ? num_partials : 0;
+    const int count = num_parts, coded = a.use_logfmt ? num_coded : 0;
     for (int first = threadIdx.x; first < num_vectors; first += kSumBatch * blockDim.x) {
         float sum[kSumBatch][kBf16PerVector] = {};
         if (coded > 0)

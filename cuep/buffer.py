@@ -479,8 +479,9 @@ class Buffer:
             use_logfmt: send each partial as LogFMT (:mod:`cuep.logfmt`): per 128 channels, 10-bit
                 logarithmic codes with the block's range, or BF16 where the block's nonzero values span more
                 than 16 octaves; about 1.31 bytes per channel instead of 2, each element within 1.1% (BF16
-                blocks: 2^-8) of the FP32 partial. Rows a send could not weigh yet (docs/low-latency.md) go as
-                BF16 either way. Every rank passes the same value.
+                blocks: 2^-8) of the FP32 partial. A rank's partials for its own tokens, which never leave its
+                GPU, and rows a send could not weigh yet (docs/low-latency.md) go as BF16 either way. Every rank
+                passes the same value.
             zero_copy: accepted for DeepEP compatibility: cuep reads ``x`` in place whatever it is, so this
                 costs nothing either way (:meth:`get_next_low_latency_combine_buffer` gives a ready buffer).
             async_finish, return_recv_hook: as in :meth:`low_latency_dispatch`.
