@@ -120,8 +120,8 @@ constexpr int kSumBatch = 2;             // combine receive: block-wide strides 
 constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded before adding
 constexpr int kChoiceSlots = CUEP_CHOICE_SLOTS;  // combine: rows of a token sent one by one (its top-k bound)
 // A weights-table word's value for a choice the combine's ids no longer route (-1 since the dispatch): a NaN of
-// one bit pattern (all ones), so that a choice of weight 0 still counts as routed. (A weight of exactly those
-// bits would read as unrouted: a NaN weight spoils its token either way.)
+// one bit pattern (all ones), so that a choice of weight 0 still counts as routed. A routed weight of those
+// bits goes as another NaN (routed_weight_word).
 constexpr uint32_t kUnroutedWeight = 0xFFFFFFFFu;
 
 // A launch's phases (a bit set): both for a whole call, one of them for a hook's send and receive.
@@ -540,6 +540,13 @@ __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are
 }
 
 // Where this GPU can store into `pe`'s copy of a symmetric address, or nullptr when it must put.
+// The weights-table word of a routed choice's weight: its bits, but for a NaN of kUnroutedWeight's bits, which
+// goes as the positive quiet NaN (it still spoils its token, and never reads as unrouted).
+__device__ __forceinline__ uint32_t routed_weight_word(float weight) {
+    const uint32_t word = __float_as_uint(weight);
+    return word == kUnroutedWeight ? 0x7FFFFFFFu : word;
+}
+
 template <typename T>
 __device__ __forceinline__ T* direct_address(T* symmetric, int pe, int rank, bool force_put) {
     if (pe == rank)
@@ -1588,19 +1595,20 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
                                     PairRows& pair, uint64_t split_ns) {
     const int lane = threadIdx.x % kWarpSize;
     const int count = pair.count;
-    // A pair of one row goes unweighted and its source applies the weight (combine_token): such a
+    // A pair of one row goes unweighted and its source applies the weight (gather_partials): such a
     // partial needs nothing from the source, so it leaves at once, before the weights can arrive.
     bool ready = count == 1;
     uint32_t weight = __float_as_uint(1.0f);  // this lane's row's weight word (lane < count)
     const uint64_t* token_weights =
         a.weights + static_cast<int64_t>(s) * a.weight_words + static_cast<int64_t>(t) * a.num_topk;
-    if (count > 1 && s == a.rank) {  // warp-uniform
+    if (count > 0 && s == a.rank) {  // warp-uniform
         // This rank's own token: its weights are this launch's input, the words it publishes (combine_send)
-        // before they land. Read there, the pair never waits for its own table, nor splits in a hook's send.
+        // before they land. Read there, the pair never waits for its own table, nor splits in a hook's send;
+        // and a row of one whose only choice is unrouted now is not sent.
         if (lane < count) {
             const int64_t choice = static_cast<int64_t>(t) * a.num_topk + pair.choices[lane];
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, choice, a.num_experts, a.status) >= 0;
-            weight = routed ? __float_as_uint(a.topk_weights[choice]) : kUnroutedWeight;
+            weight = routed ? routed_weight_word(a.topk_weights[choice]) : kUnroutedWeight;
         }
         ready = true;
     } else if (count > 1 && split_ns != 0) {  // warp-uniform
@@ -1783,7 +1791,7 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
             continue;
         auto word = [&](int i) -> uint32_t {
             const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
-            return routed ? __float_as_uint(a.topk_weights[i]) : kUnroutedWeight;
+            return routed ? routed_weight_word(a.topk_weights[i]) : kUnroutedWeight;
         };
         publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
                       a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count, word,
@@ -1804,11 +1812,11 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
 
 // Warp 0: what to add for token t, written to `parts` and `part_weights` (kMaxTopk entries of shared
 // memory, nullptr where a message never came), the `num_coded` partials of other ranks first (LogFMT where
-// the call is), then this rank's own partial and the rows sent one by one (BF16); returns how many in all. Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here
-// when it holds one choice (of those the combine's ids still route), summed with the weights there when it
-// holds several. Or, when it did not
-// have the weights yet, each choice's row at choice slot (t, k), weighted here (send_partial). Masked
-// ranks (shrink mode) add nothing.
+// the call is), then this rank's own partial and the rows sent one by one (BF16); returns how many in all.
+// Each rank holding some of the token's experts sent one partial at slot (rank, t): weighted here when it
+// holds one choice (of those the combine's ids still route), summed with the weights there when it holds
+// several. Or, when it did not have the weights yet, each choice's row at choice slot (t, k), weighted here
+// (send_partial; never this rank's own). Masked ranks (shrink mode) add nothing.
 static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq, uint64_t deadline_ns,
                                       const uint8_t** parts, float* part_weights, int& num_coded) {
     const int lane = threadIdx.x % kWarpSize;
@@ -1843,8 +1851,8 @@ static __device__ int gather_partials(const CombineArgs& a, int t, uint64_t seq,
     if (lane == leader && r >= 0 && !a.status.is_masked(r)) {
         const uint64_t started = a.wait_stats != nullptr ? globaltimer_ns() : 0;
         // A rank of one choice may send its row too: one that held more at the dispatch, whose others were set
-        // to -1 since, and could not weigh them (send_partial).
-        const uint64_t* row_flag = a.choice_slots != nullptr
+        // to -1 since, and could not weigh them (send_partial). This rank's own pairs never go as rows.
+        const uint64_t* row_flag = a.choice_slots != nullptr && r != a.rank
                                        ? a.choice_flags + static_cast<int64_t>(t) * kChoiceSlots + lane
                                        : nullptr;
         // The rank's partial, or the first of its rows sent one by one, from the values read early where

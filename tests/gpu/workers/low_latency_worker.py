@@ -50,6 +50,7 @@ EXPERTS = 64 * num_ranks
 FEW_EXPERTS = 4 * num_ranks
 RDMA_BYTES = cuep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN_MAX, num_ranks, EXPERTS)
 LATE_S = 0.2  # how late a late rank is
+OWN_ONLY_TOKENS = 4  # LogFMT cases: tokens of each rank that name its own experts alone
 all_inputs = SeededInputs(SEED, num_ranks)
 
 
@@ -660,9 +661,14 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
     combines go through hooks and that rank starts its combine LATE_S after the others, whose sends must
     finish meanwhile (a hook's send waits for no peer): their pairs of several rows for the late rank go
     as those rows one by one, BF16 with either format, for it to weigh beside the LogFMT partials of the
-    others. Prints both worst errors relative to sum |w x| on rank 0."""
+    others. The first OWN_ONLY_TOKENS tokens of each rank name its own experts alone: their one partial is the
+    rank's own, which goes as BF16 with either format, so both combines give them the same bits. Prints both
+    worst errors relative to sum |w x| on rank 0."""
     from cuep import logfmt
     inputs = all_inputs(MAX_TOKENS, hidden, EXPERTS, 8)
+    per_rank = EXPERTS // num_ranks
+    for s, source in enumerate(inputs):
+        source.topk_idx[:OWN_ONLY_TOKENS] = s * per_rank + np.arange(8)
     expected = reference.low_latency_dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, MAX_TOKENS, use_fp8)
     outputs = expert_outputs(expected, EXPERTS)
     if huge_channel is not None:
@@ -684,7 +690,7 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
     mine = inputs[rank]
     x, topk, topk_weights, expert_x = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, mine.topk_weights,
                                                                   outputs[rank]))
-    worst = {}
+    worst, results = {}, {}
     for use_logfmt in (False, True):
         received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
                                                                          use_fp8=use_fp8)
@@ -704,6 +710,7 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
                 f"use_logfmt={use_logfmt}: rank {rank}'s hook send took {sent_in:.3f} s while rank {late_source} "
                 f"was {LATE_S} s late: it waited for that rank")
             hook()
+        results[use_logfmt] = combined.get().view(np.uint16)
         error = combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}")
         counted = scale > 0
         ratio = float((error[counted] / scale[counted]).max()) if counted.any() else 0.0
@@ -712,6 +719,14 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
     # one coded nothing.
     assert worst[True] > 1.2 * worst[False], (
         f"the LogFMT combine's worst error {worst[True]:.3e} is BF16's ({worst[False]:.3e}): nothing was coded")
+    ids = mine.topk_idx
+    own_only = ((ids < 0) | (ids // per_rank == rank)).all(axis=1)
+    assert own_only[:OWN_ONLY_TOKENS].all() and not own_only.all(), "no token of both kinds: the checks test nothing"
+    differ = (results[True] != results[False]).any(axis=1)
+    assert not differ[own_only].any(), (
+        f"tokens {np.flatnonzero(differ & own_only)[:8].tolist()}, whose one partial is this rank's own, differ "
+        f"between the LogFMT and BF16 combines: the own partial was coded")
+    assert differ[~own_only].any(), "no token with another rank's partial differs: nothing was coded"
     if rank == 0:
         what = f"hidden {hidden}, {'FP8' if use_fp8 else 'BF16'} dispatch" + (
             f", channel {huge_channel} ~1e6" if huge_channel is not None else "")
@@ -819,11 +834,12 @@ def wait_stats_point_at_a_late_rank(buffer):
     np.testing.assert_array_equal(combine_waits.get(), before[1])
 
 
-def ids_set_to_minus_one_after_the_dispatch(buffer):
+def ids_set_to_minus_one_after_the_dispatch(buffer, late_rank: bool = True):
     """The combine's topk_idx sets some of the dispatch's choices to -1 (about a third, the same on every rank):
-    a rank's second choice of a token, leaving it one, a rank's only choice, all of a rank's choices. Each token
-    gets exactly its choices still routed: whole, with LogFMT, and through hooks with rank 0 late to its
-    combine, whose pairs the others' sends split into rows (a rank left with one choice sends that row)."""
+    a rank's second choice of a token, leaving it one, a rank's only choice, all of a rank's choices, a rank's
+    first choice while it keeps another. Each token gets exactly its choices still routed: whole, BF16 and
+    LogFMT, and with ``late_rank`` the same through hooks with rank 0 late to its combine, whose pairs the others'
+    sends split into rows (a rank left with one choice sends that row)."""
     hidden, per_rank = 2048, FEW_EXPERTS // num_ranks
     inputs = all_inputs(MAX_TOKENS, hidden, FEW_EXPERTS, 4, masked=0.0)
     dispatched = inputs.topk_idxs
@@ -835,11 +851,24 @@ def ids_set_to_minus_one_after_the_dispatch(buffer):
     def held(ids):  # [num_ranks, tokens]: how many of each token's routed choices each rank holds
         return np.stack([((ids >= 0) & (ids // per_rank == r)).sum(axis=1) for r in range(num_ranks)])
 
+    def first_dropped(ids, now):  # [num_ranks, tokens]: the rank's first choice of the token dropped, another kept
+        tokens, dropped = np.arange(len(ids)), []
+        for r in range(num_ranks):
+            on_r = (ids >= 0) & (ids // per_rank == r)
+            first = on_r.argmax(axis=1)  # the first choice on r (0 where none)
+            dropped.append(on_r.any(axis=1) & (now[tokens, first] < 0) & (held(now)[r] > 0))
+        return np.stack(dropped)
+
     # What the case is for: a rank that held several of a token's choices at the dispatch and holds one now, among
-    # them a rank other than 0 for rank 0's tokens (whose rows the late combine splits).
+    # them a rank other than 0 for rank 0's tokens (whose rows the late combine splits); and the others above.
     left_one = [((held(ids) > 1) & (held(now) == 1)).sum(axis=1) for ids, now in zip(dispatched, combined_ids)]
     assert sum(int(n.sum()) for n in left_one) > 0 and (num_ranks == 1 or left_one[0][1:].sum() > 0), \
         "no rank keeps one of several choices: the case tests nothing"
+    for what, count in (("its only choice", lambda ids, now: (held(ids) == 1) & (held(now) == 0)),
+                        ("all of several choices", lambda ids, now: (held(ids) > 1) & (held(now) == 0)),
+                        ("its first choice, keeping another", first_dropped)):
+        assert sum(int(count(ids, now).sum()) for ids, now in zip(dispatched, combined_ids)) > 0, \
+            f"no rank loses {what}: the case tests less than it says"
     expected = reference.low_latency_dispatch(inputs.xs, dispatched, FEW_EXPERTS, MAX_TOKENS, use_fp8=False)
     outputs = expert_outputs(expected, FEW_EXPERTS)
     weights = inputs.topk_weights
@@ -849,7 +878,7 @@ def ids_set_to_minus_one_after_the_dispatch(buffer):
     mine = inputs[rank]
     x, topk, now, topk_weights, expert_x = (cupy.asarray(a) for a in (mine.x, mine.topk_idx, combined_ids[rank],
                                                                        mine.topk_weights, outputs[rank]))
-    for use_logfmt, late in ((False, False), (True, False), (False, True)):
+    for use_logfmt, late in ((False, False), (True, False)) + (((False, True), (True, True)) if late_rank else ()):
         received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS,
                                                                          use_fp8=False)
         check_received(received, recv_count, expected[rank], use_fp8=False)
@@ -869,6 +898,14 @@ def ids_set_to_minus_one_after_the_dispatch(buffer):
                 f"(CUEP_COMBINE_HOOK_SPLIT_US set?), so no pair split")
             hook()
         combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}, late={late}")
+
+
+def ids_set_to_minus_one_on_the_put_path():
+    """The same on the NVSHMEM put path, whose pairs of several rows wait for their source's weights (so no rank
+    is late: a put peer's pairs would wait for it)."""
+    put_buffer = cuep.Buffer(comm, 0, RDMA_BYTES, low_latency_mode=True, allow_nvlink_for_low_latency_mode=False)
+    ids_set_to_minus_one_after_the_dispatch(put_buffer, late_rank=False)
+    put_buffer.destroy()
 
 
 def main() -> None:
@@ -915,6 +952,8 @@ def main() -> None:
         ("wait statistics point at a late rank", on_buffer(wait_stats_point_at_a_late_rank)),
         ("choices set to -1 between a dispatch and its combine, whole, LogFMT and split by a late rank",
          on_buffer(ids_set_to_minus_one_after_the_dispatch)),
+        ("choices set to -1 between a dispatch and its combine, on the NVSHMEM put path",
+         ids_set_to_minus_one_on_the_put_path),
         ("a peer that skips a call makes the others time out", peer_that_skips_a_call_times_out),
     ], lambda named: getattr(named[1], "func", named[1]).__name__))
     buffer.destroy()
