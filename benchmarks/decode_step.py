@@ -48,7 +48,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torch_ranks import add_run_arguments, backend_module, free_port
+from torch_ranks import add_run_arguments, backend_module, deepep_environment, free_port
 
 
 def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int, num_ranks: int):
@@ -216,9 +216,7 @@ def beside_deepep(args) -> None:
                 str(args.steps), "--sync-every", str(args.sync_every)]
     workload += ["--default-device", args.default_device] if args.default_device else []
     workload += ["--use-logfmt"] if args.use_logfmt else []
-    deepep_env = {k: v for k, v in os.environ.items() if k not in set(args.deepep_unset)}
-    deepep_env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.beside_deepep),
-                                                *filter(None, [deepep_env.get("PYTHONPATH")])])
+    deepep_env = deepep_environment(args.beside_deepep, args.deepep_unset)
     found: dict[str, list[dict[str, float]]] = {"cuep": [], "deepep": []}
     for _ in range(args.processes):
         for backend, env in (("cuep", None), ("deepep", deepep_env)):

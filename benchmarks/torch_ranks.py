@@ -1,10 +1,11 @@
 """What the benchmarks that start one torch process per rank share (``torch.multiprocessing.spawn``, an NCCL or gloo
-group on this host): a free port for the group's rendezvous, the backend module a run measures, and the arguments
-that name both and the workload."""
+group on this host): a free port for the group's rendezvous, the backend module a run measures, the environment of a
+run on DeepEP, and the arguments that name both and the workload."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 
@@ -23,6 +24,15 @@ def backend_module(backend: str):
         return cuep.torch
     import deep_ep
     return deep_ep
+
+
+def deepep_environment(tree: str, unset: list[str]) -> dict[str, str]:
+    """This process's environment for a run on DeepEP: its ``tree`` (built in place) first on ``PYTHONPATH``, and
+    the variables ``unset`` names taken out (a preload of another NVSHMEM, say)."""
+    environment = {name: value for name, value in os.environ.items() if name not in set(unset)}
+    environment["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree),
+                                                 *filter(None, [environment.get("PYTHONPATH")])])
+    return environment
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, tokens: int, experts: int) -> None:

@@ -337,3 +337,68 @@ def test_the_decode_step_beside_deepep_runs_both_in_turn_and_prints_each_least(m
     assert lines[2].split() == ["events", "10.0", "20.0", "10.0", "30.0", "|", "20.0", "40.0"]
     assert lines[3].split() == ["dispatch,", "paced", "5.0", "10.0", "5.0", "15.0", "|", "10.0", "20.0"]
     assert len(lines) == 4
+
+
+def test_deepep_s_own_test_beside_deepep_runs_both_in_turn_and_compares_each_rank(monkeypatch, tmp_path, capsys):
+    """benchmarks/deepep_test_beside.py: DeepEP's test_low_latency.py through tests/gpu/deepep_v1.py for cuep and
+    from the tests' folder for DeepEP (its tree first on PYTHONPATH, the named variables gone), alternating, the
+    arguments after -- passed to both; then each printed figure per rank, each run's value, the means, and whether
+    cuep's are at or below DeepEP's on every rank."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import deepep_test_beside
+    (tmp_path / "test_low_latency.py").write_text("")
+    monkeypatch.setenv("CUEP_TEST_PRELOAD", "other-nvshmem.so")
+    monkeypatch.setenv("PYTHONPATH", "/kit")
+    started = []
+
+    def run(argv, env, cwd, capture_output, text):
+        backend = "cuep" if argv[1].endswith("deepep_v1.py") else "deepep"
+        started.append((backend, argv, env, cwd))
+        turn = len(started)  # 1, 2, 3, 4: cuep's runs are 1 and 3, DeepEP's 2 and 4
+        lines = []
+        for rank in range(2):
+            step = 50.0 + turn + rank  # avg_t: cuep's means 52 / 53 against DeepEP's 53 / 54
+            send = 10.0 if backend == "cuep" and rank == 1 else 5.0  # dispatch send: cuep above on rank 1
+            lines += [f"[rank {rank}] Dispatch + combine bandwidth: 300.00 GB/s, avg_t={step:.2f} us, "
+                      f"min_t=40.00 us, max_t=60.00 us",
+                      f"[rank {rank}] Dispatch send/recv time: {send:.2f} + 8.00 us | Combine send/recv time: "
+                      f"13.00 + 6.00 us"]
+        return subprocess.CompletedProcess(argv, 0, "\n".join(["Allocating buffer size: 93.4 MB ...", *lines]), "")
+
+    monkeypatch.setattr(deepep_test_beside.subprocess, "run", run)
+    deepep_test_beside.main(["--deepep", "/src/DeepEP", "--tests", str(tmp_path), "--num-processes", "2",
+                             "--deepep-unset", "CUEP_TEST_PRELOAD", "--", "--num-tokens", "64"])
+    assert [backend for backend, *_ in started] == ["cuep", "deepep", "cuep", "deepep"]
+    _, cuep_argv, cuep_env, cuep_cwd = started[0]
+    assert cuep_argv[2:] == [str(tmp_path), "test_low_latency.py", "--num-processes", "2", "--num-tokens", "64"]
+    assert cuep_env is None and cuep_cwd is None
+    _, deepep_argv, deepep_env, deepep_cwd = started[1]
+    assert deepep_argv[1:] == [str(tmp_path / "test_low_latency.py"), "--num-processes", "2", "--num-tokens", "64"]
+    assert deepep_cwd == str(tmp_path)
+    assert deepep_env["PYTHONPATH"] == os.path.abspath("/src/DeepEP") + os.pathsep + "/kit"
+    assert "CUEP_TEST_PRELOAD" not in deepep_env
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:]]
+    assert rows[0] == ["dispatch", "+", "combine", "avg_t", "0", "51.00", "53.00", "52.00", "54.00", "52.00", "53.00"]
+    assert rows[1] == ["dispatch", "+", "combine", "avg_t", "1", "52.00", "54.00", "53.00", "55.00", "53.00", "54.00"]
+    assert rows[2] == ["cuep's", "mean", "at", "or", "below", "DeepEP's", "on", "every", "rank"]
+    assert rows[3] == ["dispatch", "send", "(hook)", "0", "5.00", "5.00", "5.00", "5.00", "5.00", "5.00"]
+    assert rows[4] == ["dispatch", "send", "(hook)", "1", "10.00", "10.00", "5.00", "5.00", "10.00", "5.00"]
+    assert rows[5] == ["cuep's", "mean", "ABOVE", "DeepEP's", "on", "some", "rank"]
+    assert [row[:3] for row in rows[6::3]] == [["dispatch", "receive", "(hook)"], ["combine", "send", "(hook)"],
+                                               ["combine", "receive", "(hook)"]]
+    assert len(rows) == 15  # the whole kernels' line was not printed: no rows for it
+
+
+def test_deepep_s_own_test_beside_deepep_refuses_a_folder_without_the_test(monkeypatch, tmp_path, capsys):
+    """A --tests folder without DeepEP's test is refused by name, with how to fetch it, before anything runs."""
+    import pathlib
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import deepep_test_beside
+    with pytest.raises(SystemExit):
+        deepep_test_beside.main(["--deepep", "/src/DeepEP", "--tests", str(tmp_path)])
+    assert "holds no test_low_latency.py" in capsys.readouterr().err
