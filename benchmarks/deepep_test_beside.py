@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             if done.returncode != 0:
                 sys.exit(f"{TEST} on {backend} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
             runs[backend].append(figures(done.stdout))
-    print(f"DeepEP's {TEST} on cuep.torch beside DeepEP ({args.deepep}), {args.runs} runs each, in turn: "
+    print(f"DeepEP's {TEST} on cuep.torch beside DeepEP ({args.deepep}), {args.runs} run{'' if args.runs == 1 else 's'} each, in turn: "
           f"{' '.join(test_args)}; us")
     print("\n".join(table(runs)), flush=True)
 
