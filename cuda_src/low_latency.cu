@@ -539,7 +539,6 @@ __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are
     return checked_expert_id(load_expert_id(topk_idx, ids_are_int64, i), num_experts, status);
 }
 
-// Where this GPU can store into `pe`'s copy of a symmetric address, or nullptr when it must put.
 // The weights-table word of a routed choice's weight: its bits, but for a NaN of kUnroutedWeight's bits, which
 // goes as the positive quiet NaN (it still spoils its token, and never reads as unrouted).
 __device__ __forceinline__ uint32_t routed_weight_word(float weight) {
@@ -547,6 +546,7 @@ __device__ __forceinline__ uint32_t routed_weight_word(float weight) {
     return word == kUnroutedWeight ? 0x7FFFFFFFu : word;
 }
 
+// Where this GPU can store into `pe`'s copy of a symmetric address, or nullptr when it must put.
 template <typename T>
 __device__ __forceinline__ T* direct_address(T* symmetric, int pe, int rank, bool force_put) {
     if (pe == rank)
