@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from torch_ranks import add_run_arguments, backend_module, deepep_environment, free_port
+from torch_ranks import add_run_arguments, backend_module, deepep_environment, free_port, outputs_in_turn
 
 
 def step_inputs(rank: int, tokens: int, hidden: int, num_experts: int, topk: int, num_ranks: int):
@@ -216,15 +215,11 @@ def beside_deepep(args) -> None:
                 str(args.steps), "--sync-every", str(args.sync_every)]
     workload += ["--default-device", args.default_device] if args.default_device else []
     workload += ["--use-logfmt"] if args.use_logfmt else []
-    deepep_env = deepep_environment(args.beside_deepep, args.deepep_unset)
-    found: dict[str, list[dict[str, float]]] = {"cuep": [], "deepep": []}
-    for _ in range(args.processes):
-        for backend, env in (("cuep", None), ("deepep", deepep_env)):
-            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--backend", backend, *workload],
-                                 env=env, capture_output=True, text=True)
-            if run.returncode != 0:
-                sys.exit(f"decode_step.py --backend {backend} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
-            found[backend].append(_rows(run.stdout, args.num_ranks))
+    environments = {"cuep": None, "deepep": deepep_environment(args.beside_deepep, args.deepep_unset)}
+    commands = {backend: ([sys.executable, os.path.abspath(__file__), "--backend", backend, *workload], env, None)
+                for backend, env in environments.items()}
+    found = {backend: [_rows(output, args.num_ranks) for output in outputs]
+             for backend, outputs in outputs_in_turn(commands, args.processes, "decode_step.py").items()}
     print(f"decode step, cuep.torch beside DeepEP ({args.beside_deepep}), {args.processes} processes each, in turn: "
           f"{args.num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}"
           f"{', LogFMT combine' if args.use_logfmt else ''}; us per step, each process's mean over the ranks")

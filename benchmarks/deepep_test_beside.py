@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from torch_ranks import deepep_environment
+from torch_ranks import deepep_environment, outputs_in_turn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO_ROOT / "tests" / "gpu" / "deepep_v1.py"
@@ -109,13 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"fetch /path/to/DeepEP)")
     test_args = ["--num-processes", str(args.num_processes), *(["--use-logfmt"] if args.use_logfmt else []),
                  *test_args]
-    runs: dict[str, list[dict[str, dict[int, float]]]] = {"cuep": [], "deepep": []}
-    for _ in range(args.runs):
-        for backend, (command, env, cwd) in commands(args, test_args).items():
-            done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True)
-            if done.returncode != 0:
-                sys.exit(f"{TEST} on {backend} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-            runs[backend].append(figures(done.stdout))
+    runs = {backend: [figures(output) for output in outputs]
+            for backend, outputs in outputs_in_turn(commands(args, test_args), args.runs, TEST).items()}
     print(f"DeepEP's {TEST} on cuep.torch beside DeepEP ({args.deepep}), {args.runs} run{'' if args.runs == 1 else 's'} each, in turn: "
           f"{' '.join(test_args)}; us")
     print("\n".join(table(runs)), flush=True)

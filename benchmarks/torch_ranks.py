@@ -1,12 +1,14 @@
 """What the benchmarks that start one torch process per rank share (``torch.multiprocessing.spawn``, an NCCL or gloo
 group on this host): a free port for the group's rendezvous, the backend module a run measures, the environment of a
-run on DeepEP, and the arguments that name both and the workload."""
+run on DeepEP and the runs of each backend in turn, and the arguments that name both and the workload."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import subprocess
+import sys
 
 
 def free_port() -> int:
@@ -34,6 +36,21 @@ def deepep_environment(tree: str, unset: list[str]) -> dict[str, str]:
     environment["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree),
                                                  *filter(None, [environment.get("PYTHONPATH")])])
     return environment
+
+
+def outputs_in_turn(commands: dict[str, tuple[list[str], dict | None, str | None]], runs: int,
+                    what: str) -> dict[str, list[str]]:
+    """Each backend's command (``{backend: (argv, environment or None for this one's, working folder or None)}``)
+    run ``runs`` times, the backends in turn; each run's standard output, by backend. A run that fails ends this
+    process with its output, naming ``what`` ran on which backend."""
+    outputs: dict[str, list[str]] = {backend: [] for backend in commands}
+    for _ in range(runs):
+        for backend, (argv, env, cwd) in commands.items():
+            done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{what} on {backend} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+            outputs[backend].append(done.stdout)
+    return outputs
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, tokens: int, experts: int) -> None:

@@ -309,13 +309,15 @@ def test_the_decode_step_beside_deepep_runs_both_in_turn_and_prints_each_least(m
     import sys
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import decode_step
+    import torch_ranks
     monkeypatch.setenv("CUEP_TEST_PRELOAD", "other-nvshmem.so")
     monkeypatch.setenv("PYTHONPATH", "/kit")
     started = []
     # Each run's table as a run prints it at 2 ranks (name, mean, max, a value per rank); mean = 10 x the run's turn.
 
-    def run(argv, env, capture_output, text):
+    def run(argv, env, cwd, capture_output, text):
         backend = argv[argv.index("--backend") + 1]
+        assert cwd is None
         started.append((backend, env))
         mean = 10.0 * len(started)
         table = (f"decode step on {backend}: 2 ranks, 128 tokens, hidden 7168, top-8 of 288; us per step, 50 steps\n"
@@ -324,7 +326,7 @@ def test_the_decode_step_beside_deepep_runs_both_in_turn_and_prints_each_least(m
                  f"dispatch, paced    {mean / 2:8.1f} {mean:8.1f}   {0.0:7.1f} {mean:7.1f}\n")
         return subprocess.CompletedProcess(argv, 0, table, "")
 
-    monkeypatch.setattr(decode_step.subprocess, "run", run)
+    monkeypatch.setattr(torch_ranks.subprocess, "run", run)
     monkeypatch.setattr(sys, "argv", ["decode_step.py", "--num-ranks", "2", "--beside-deepep", "/src/DeepEP",
                                       "--processes", "2", "--deepep-unset", "CUEP_TEST_PRELOAD"])
     decode_step.main()
@@ -350,6 +352,7 @@ def test_deepep_s_own_test_beside_deepep_runs_both_in_turn_and_compares_each_ran
     import sys
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import deepep_test_beside
+    import torch_ranks
     (tmp_path / "test_low_latency.py").write_text("")
     monkeypatch.setenv("CUEP_TEST_PRELOAD", "other-nvshmem.so")
     monkeypatch.setenv("PYTHONPATH", "/kit")
@@ -369,7 +372,7 @@ def test_deepep_s_own_test_beside_deepep_runs_both_in_turn_and_compares_each_ran
                       f"13.00 + 6.00 us"]
         return subprocess.CompletedProcess(argv, 0, "\n".join(["Allocating buffer size: 93.4 MB ...", *lines]), "")
 
-    monkeypatch.setattr(deepep_test_beside.subprocess, "run", run)
+    monkeypatch.setattr(torch_ranks.subprocess, "run", run)
     deepep_test_beside.main(["--deepep", "/src/DeepEP", "--tests", str(tmp_path), "--num-processes", "2",
                              "--deepep-unset", "CUEP_TEST_PRELOAD", "--", "--num-tokens", "64"])
     assert [backend for backend, *_ in started] == ["cuep", "deepep", "cuep", "deepep"]
