@@ -121,7 +121,7 @@ constexpr int kPartialsAtOnce = 4;       // combine receive: partials loaded bef
 constexpr int kChoiceSlots = CUEP_CHOICE_SLOTS;  // combine: rows of a token sent one by one (its top-k bound)
 // A weights-table word's value for a choice the combine's ids no longer route (-1 since the dispatch): a NaN of
 // one bit pattern (all ones), so that a choice of weight 0 still counts as routed. A routed weight of those
-// bits goes as another NaN (routed_weight_word).
+// bits goes as another NaN (weight_word).
 constexpr uint32_t kUnroutedWeight = 0xFFFFFFFFu;
 
 // A launch's phases (a bit set): both for a whole call, one of them for a hook's send and receive.
@@ -537,13 +537,6 @@ __device__ __forceinline__ int checked_expert_id(int64_t id, int num_experts, co
 __device__ __forceinline__ int read_expert_id(const void* topk_idx, bool ids_are_int64, int64_t i, int num_experts,
                                               const MaskedStatus& status) {
     return checked_expert_id(load_expert_id(topk_idx, ids_are_int64, i), num_experts, status);
-}
-
-// The weights-table word of a routed choice's weight: its bits, but for a NaN of kUnroutedWeight's bits, which
-// goes as the positive quiet NaN (it still spoils its token, and never reads as unrouted).
-__device__ __forceinline__ uint32_t routed_weight_word(float weight) {
-    const uint32_t word = __float_as_uint(weight);
-    return word == kUnroutedWeight ? 0x7FFFFFFFu : word;
 }
 
 // Where this GPU can store into `pe`'s copy of a symmetric address, or nullptr when it must put.
@@ -1524,6 +1517,16 @@ struct CombineArgs {
     uint64_t* trace;               // [gridDim.x][kTracePoints] in CUEP_TRACE builds, else nullptr
 };
 
+// The weights-table word of this rank's choice i (t * num_topk + k): kUnroutedWeight where the combine's id is
+// -1, else its weight's bits, but for a NaN of kUnroutedWeight's bits, which goes as the positive quiet NaN (it
+// still spoils its token, and never reads as unrouted).
+__device__ __forceinline__ uint32_t weight_word(const CombineArgs& a, int64_t i) {
+    if (read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) < 0)
+        return kUnroutedWeight;
+    const uint32_t word = __float_as_uint(a.topk_weights[i]);
+    return word == kUnroutedWeight ? 0x7FFFFFFFu : word;
+}
+
 // Warp group `group` of the combine send, with named barrier group + 1 (0 is the whole block's).
 __device__ __forceinline__ Team warp_group(int group) { return Team{group * kGroupThreads, kGroupThreads, group + 1}; }
 
@@ -1605,11 +1608,8 @@ static __device__ void gather_pair_weights(const CombineArgs& a, int s, int t, u
         // This rank's own token: its weights are this launch's input, the words it publishes (combine_send)
         // before they land. Read there, the pair never waits for its own table, nor splits in a hook's send;
         // and a row of one whose only choice is unrouted now is not sent.
-        if (lane < count) {
-            const int64_t choice = static_cast<int64_t>(t) * a.num_topk + pair.choices[lane];
-            const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, choice, a.num_experts, a.status) >= 0;
-            weight = routed ? routed_weight_word(a.topk_weights[choice]) : kUnroutedWeight;
-        }
+        if (lane < count)
+            weight = weight_word(a, static_cast<int64_t>(t) * a.num_topk + pair.choices[lane]);
         ready = true;
     } else if (count > 1 && split_ns != 0) {  // warp-uniform
         uint64_t word = 0;
@@ -1789,13 +1789,9 @@ static __device__ void combine_send(const CombineArgs& a, uint64_t seq, uint64_t
     for (int pe = gridDim.x - 1 - blockIdx.x; pe < a.num_ranks; pe += gridDim.x) {
         if (team_sees_masked(whole_block(), a.status, pe))
             continue;
-        auto word = [&](int i) -> uint32_t {
-            const bool routed = read_expert_id(a.topk_idx, a.ids_are_int64, i, a.num_experts, a.status) >= 0;
-            return routed ? routed_weight_word(a.topk_weights[i]) : kUnroutedWeight;
-        };
         publish_table(whole_block(), a.weights + static_cast<int64_t>(a.rank) * a.weight_words,
-                      a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count, word,
-                      a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
+                      a.weight_staging + static_cast<int64_t>(pe) * a.staging_words, count,
+                      [&](int i) { return weight_word(a, i); }, a.weight_flags + a.rank, seq, pe, a.rank, a.force_put);
         trace_block(a.trace, kTraceTablePublished);
     }
     // One pair per warp group, first to group 0 of every block, so that when pairs are fewer than
