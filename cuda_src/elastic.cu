@@ -21,6 +21,15 @@
 //                 top-k lane order, of its lanes' expanded rows, rounded once (V2's reduction on the
 //                 expert's rank), and its per-lane weights are gathered back (0 for other ranks' lanes).
 //
+// An expanded combine with allow_multiple_reduction=False sends each expanded row back alone, as the rows of
+// a normal-mode dispatch whose one "expert" per rank is the token's rank, and sums them there:
+//   route_back    on the expert's rank, per expanded row: its token's rank (-1 for padding), and its
+//                 (token, lane) as the float token * num_topk + lane, which the dispatch carries as the
+//                 row's top-k weight.
+//   index_lanes   on the token's rank, per row received back: which (token, lane) it is.
+//   sum_lanes     per token: FP32 from its biases, plus each lane's row in top-k lane order, rounded once
+//                 (V2's combine with allow_multiple_reduction=False).
+//
 // The received count lives on the GPU (num_rows): without the dispatch's CPU wait, the arrays have more
 // rows than were received, and rows past the count are left alone.
 #include <cuep/bf16.cuh>
@@ -40,6 +49,8 @@ static_assert(kNumThreads % kWarpSize == 0 && kMaxTopk <= kWarpSize);
 
 // 16-byte vectors a lane has in flight per step of a row copy or reduction.
 constexpr int kRowUnroll = 4;
+// Rows sum_lanes loads before adding any (warp_sum_bf16_rows), as internode.cu's sums.
+constexpr int kLaneRowsPerLoad = 2;
 
 struct RowsArgs {
     const int64_t* recv_topk_idx;  // [capacity, num_topk] local expert ids, -1 for other ranks' lanes
@@ -93,6 +104,30 @@ struct SlotArgs {
     const int32_t* rank_prefix_matrix; // [num_ranks, num_ranks]: [s][d] the rows ranks 0..s sent to d
     int num_tokens, num_topk, num_ranks, rank, experts_per_rank;
     int32_t* slots;                    // [num_tokens, num_topk] out
+};
+
+struct RouteBackArgs {
+    const int32_t* num_rows;           // compact rows received (on the GPU)
+    int capacity, num_topk, num_local_experts, expert_alignment, num_max_tokens_per_rank;
+    const int32_t* metadata;           // [capacity, num_topk + 2]
+    const int32_t* psum;               // [num_local_experts] expanded form: start_e + count_e
+    int expanded_rows;
+    int64_t* dest;                     // [expanded_rows] out: the token's rank, -1 for padding rows
+    float* lane_tag;                   // [expanded_rows] out: token * num_topk + lane (0 for padding)
+};
+
+struct LanesArgs {
+    const int64_t* recv_topk_idx;      // [capacity] rows received back: the local "expert" (0), -1 past them
+    const float* recv_lane_tag;        // [capacity] each row's lane tag (route_back's)
+    const uint8_t* x;                  // [capacity, row_bytes] the rows received back, bf16
+    int capacity;
+    int64_t row_bytes;
+    const int64_t* topk_idx;           // [num_tokens, num_topk] the dispatch's global expert ids, -1: none
+    int num_tokens, num_topk, num_experts;
+    int32_t* lane_rows;                // [num_tokens * num_topk] the row received back for each (token, lane)
+    const uint8_t* bias0;              // [num_tokens, row_bytes] bf16, or null
+    const uint8_t* bias1;
+    uint8_t* out_x;                    // [num_tokens, row_bytes] bf16
 };
 
 __device__ __forceinline__ int received_rows(const int32_t* num_rows, int capacity) {
@@ -339,6 +374,81 @@ __global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args
         if (args.out_weights != nullptr && lane < num_topk)
             args.out_weights[static_cast<int64_t>(row) * num_topk + lane] =
                 slot >= 0 && args.weights != nullptr ? args.weights[slot] : 0.0f;
+    }
+}
+
+// Two loops over disjoint rows, so no order between them: the padding rows (past each expert's count up to
+// its aligned end, and past the last expert's) go nowhere; each lane of a received row names its expanded row's
+// token.
+__global__ void __launch_bounds__(kNumThreads) route_back(const RouteBackArgs args) {
+    __shared__ int aligned_end[kMaxLocalExperts];
+    const int num_experts = args.num_local_experts, num_topk = args.num_topk;
+    for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+        aligned_end[e] = align_to(args.psum[e], args.expert_alignment);
+    __syncthreads();
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kNumThreads;
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x;
+    for (int64_t i = first; i < args.expanded_rows; i += stride) {
+        const int e = lower_bound(aligned_end, 0, num_experts, i + 1);  // the expert whose aligned rows hold i
+        if (e == num_experts || i >= args.psum[e]) {
+            args.dest[i] = -1;
+            args.lane_tag[i] = 0.0f;
+        }
+    }
+    const int64_t entries = static_cast<int64_t>(received_rows(args.num_rows, args.capacity)) * num_topk;
+    for (int64_t j = first; j < entries; j += stride) {
+        const int32_t* meta = args.metadata + (j / num_topk) * (num_topk + 2);
+        const int slot = meta[2 + j % num_topk];
+        if (slot < 0 || slot >= args.expanded_rows)
+            continue;
+        const int source = meta[0] / args.num_max_tokens_per_rank, token = meta[0] % args.num_max_tokens_per_rank;
+        args.dest[slot] = source;
+        args.lane_tag[slot] = static_cast<float>(token * num_topk + static_cast<int>(j % num_topk));
+    }
+}
+
+__global__ void __launch_bounds__(kNumThreads) index_lanes(const LanesArgs args) {
+    const int lanes = args.num_tokens * args.num_topk;
+    for (int64_t row = static_cast<int64_t>(blockIdx.x) * kNumThreads + threadIdx.x; row < args.capacity;
+         row += static_cast<int64_t>(gridDim.x) * kNumThreads) {
+        if (args.recv_topk_idx[row] < 0)
+            continue;
+        const int lane = static_cast<int>(args.recv_lane_tag[row]);
+        if (lane >= 0 && lane < lanes)
+            args.lane_rows[lane] = static_cast<int32_t>(row);
+    }
+}
+
+__global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
+    __shared__ const int4* lane_row[kWarps][kMaxTopk];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_topk = args.num_topk;
+    const int num_vectors = static_cast<int>(args.row_bytes / static_cast<int64_t>(sizeof(int4)));
+    const auto none = [](float (&)[kBf16PerVector], int) {};
+    for (int t = static_cast<int>(blockIdx.x) * kWarps + warp; t < args.num_tokens; t += gridDim.x * kWarps) {
+        const int64_t entry = static_cast<int64_t>(t) * num_topk + lane;
+        int row = -1;
+        if (lane < num_topk) {
+            const int64_t id = args.topk_idx[entry];
+            row = id >= 0 && id < args.num_experts ? args.lane_rows[entry] : -1;
+            row = row < args.capacity ? row : -1;
+        }
+        const uint32_t present = __ballot_sync(kFullWarpMask, row >= 0);
+        if (row >= 0)
+            lane_row[warp][__popc(present & ((1u << lane) - 1u))] =
+                reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(row) * args.row_bytes);
+        __syncwarp();
+        const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
+        const auto add_biases = [&](float (&acc)[kBf16PerVector], int v) {
+            if (args.bias0 != nullptr)
+                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
+            if (args.bias1 != nullptr)
+                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
+        };
+        const auto row_at = [&](int c) { return lane_row[warp][c]; };
+        warp_sum_bf16_rows<kRowUnroll, kLaneRowsPerLoad>(reinterpret_cast<int4*>(args.out_x) + token_vectors,
+                                                         num_vectors, __popc(present), row_at, add_biases, none, lane);
+        __syncwarp();  // lane_row is rewritten for the warp's next token
     }
 }
 

@@ -9,7 +9,9 @@ batch up to ``num_max_tokens_per_rank`` goes through a Buffer sized by DeepEP V1
 
 Combine sums in V2's order, bit for bit: on the expert's rank a token's expanded rows in top-k lane order
 (FP32, rounded once), then on the token's rank the biases first and each rank's contribution in the
-order of its highest top-k lane, rounded once.
+order of its highest top-k lane, rounded once. With ``allow_multiple_reduction=False`` an expanded combine
+sends each expanded row back alone (a normal-mode dispatch whose one expert per rank is the token's rank)
+and sums, on the token's rank, the biases and every lane's row in top-k lane order, rounded once.
 
 Across nodes the compact rows come from the internode mode (a token crosses to each destination node once,
 along its source's rail, and reaches that node's ranks over NVLink), and combine sums in V2's hybrid
@@ -131,9 +133,9 @@ class ElasticBuffer:
     ``num_max_tokens_per_rank`` go through it in rounds, and nothing is compiled per token count.
 
     Requirements:
-        every rank calls each dispatch and combine, in the same order. Across nodes (the internode mode):
-        ``allow_hybrid_mode`` and ``allow_multiple_reduction`` stay ``True`` (V2's direct order, each rank's
-        row crossing between nodes alone, is not built). A dispatch with ``do_cpu_sync=False`` runs the
+        every rank calls each dispatch and combine, in the same order, with the same layout. Across nodes (the
+        internode mode): ``allow_hybrid_mode`` and ``allow_multiple_reduction`` stay ``True`` (V2's direct order,
+        each rank's row crossing between nodes alone, is not built). A dispatch with ``do_cpu_sync=False`` runs the
         rounds of ``num_max_tokens_per_rank`` tokens (as few as the buffer allows, split evenly), empty ones
         included, since no rank knows the others' batches.
 
@@ -151,9 +153,11 @@ class ElasticBuffer:
             token; expanded rows by expert, then received row).
         allow_hybrid_mode: across nodes it must stay ``True``: tokens cross once per node and their forwarders
             sum the node's rows (one node: accepted, no forwarding).
-        allow_multiple_reduction: must stay ``True`` for an expanded combine and across nodes, which sum a
-            token's rows on the expert's rank and at the forwarder first (``False``: an expanded combine
-            raises ``NotImplementedError``; across nodes, the constructor does).
+        allow_multiple_reduction: ``True``: an expanded combine sums a token's rows on the expert's rank first
+            (as the compact layout's rows arrive). ``False`` (one node): each expanded row goes back to its
+            token's rank alone and is added there in top-k lane order, rounded once (V2's single reduction; it
+            moves a row per lane instead of one per rank, and takes no ``topk_weights``). Across nodes it must
+            stay ``True``: the constructor raises ``NotImplementedError`` otherwise.
         prefer_overlap_with_compute: :meth:`get_theoretical_num_sms` leaves SMs to computation (else at
             least 64).
         sl_idx: accepted (the network service level of V2's RDMA path).
@@ -507,7 +511,8 @@ class ElasticBuffer:
             x: `[rows, hidden]` `bfloat16`, a row per row of the handle's dispatch (compact or expanded).
             handle: that dispatch's :class:`EPHandle`.
             topk_weights: compact: `[rows, num_topk]` `float32`; expanded: `[rows]`, one per expanded row; or
-                ``None``. Each lane's weight comes back from the rank holding its lane's expert.
+                ``None``. Each lane's weight comes back from the rank holding its lane's expert. Must be
+                ``None`` in an expanded combine with ``allow_multiple_reduction=False``.
             bias: `[num_tokens, hidden]` `bfloat16`, or a tuple of two, added first.
             num_sms: SMs of the kernels (0: the dispatch's).
             num_qps, previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream:
@@ -516,22 +521,30 @@ class ElasticBuffer:
         Returns:
             ``(combined_x, combined_topk_weights or None, event)``: `[num_tokens, hidden]` `bfloat16`, for
             each token the biases plus its ranks' rows, in FP32 in the order of each rank's highest top-k lane,
-            rounded once; `[num_tokens, num_topk]` `float32` (0 for lanes without an expert).
+            rounded once (an expanded combine with ``allow_multiple_reduction=False``: the biases plus each
+            lane's expanded row, in top-k lane order); `[num_tokens, num_topk]` `float32` (0 for lanes without
+            an expert).
         """
         call = "ElasticBuffer.combine()"
         if not isinstance(handle, EPHandle):
             raise TypeError(f"{call}: handle must be an EPHandle from ElasticBuffer.dispatch(), got "
                             f"{type(handle).__name__}")
         dispatch = handle._dispatch
-        if handle.do_expand and not self.allow_multiple_reduction:
-            raise NotImplementedError(f"{call}: an expanded combine with allow_multiple_reduction=False (each "
-                                      f"expanded row added on the token's rank) is not built; cuep sums a token's "
-                                      f"rows on the expert's rank first, V2's result with allow_multiple_reduction=True")
+        num_topk = handle.topk_idx.shape[1]
+        lanes_apart = handle.do_expand and not self.allow_multiple_reduction
+        if lanes_apart:
+            if topk_weights is not None:
+                raise ValueError(f"{call}: topk_weights must be None in an expanded combine with "
+                                 f"allow_multiple_reduction=False (as DeepEP V2: only a rank's sum of its lanes "
+                                 f"carries their weights back)")
+            if handle.num_max_tokens_per_rank * num_topk > kernels.MAX_LANE_TAGS:
+                raise ValueError(f"{call}: an expanded combine with allow_multiple_reduction=False tags each row "
+                                 f"with its token and lane, exactly up to {kernels.MAX_LANE_TAGS} tags; "
+                                 f"num_max_tokens_per_rank * num_topk is {handle.num_max_tokens_per_rank * num_topk}")
         rows = handle._expanded_rows if handle.do_expand else dispatch.num_rows
         xs = _checks.as_device_array(call, "x", x)
         _checks.check_matrix(call, "x", xs, [_checks.bf16_dtype()], rows)
         _checks.check_hidden(call, xs.shape[1], fp8=False)
-        num_topk = handle.topk_idx.shape[1]
         if topk_weights is not None:
             topk_weights = _checks.as_device_array(call, "topk_weights", topk_weights)
             if handle.do_expand:
@@ -548,6 +561,8 @@ class ElasticBuffer:
         num_local_experts = handle.num_experts // self.num_ranks
 
         def enqueue(stream):
+            if lanes_apart:
+                return self._combine_lanes_apart(ctx, stream, xs, handle, topk_idx, biases, num_sms)
             compact_x, compact_weights = xs, topk_weights
             if handle.do_expand:
                 compact_x = self._front.empty((dispatch.num_rows, xs.shape[1]), xs.dtype)
@@ -576,6 +591,43 @@ class ElasticBuffer:
         outputs, event = self._buffer._streams.run(previous_event, async_with_compute_stream, allocate_on_comm_stream,
                                                    enqueue)
         return (*outputs, event)
+
+    def _combine_lanes_apart(self, ctx, stream, xs, handle: EPHandle, topk_idx, biases, num_sms: int):
+        """An expanded combine with ``allow_multiple_reduction=False`` (one node): each expanded row goes back to
+        its token's rank alone, as the row of a normal-mode dispatch whose one expert per rank is the token's rank
+        and whose top-k weight is the row's (token, lane) tag (route_back), and there each token is summed from
+        its biases and its lanes' rows in top-k lane order, rounded once (index_lanes, sum_lanes). Returns
+        ``enqueue``'s pair (see :meth:`combine`)."""
+        front, num_ranks, dispatch = self._front, self.num_ranks, handle._dispatch
+        num_tokens, num_topk = topk_idx.shape
+        expanded_rows, hidden = xs.shape
+        dest = front.empty((expanded_rows, 1), np.int64)
+        lane_tag = front.empty((expanded_rows, 1), np.float32)
+        kernels.route_back(self._library, stream, kernels.RouteBackArgs(
+            num_rows=_received(dispatch)[0], capacity=dispatch.num_rows, num_topk=num_topk,
+            num_local_experts=handle.num_experts // num_ranks, expert_alignment=handle.expert_alignment,
+            num_max_tokens_per_rank=handle.num_max_tokens_per_rank, metadata=handle.recv_src_metadata.data.ptr,
+            psum=handle.psum_num_recv_tokens_per_expert.data.ptr, expanded_rows=expanded_rows,
+            dest=dest.data.ptr, lane_tag=lane_tag.data.ptr), self._device_sms)
+        regions, nbytes = _layout_outputs(num_ranks, 1, num_ranks, expanded_rows)
+        per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
+        self._resources.layout.launch(stream, dest, num_ranks, per_expert, per_rank, None, in_rank)
+        # Each of this rank's (token, lane) comes back at most once: that bounds the rows, with no CPU wait.
+        back_x, _, back_idx, back_tag, _, back = intranode.dispatch(
+            ctx, stream, xs, None, dest, lane_tag, in_rank, per_expert, num_ranks, None, 1,
+            max(1, num_tokens * num_topk), num_sms)
+        lane_rows = front.empty((num_tokens * num_topk,), np.int32)
+        combined_x = front.empty((num_tokens, hidden), xs.dtype)
+        kernels.sum_lanes(self._library, stream, kernels.LanesArgs(
+            recv_topk_idx=back_idx.data.ptr, recv_lane_tag=back_tag.data.ptr, x=back_x.data.ptr,
+            capacity=back.num_rows, row_bytes=hidden * xs.itemsize, topk_idx=topk_idx.data.ptr, num_tokens=num_tokens,
+            num_topk=num_topk, num_experts=handle.num_experts, lane_rows=lane_rows.data.ptr,
+            bias0=_ptr(biases[0]), bias1=_ptr(biases[1]), out_x=combined_x.data.ptr), self._device_sms)
+        # What the stream still reads after this call returns: the inputs, the handle's arrays and the rows sent
+        # and received back.
+        return (combined_x, None), (xs, *biases, topk_idx, dispatch, handle.recv_src_metadata,
+                                    handle.psum_num_recv_tokens_per_expert, dest, lane_tag, per_rank, in_rank, back_x,
+                                    back_idx, back_tag, back, lane_rows)
 
     # ----------------------------------------------------------------------------------------------
     # The layouts

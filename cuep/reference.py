@@ -221,10 +221,12 @@ def elastic_combine(contributions: list[np.ndarray], topk_idxs: list[np.ndarray]
     return results
 
 
-def lane_order_sum(rows: np.ndarray) -> np.ndarray:
-    """`[n, lanes, hidden]` BF16 rows summed over the lanes in order in FP32, rounded to BF16 once (V2's sum of a
-    token's expanded rows on the expert's rank)."""
-    acc = np.zeros((rows.shape[0], rows.shape[2]), dtype=np.float32)
+def lane_order_sum(rows: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+    """`[n, lanes, hidden]` BF16 rows summed over the lanes in order in FP32, from ``start`` (`[n, hidden]` FP32, or
+    zeros), rounded to BF16 once: V2's sum of a token's expanded rows on the expert's rank, and (``start`` the
+    token's biases, its lanes' expanded rows, zeros for lanes without an expert) its combine with
+    ``allow_multiple_reduction=False``."""
+    acc = np.zeros((rows.shape[0], rows.shape[2]), dtype=np.float32) if start is None else start.astype(np.float32)
     for k in range(rows.shape[1]):
         acc += rows[:, k].astype(np.float32)
     return acc.astype(rows.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import numpy as np
 import pytest
 
 from cuep import Buffer
@@ -143,3 +144,22 @@ def test_theoretical_qps_are_v2s():
 def test_out_of_scope_sessions_say_so(name):
     with pytest.raises(NotImplementedError, match="out of scope"):
         getattr(_unmade(4), name)
+
+
+def _expanded_handle(num_max_tokens_per_rank: int, num_topk: int) -> EPHandle:
+    """An expanded dispatch's handle as combine first reads it (no arrays)."""
+    handle = object.__new__(EPHandle)
+    handle.do_expand, handle.num_max_tokens_per_rank, handle._dispatch = True, num_max_tokens_per_rank, None
+    handle.topk_idx = np.zeros((4, num_topk), np.int64)
+    return handle
+
+
+@pytest.mark.parametrize("multiple_reduction, weights, tokens, error", [
+    (False, np.zeros(8, np.float32), 4096, "topk_weights must be None"),
+    (False, None, (1 << 24) // 8 + 1, "tags each row with its token and lane"),
+])
+def test_expanded_combine_without_multiple_reduction_states_its_rules(multiple_reduction, weights, tokens, error):
+    buffer = _unmade(4)
+    buffer.allow_multiple_reduction = multiple_reduction
+    with pytest.raises(ValueError, match=error):
+        buffer.combine(np.zeros((8, 128), np.float32), _expanded_handle(tokens, 8), topk_weights=weights)

@@ -194,6 +194,10 @@ def test_elastic_combine_adds_biases_first_then_holders_by_their_highest_lane():
     # On the expert's rank, a token's rows in lane order: 2^24 + 1 - 2^24 = 0 in FP32.
     summed = reference.lane_order_sum(np.array([[[2.0 ** 24], [1.0], [-(2.0 ** 24)]]], bf16))
     assert summed[0, 0] == bf16(0.0)
+    # From a start (V2's biases, allow_multiple_reduction=False): 2^24 + 1 + 1 - 2^24 = 0 in FP32; the start last, 2.
+    start = np.full((1, 1), 2.0 ** 24, np.float32)
+    assert reference.lane_order_sum(np.array([[[1.0], [1.0], [-(2.0 ** 24)]]], bf16), start)[0, 0] == bf16(0.0)
+    assert start[0, 0] == 2.0 ** 24  # not summed in place
 
 
 def test_elastic_combine_across_nodes_rounds_each_node_partial_once():

@@ -8,6 +8,12 @@ C++ entries, each taking one argument struct by value (mirrored below)::
     cuep::elastic::place_rows(const PlaceArgs)    a block per chunk, then one per expert's padding
     cuep::elastic::slot_rows(const SlotArgs)      a thread per (token, lane)
     cuep::elastic::reduce_rows(const ReduceArgs)  a warp per compact row
+    cuep::elastic::route_back(const RouteBackArgs) a thread per expanded row, then per (compact row, lane)
+    cuep::elastic::index_lanes(const LanesArgs)   a thread per row received back
+    cuep::elastic::sum_lanes(const LanesArgs)     a warp per token
+
+The last three serve an expanded combine with ``allow_multiple_reduction=False``: each expanded row goes back
+alone, as a normal-mode dispatch's row, and its token's rank sums them lane by lane.
 """
 
 from __future__ import annotations
@@ -75,7 +81,30 @@ class SlotArgs(KernelArgs):
                 ("slots", _ptr)]
 
 
-ARGUMENT_STRUCTS = (RowsArgs, PlaceArgs, SlotArgs, ReduceArgs)
+class RouteBackArgs(KernelArgs):
+    """``route_back``: where each expanded row goes back, and which (token, lane) it is."""
+
+    cxx_name = "RouteBackArgs"
+    entry = "cuep::elastic::route_back"
+    _fields_ = [("num_rows", _ptr), ("capacity", _i32), ("num_topk", _i32), ("num_local_experts", _i32),
+                ("expert_alignment", _i32), ("num_max_tokens_per_rank", _i32), ("metadata", _ptr), ("psum", _ptr),
+                ("expanded_rows", _i32), ("dest", _ptr), ("lane_tag", _ptr)]
+
+
+class LanesArgs(KernelArgs):
+    """``index_lanes`` and ``sum_lanes``: the rows received back, summed per token in top-k lane order."""
+
+    cxx_name = "LanesArgs"
+    entries = ("cuep::elastic::index_lanes", "cuep::elastic::sum_lanes")
+    _fields_ = [("recv_topk_idx", _ptr), ("recv_lane_tag", _ptr), ("x", _ptr), ("capacity", _i32),
+                ("row_bytes", _i64), ("topk_idx", _ptr), ("num_tokens", _i32), ("num_topk", _i32),
+                ("num_experts", _i32), ("lane_rows", _ptr), ("bias0", _ptr), ("bias1", _ptr), ("out_x", _ptr)]
+
+
+#: The lane tags travel as floats, exact below 2 ** 24: tokens * top-k of a rank must stay below it.
+MAX_LANE_TAGS = 1 << 24
+
+ARGUMENT_STRUCTS = (RowsArgs, PlaceArgs, SlotArgs, ReduceArgs, RouteBackArgs, LanesArgs)
 ENTRIES = entries_of(ARGUMENT_STRUCTS)
 
 
@@ -116,3 +145,21 @@ def reduce(library: Library, stream, args: ReduceArgs, device_sms: int) -> None:
     warps = NUM_THREADS // 32
     grid = max(1, min(device_sms * REDUCE_BLOCKS_PER_SM, ceil_div(args.capacity, warps)))
     launcher.launch(library, ReduceArgs.entry, stream, grid, NUM_THREADS, args)
+
+
+def route_back(library: Library, stream, args: RouteBackArgs, device_sms: int) -> None:
+    """Enqueue ``route_back`` (unless there are no expanded rows)."""
+    if args.expanded_rows > 0:
+        grid = min(device_sms * 4, ceil_div(max(args.expanded_rows, args.capacity * args.num_topk), NUM_THREADS))
+        launcher.launch(library, RouteBackArgs.entry, stream, grid, NUM_THREADS, args)
+
+
+def sum_lanes(library: Library, stream, args: LanesArgs, device_sms: int) -> None:
+    """Enqueue ``index_lanes`` (unless nothing came back) and ``sum_lanes`` (unless there are no tokens)."""
+    if args.capacity > 0:
+        grid = min(device_sms * 4, ceil_div(args.capacity, NUM_THREADS))
+        launcher.launch(library, "cuep::elastic::index_lanes", stream, grid, NUM_THREADS, args)
+    if args.num_tokens > 0:
+        warps = NUM_THREADS // 32
+        grid = min(device_sms * REDUCE_BLOCKS_PER_SM, ceil_div(args.num_tokens, warps))
+        launcher.launch(library, "cuep::elastic::sum_lanes", stream, grid, NUM_THREADS, args)

@@ -235,6 +235,57 @@ def forwarded_rows_name_their_places(handle, inputs, everyone):
     np.testing.assert_array_equal(handle.dst_buffer_slot_idx.get(), np.array(want_places).reshape(-1, RANKS_PER_NODE))
 
 
+def expanded_combine_without_multiple_reduction(buffer):
+    """A Buffer made with allow_multiple_reduction=False: each expanded row goes back alone and its token's rank adds
+    the biases and every lane's row in top-k lane order, rounded once, bit for bit; with and without a CPU sync,
+    with 0, 1 and 2 biases. Between ranks the result must differ from the default's (a rank's lanes rounded first),
+    which shows the rows did not come back summed."""
+    single = cuep.ElasticBuffer(comm, num_max_tokens_per_rank=MAX_TOKENS, hidden=7168, allow_multiple_reduction=False,
+                                explicitly_destroy=True)
+    hidden = 2048
+    try:
+        for key, alignment, num_biases, cpu_sync in ((21, 1, 0, True), (23, 128, 2, False), (25, 8, 1, True)):
+            inputs = all_inputs(odd_tokens, hidden, EXPERTS, 8, masked=0.15)
+            handle = dispatch(single, inputs, True, alignment, do_cpu_sync=cpu_sync)[3]
+            want = reference.dispatch(inputs.xs, inputs.topk_idxs, EXPERTS, inputs.topk_weights, inputs.scales,
+                                      alignment)[rank]
+            layout = reference.elastic_layout(want, MAX_TOKENS, LOCAL_EXPERTS, alignment)
+            everyone = comm.allgather((want.recv_src, layout.expanded_row, handle.num_rows))
+            topk = inputs[rank].topk_idx
+            lanes = np.zeros((*topk.shape, hidden), BF16)  # the expanded row each lane's holder returns
+            summed_by_holder = np.zeros((topk.shape[0], num_ranks, hidden), BF16)
+            for r, (sources, expanded, num_expanded) in enumerate(everyone):
+                rows = expert_rows(key, num_expanded, hidden, r)
+                mine = sources[:, 0] == rank
+                i, k = np.nonzero(mine[:, None] & (expanded >= 0))
+                lanes[sources[i, 1], k] = rows[expanded[i, k]]
+                held = np.where(expanded[mine][..., None] >= 0, rows[np.maximum(expanded[mine], 0)], np.zeros((), BF16))
+                summed_by_holder[sources[mine, 1], r] = reference.lane_order_sum(held)
+            rng = np.random.default_rng([SEED, key, rank, 98])
+            biases = [rng.standard_normal((len(topk), hidden)).astype(BF16) for _ in range(num_biases)]
+            start = np.zeros((len(topk), hidden), np.float32)
+            for b in biases:
+                start += b.astype(np.float32)
+            bias = tuple(cupy.asarray(b) for b in biases) if num_biases == 2 else \
+                cupy.asarray(biases[0]) if biases else None
+            y = cupy.asarray(expert_rows(key, handle.num_rows, hidden, rank))
+            combined, weights, _ = single.combine(y, handle, bias=bias)
+            assert weights is None
+            got = bits(combined.get())
+            np.testing.assert_array_equal(got, bits(reference.lane_order_sum(lanes, start)))
+            if num_ranks > 1:  # only this rank's tokens: the others' come as none
+                others = [np.zeros((0, num_ranks, hidden), BF16), np.zeros((0, topk.shape[1]), np.int64)]
+                summed_first = reference.elastic_combine(
+                    [summed_by_holder if s == rank else others[0] for s in range(num_ranks)],
+                    [topk if s == rank else others[1] for s in range(num_ranks)], EXPERTS,
+                    [biases or None if s == rank else None for s in range(num_ranks)])[rank]
+                assert (got != bits(summed_first)).any(), "the same as a combine that sums each rank's lanes first"
+        expect_error(ValueError, lambda: single.combine(y, handle, topk_weights=cupy.ones(handle.num_rows, cupy.float32)),
+                     "weights with allow_multiple_reduction=False", "topk_weights must be None")
+    finally:
+        single.destroy()
+
+
 def bad_arguments_raise_before_any_kernel(buffer):
     inputs = all_inputs(odd_tokens, 512, EXPERTS, 8)
     mine = inputs[rank].on_gpu()
@@ -261,6 +312,8 @@ def main() -> None:
         ("no CPU sync, cumulative stats", without_cpu_sync_and_stats),
         ("no CPU sync, batches of several rounds", rounds_without_cpu_sync),
         ("dst_buffer_slot_idx names the rows received", dst_buffer_slots_name_the_rows_received),
+        ("allow_multiple_reduction=False: each expanded row back alone, summed by lane",
+         expanded_combine_without_multiple_reduction),
         ("bad arguments raise before any kernel", bad_arguments_raise_before_any_kernel),
     ]
     run_cases(comm, selected_cases([(name, functools.partial(case, buffer)) for name, case in cases],
