@@ -4,6 +4,8 @@
 
 - ``elastic compact`` and ``elastic expand``: ``ElasticBuffer.dispatch`` / ``combine`` at V2's analytic SM count
   (``get_theoretical_num_sms``, ``prefer_overlap_with_compute`` on) or ``--sms``;
+- ``expand, 1 sum``: the expanded layout on a buffer made with ``allow_multiple_reduction=False`` (each expanded
+  row goes back alone; its combine takes no weights);
 - ``v1``: ``Buffer.get_dispatch_layout`` + ``dispatch`` / ``combine`` at ``--v1-sms`` (24, DeepEP's test's best);
 - ``nccl``: ``torch.distributed.all_to_all_single`` of the same rows each way (each token once per rank).
 
@@ -65,24 +67,28 @@ def run_rank(rank: int, args, port: int) -> None:
         x_in = x
     row_bytes = H * (1 if args.fp8 else 2)
 
-    elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
-                                    explicitly_destroy=True)
-    sms = args.sms or elastic.get_theoretical_num_sms(E, K)
     results = {}
 
-    def run_elastic(expand: bool):
+    def run_elastic(elastic, expand: bool):
         recv, _, recv_w, handle, _ = elastic.dispatch(x_in, topk_idx=idx, topk_weights=weights, num_experts=E,
                                                       num_sms=sms, do_expand=expand)
         rows = (recv[0] if isinstance(recv, tuple) else recv).shape[0]
         y = torch.randn(rows, H, dtype=torch.bfloat16, device="cuda")
         d = timed(lambda: elastic.dispatch(x_in, topk_idx=idx, topk_weights=weights, num_experts=E, num_sms=sms,
                                            do_expand=expand), args.iters, group)
-        c = timed(lambda: elastic.combine(y, handle, topk_weights=recv_w), args.iters, group)
+        # Each lane's weight comes back only from a rank's sum of its lanes (V2's rule).
+        back_weights = recv_w if elastic.allow_multiple_reduction else None
+        c = timed(lambda: elastic.combine(y, handle, topk_weights=back_weights), args.iters, group)
         return handle.num_recv_tokens, d, c
 
-    for name, expand in (("elastic compact", False), ("elastic expand", True)):
-        results[name] = run_elastic(expand)
-    elastic.destroy()
+    for multiple_reduction, rows in ((True, (("elastic compact", False), ("elastic expand", True))),
+                                     (False, (("expand, 1 sum", True),))):
+        elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                        allow_multiple_reduction=multiple_reduction, explicitly_destroy=True)
+        sms = args.sms or elastic.get_theoretical_num_sms(E, K)
+        for name, expand in rows:
+            results[name] = run_elastic(elastic, expand)
+        elastic.destroy()
 
     hints = deep_ep.Buffer.get_dispatch_config(args.num_ranks)  # V1's buffers, as its users size them
     v1 = deep_ep.Buffer(group, hints.get_nvl_buffer_size_hint(H * 2, args.num_ranks),
