@@ -25,10 +25,11 @@
 // a normal-mode dispatch whose one "expert" per rank is the token's rank, and sums them there:
 //   route_back    on the expert's rank, per expanded row: its token's rank (-1 for padding), and its
 //                 (token, lane) as the float token * num_topk + lane, which the dispatch carries as the
-//                 row's top-k weight.
+//                 row's top-k weight; on the token's rank, no lane's row found yet.
 //   index_lanes   on the token's rank, per row received back: which (token, lane) it is.
 //   sum_lanes     per token: FP32 from its biases, plus each lane's row in top-k lane order, rounded once
-//                 (V2's combine with allow_multiple_reduction=False).
+//                 (V2's combine with allow_multiple_reduction=False); a lane whose row did not come back
+//                 (outside the contract: a token naming an expert twice) adds nothing.
 //
 // The received count lives on the GPU (num_rows): without the dispatch's CPU wait, the arrays have more
 // rows than were received, and rows past the count are left alone.
@@ -114,6 +115,8 @@ struct RouteBackArgs {
     int expanded_rows;
     int64_t* dest;                     // [expanded_rows] out: the token's rank, -1 for padding rows
     float* lane_tag;                   // [expanded_rows] out: token * num_topk + lane (0 for padding)
+    int32_t* lane_rows;                // [num_lanes] out: -1, for index_lanes (this rank's tokens * num_topk)
+    int num_lanes;
 };
 
 struct LanesArgs {
@@ -379,7 +382,7 @@ __global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args
 
 // Two loops over disjoint rows, so no order between them: the padding rows (past each expert's count up to
 // its aligned end, and past the last expert's) go nowhere; each lane of a received row names its expanded row's
-// token.
+// token. A third clears the map index_lanes fills after the dispatch.
 __global__ void __launch_bounds__(kNumThreads) route_back(const RouteBackArgs args) {
     __shared__ int aligned_end[kMaxLocalExperts];
     const int num_experts = args.num_local_experts, num_topk = args.num_topk;
@@ -405,6 +408,8 @@ __global__ void __launch_bounds__(kNumThreads) route_back(const RouteBackArgs ar
         args.dest[slot] = source;
         args.lane_tag[slot] = static_cast<float>(token * num_topk + static_cast<int>(j % num_topk));
     }
+    for (int64_t lane = first; lane < args.num_lanes; lane += stride)
+        args.lane_rows[lane] = -1;
 }
 
 __global__ void __launch_bounds__(kNumThreads) index_lanes(const LanesArgs args) {
@@ -439,9 +444,10 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
                 reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(row) * args.row_bytes);
         __syncwarp();
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
+        // V2 starts from bias0 + bias1 itself, not from zero: the same but for a sum of -0.0.
         const auto add_biases = [&](float (&acc)[kBf16PerVector], int v) {
             if (args.bias0 != nullptr)
-                accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v));
+                bf16x8_to_floats(ld_nc_global(reinterpret_cast<const int4*>(args.bias0) + token_vectors + v), acc);
             if (args.bias1 != nullptr)
                 accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
         };

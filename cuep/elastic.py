@@ -157,7 +157,9 @@ class ElasticBuffer:
             (as the compact layout's rows arrive). ``False`` (one node): each expanded row goes back to its
             token's rank alone and is added there in top-k lane order, rounded once (V2's single reduction; it
             moves a row per lane instead of one per rank, and takes no ``topk_weights``). Across nodes it must
-            stay ``True``: the constructor raises ``NotImplementedError`` otherwise.
+            stay ``True``: the constructor raises ``NotImplementedError`` otherwise. Its combine stages the routing
+            of the rows going back for the worst case, so it may need a larger ``num_bytes`` than the hint (it
+            raises ``ValueError`` naming the size).
         prefer_overlap_with_compute: :meth:`get_theoretical_num_sms` leaves SMs to computation (else at
             least 64).
         sl_idx: accepted (the network service level of V2's RDMA path).
@@ -533,14 +535,7 @@ class ElasticBuffer:
         num_topk = handle.topk_idx.shape[1]
         lanes_apart = handle.do_expand and not self.allow_multiple_reduction
         if lanes_apart:
-            if topk_weights is not None:
-                raise ValueError(f"{call}: topk_weights must be None in an expanded combine with "
-                                 f"allow_multiple_reduction=False (as DeepEP V2: only a rank's sum of its lanes "
-                                 f"carries their weights back)")
-            if handle.num_max_tokens_per_rank * num_topk > kernels.MAX_LANE_TAGS:
-                raise ValueError(f"{call}: an expanded combine with allow_multiple_reduction=False tags each row "
-                                 f"with its token and lane, exactly up to {kernels.MAX_LANE_TAGS} tags; "
-                                 f"num_max_tokens_per_rank * num_topk is {handle.num_max_tokens_per_rank * num_topk}")
+            self._check_lanes_apart(call, handle, num_topk, topk_weights)
         rows = handle._expanded_rows if handle.do_expand else dispatch.num_rows
         xs = _checks.as_device_array(call, "x", x)
         _checks.check_matrix(call, "x", xs, [_checks.bf16_dtype()], rows)
@@ -592,6 +587,30 @@ class ElasticBuffer:
                                                    enqueue)
         return (*outputs, event)
 
+    def _check_lanes_apart(self, call: str, handle: EPHandle, num_topk: int, topk_weights) -> None:
+        """Raises ``ValueError`` for an expanded combine with ``allow_multiple_reduction=False`` that
+        :meth:`_combine_lanes_apart` cannot serve. Its limits follow from values every rank shares (the worst case
+        of the expanded rows, not this rank's), so that all ranks raise together."""
+        if topk_weights is not None:
+            raise ValueError(f"{call}: topk_weights must be None in an expanded combine with "
+                             f"allow_multiple_reduction=False (as DeepEP V2: only a rank's sum of its lanes carries "
+                             f"their weights back)")
+        tags = handle.num_max_tokens_per_rank * num_topk
+        if tags > kernels.MAX_LANE_TAGS:
+            raise ValueError(f"{call}: an expanded combine with allow_multiple_reduction=False tags each row with its "
+                             f"token and lane, exactly up to {kernels.MAX_LANE_TAGS} tags; num_max_tokens_per_rank * "
+                             f"num_topk is {tags}")
+        rows = _worst_expanded_rows(self.num_ranks * handle.num_max_tokens_per_rank, num_topk,
+                                    handle.num_experts // self.num_ranks, handle.expert_alignment)
+        staging = intranode.staging_layout(rows, 1, self.num_ranks).end
+        holds = intranode.region_bytes(self._buffer.num_nvl_bytes)  # on one node, all of num_bytes
+        if staging > holds:
+            raise ValueError(f"{call}: an expanded combine with allow_multiple_reduction=False sends up to {rows} "
+                             f"expanded rows back as a dispatch, whose routing takes {staging} bytes of each of the "
+                             f"buffer's two regions; this ElasticBuffer's num_bytes={self.num_bytes} holds {holds}: "
+                             f"make it with num_bytes >= {intranode.nvl_bytes_for(staging)}, or a smaller "
+                             f"num_max_tokens_per_rank")
+
     def _combine_lanes_apart(self, ctx, stream, xs, handle: EPHandle, topk_idx, biases, num_sms: int):
         """An expanded combine with ``allow_multiple_reduction=False`` (one node): each expanded row goes back to
         its token's rank alone, as the row of a normal-mode dispatch whose one expert per rank is the token's rank
@@ -603,12 +622,14 @@ class ElasticBuffer:
         expanded_rows, hidden = xs.shape
         dest = front.empty((expanded_rows, 1), np.int64)
         lane_tag = front.empty((expanded_rows, 1), np.float32)
+        lane_rows = front.empty((num_tokens * num_topk,), np.int32)
         kernels.route_back(self._library, stream, kernels.RouteBackArgs(
             num_rows=_received(dispatch)[0], capacity=dispatch.num_rows, num_topk=num_topk,
             num_local_experts=handle.num_experts // num_ranks, expert_alignment=handle.expert_alignment,
             num_max_tokens_per_rank=handle.num_max_tokens_per_rank, metadata=handle.recv_src_metadata.data.ptr,
             psum=handle.psum_num_recv_tokens_per_expert.data.ptr, expanded_rows=expanded_rows,
-            dest=dest.data.ptr, lane_tag=lane_tag.data.ptr), self._device_sms)
+            dest=dest.data.ptr, lane_tag=lane_tag.data.ptr, lane_rows=lane_rows.data.ptr,
+            num_lanes=num_tokens * num_topk), self._device_sms)
         regions, nbytes = _layout_outputs(num_ranks, 1, num_ranks, expanded_rows)
         per_rank, per_expert, in_rank = front.readable_views(front.storage(nbytes, regions[0].dtype), regions)
         self._resources.layout.launch(stream, dest, num_ranks, per_expert, per_rank, None, in_rank)
@@ -616,7 +637,6 @@ class ElasticBuffer:
         back_x, _, back_idx, back_tag, _, back = intranode.dispatch(
             ctx, stream, xs, None, dest, lane_tag, in_rank, per_expert, num_ranks, None, 1,
             max(1, num_tokens * num_topk), num_sms)
-        lane_rows = front.empty((num_tokens * num_topk,), np.int32)
         combined_x = front.empty((num_tokens, hidden), xs.dtype)
         kernels.sum_lanes(self._library, stream, kernels.LanesArgs(
             recv_topk_idx=back_idx.data.ptr, recv_lane_tag=back_tag.data.ptr, x=back_x.data.ptr,
@@ -658,8 +678,7 @@ class ElasticBuffer:
             expanded_rows = sum(per_expert_list)
             num_recv, num_expanded = dispatch.num_recv_tokens, expanded_rows
         else:
-            expanded_rows = align_up(capacity * min(num_topk, num_local_experts)
-                                     + (expert_alignment - 1) * num_local_experts, expert_alignment)
+            expanded_rows = _worst_expanded_rows(capacity, num_topk, num_local_experts, expert_alignment)
             num_recv, num_expanded, per_expert_list = capacity, expanded_rows, []
         handle = EPHandle(self, dispatch, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms,
                           topk_idx, num_recv, num_expanded if do_expand else num_recv, per_expert_list, per_local_psum,
@@ -775,6 +794,13 @@ def _received(dispatch: intranode.Handle | internode.Handle) -> tuple[int, int]:
 
 def _ptr(array: Any) -> int:
     return array.data.ptr if array is not None else 0
+
+
+def _worst_expanded_rows(capacity: int, num_topk: int, num_local_experts: int, expert_alignment: int) -> int:
+    """The most expanded rows ``capacity`` compact rows can make: each row's lanes on distinct local experts,
+    and each expert's rows padded to ``expert_alignment``."""
+    return align_up(capacity * min(num_topk, num_local_experts) + (expert_alignment - 1) * num_local_experts,
+                    expert_alignment)
 
 
 def _copy(dst, src, stream) -> None:

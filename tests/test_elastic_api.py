@@ -146,20 +146,37 @@ def test_out_of_scope_sessions_say_so(name):
         getattr(_unmade(4), name)
 
 
-def _expanded_handle(num_max_tokens_per_rank: int, num_topk: int) -> EPHandle:
+def _expanded_handle(num_max_tokens_per_rank: int, num_topk: int, num_experts: int = 64) -> EPHandle:
     """An expanded dispatch's handle as combine first reads it (no arrays)."""
     handle = object.__new__(EPHandle)
     handle.do_expand, handle.num_max_tokens_per_rank, handle._dispatch = True, num_max_tokens_per_rank, None
+    handle.num_experts, handle.expert_alignment = num_experts, 128
     handle.topk_idx = np.zeros((4, num_topk), np.int64)
     return handle
 
 
-@pytest.mark.parametrize("multiple_reduction, weights, tokens, error", [
-    (False, np.zeros(8, np.float32), 4096, "topk_weights must be None"),
-    (False, None, (1 << 24) // 8 + 1, "tags each row with its token and lane"),
-])
-def test_expanded_combine_without_multiple_reduction_states_its_rules(multiple_reduction, weights, tokens, error):
+def _single_reduction(num_nvl_bytes: int) -> ElasticBuffer:
+    """An unmade 4-rank ElasticBuffer of ``allow_multiple_reduction=False`` with this much NVLink buffer."""
     buffer = _unmade(4)
-    buffer.allow_multiple_reduction = multiple_reduction
+    buffer.allow_multiple_reduction, buffer.num_bytes = False, num_nvl_bytes
+    buffer._buffer = type("Core", (), {"num_nvl_bytes": num_nvl_bytes})()
+    return buffer
+
+
+@pytest.mark.parametrize("weights, tokens, num_nvl_bytes, error", [
+    (np.zeros(8, np.float32), 4096, 1 << 30, "topk_weights must be None"),
+    (None, (1 << 24) // 8 + 1, 1 << 30, "tags each row with its token and lane"),
+    # 4 ranks x 4096 tokens x 8 lanes + 127 x 16 padding: 133,120 rows of 8 + 4 + 16 routing bytes: 3.7 MB a region.
+    (None, 4096, 2 * 3_600_000, "make it with num_bytes >= "),
+])
+def test_expanded_combine_without_multiple_reduction_states_its_limits(weights, tokens, num_nvl_bytes, error):
     with pytest.raises(ValueError, match=error):
-        buffer.combine(np.zeros((8, 128), np.float32), _expanded_handle(tokens, 8), topk_weights=weights)
+        _single_reduction(num_nvl_bytes).combine(np.zeros((8, 128), np.float32), _expanded_handle(tokens, 8),
+                                                 topk_weights=weights)
+
+
+def test_expanded_combine_without_multiple_reduction_fits_the_hint():
+    # The buffer V2's size hint gives for 4096 tokens at hidden 7168 stages the worst case with room to spare.
+    hint = ElasticBuffer.get_buffer_size_hint(_Ranks(4), 4096, 7168)
+    buffer = _single_reduction(hint)
+    buffer._check_lanes_apart("combine()", _expanded_handle(4096, 8), 8, None)

@@ -88,7 +88,8 @@ class RouteBackArgs(KernelArgs):
     entry = "cuep::elastic::route_back"
     _fields_ = [("num_rows", _ptr), ("capacity", _i32), ("num_topk", _i32), ("num_local_experts", _i32),
                 ("expert_alignment", _i32), ("num_max_tokens_per_rank", _i32), ("metadata", _ptr), ("psum", _ptr),
-                ("expanded_rows", _i32), ("dest", _ptr), ("lane_tag", _ptr)]
+                ("expanded_rows", _i32), ("dest", _ptr), ("lane_tag", _ptr), ("lane_rows", _ptr),
+                ("num_lanes", _i32)]
 
 
 class LanesArgs(KernelArgs):
@@ -148,10 +149,11 @@ def reduce(library: Library, stream, args: ReduceArgs, device_sms: int) -> None:
 
 
 def route_back(library: Library, stream, args: RouteBackArgs, device_sms: int) -> None:
-    """Enqueue ``route_back`` (unless there are no expanded rows)."""
-    if args.expanded_rows > 0:
-        grid = min(device_sms * 4, ceil_div(max(args.expanded_rows, args.capacity * args.num_topk), NUM_THREADS))
-        launcher.launch(library, RouteBackArgs.entry, stream, grid, NUM_THREADS, args)
+    """Enqueue ``route_back`` (unless it has nothing to write)."""
+    work = max(args.expanded_rows, args.capacity * args.num_topk if args.expanded_rows else 0, args.num_lanes)
+    if work > 0:
+        launcher.launch(library, RouteBackArgs.entry, stream, min(device_sms * 4, ceil_div(work, NUM_THREADS)),
+                        NUM_THREADS, args)
 
 
 def sum_lanes(library: Library, stream, args: LanesArgs, device_sms: int) -> None:
