@@ -48,9 +48,9 @@ constexpr int kMaxTopk = CUEP_MAX_TOPK;
 constexpr int kWarps = kNumThreads / kWarpSize;
 static_assert(kNumThreads % kWarpSize == 0 && kMaxTopk <= kWarpSize);
 
-// 16-byte vectors a lane has in flight per step of a row copy or reduction.
+// 16-byte vectors a lane has in flight per step of a row copy or reduction, and the rows a reduction loads
+// before adding any (warp_sum_bf16_rows), as internode.cu's sums.
 constexpr int kRowUnroll = 4;
-// Rows sum_lanes loads before adding any (warp_sum_bf16_rows), as internode.cu's sums.
 constexpr int kLaneRowsPerLoad = 2;
 
 struct RowsArgs {
@@ -139,6 +139,27 @@ __device__ __forceinline__ int received_rows(const int32_t* num_rows, int capaci
 
 __device__ __forceinline__ int align_to(int value, int alignment) {
     return (value + alignment - 1) / alignment * alignment;
+}
+
+// A sum that starts from zero (warp_sum_bf16_rows's `before` or `after`).
+struct NoStart {
+    __device__ __forceinline__ void operator()(float (&)[kBf16PerVector], int) const {}
+};
+
+// One warp sums the rows of `x` its lanes name (`row` >= 0; -1: none), in lane order, from `start`'s values,
+// in FP32, and writes the sum rounded once to `out` (`num_vectors` 16-byte vectors). `staged`: the warp's
+// kMaxTopk row addresses in shared memory, which the sum reads in order.
+template <typename Start>
+__device__ __forceinline__ void sum_lane_rows(const int4** staged, int row, const uint8_t* x, int64_t row_bytes,
+                                              int4* out, int num_vectors, const Start& start, int lane) {
+    const uint32_t present = __ballot_sync(kFullWarpMask, row >= 0);
+    if (row >= 0)
+        staged[__popc(present & ((1u << lane) - 1u))] = reinterpret_cast<const int4*>(x + static_cast<int64_t>(row) *
+                                                                                           row_bytes);
+    __syncwarp();
+    warp_sum_bf16_rows<kRowUnroll, kLaneRowsPerLoad>(out, num_vectors, __popc(present),
+                                                     [&](int c) { return staged[c]; }, start, NoStart{}, lane);
+    __syncwarp();  // the addresses are rewritten for the warp's next row
 }
 
 }  // namespace cuep
@@ -344,36 +365,16 @@ __global__ void __launch_bounds__(kNumThreads) slot_rows(const SlotArgs args) {
 }
 
 __global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args) {
+    __shared__ const int4* lane_row[kWarps][kMaxTopk];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_topk = args.num_topk;
     const int rows = received_rows(args.num_rows, args.capacity);
-    const int64_t row_vectors = args.row_bytes / static_cast<int64_t>(sizeof(int4));
+    const int num_vectors = static_cast<int>(args.row_bytes / static_cast<int64_t>(sizeof(int4)));
     for (int row = static_cast<int>(blockIdx.x) * kWarps + warp; row < rows; row += gridDim.x * kWarps) {
         const int slot = lane < num_topk ? args.metadata[static_cast<int64_t>(row) * (num_topk + 2) + 2 + lane] : -1;
-        const uint32_t lanes = __ballot_sync(kFullWarpMask, slot >= 0);
-        auto* out = reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(row) * args.row_bytes);
-        // The loop bound is the warp's, not the lane's: the shuffles below need every lane.
-        for (int64_t first = 0; first < row_vectors; first += kRowUnroll * kWarpSize) {
-            const int64_t v = first + lane;
-            float acc[kRowUnroll][kBf16PerVector] = {};
-            for (uint32_t rest = lanes; rest != 0; rest &= rest - 1) {
-                const int source = __shfl_sync(kFullWarpMask, slot, __ffs(rest) - 1);
-                const auto* in = reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(source) * args.row_bytes);
-                int4 values[kRowUnroll];
-#pragma unroll
-                for (int u = 0; u < kRowUnroll; ++u)
-                    if (v + u * kWarpSize < row_vectors)
-                        values[u] = ld_nc_global(in + v + u * kWarpSize);
-#pragma unroll
-                for (int u = 0; u < kRowUnroll; ++u)
-                    if (v + u * kWarpSize < row_vectors)
-                        accumulate_bf16x8(acc[u], values[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < kRowUnroll; ++u)
-                if (v + u * kWarpSize < row_vectors)
-                    out[v + u * kWarpSize] = floats_to_bf16x8(acc[u]);
-        }
+        sum_lane_rows(lane_row[warp], slot, args.x, args.row_bytes,
+                      reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(row) * args.row_bytes), num_vectors,
+                      NoStart{}, lane);
         if (args.out_weights != nullptr && lane < num_topk)
             args.out_weights[static_cast<int64_t>(row) * num_topk + lane] =
                 slot >= 0 && args.weights != nullptr ? args.weights[slot] : 0.0f;
@@ -429,7 +430,6 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_topk = args.num_topk;
     const int num_vectors = static_cast<int>(args.row_bytes / static_cast<int64_t>(sizeof(int4)));
-    const auto none = [](float (&)[kBf16PerVector], int) {};
     for (int t = static_cast<int>(blockIdx.x) * kWarps + warp; t < args.num_tokens; t += gridDim.x * kWarps) {
         const int64_t entry = static_cast<int64_t>(t) * num_topk + lane;
         int row = -1;
@@ -438,11 +438,6 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
             row = id >= 0 && id < args.num_experts ? args.lane_rows[entry] : -1;
             row = row < args.capacity ? row : -1;
         }
-        const uint32_t present = __ballot_sync(kFullWarpMask, row >= 0);
-        if (row >= 0)
-            lane_row[warp][__popc(present & ((1u << lane) - 1u))] =
-                reinterpret_cast<const int4*>(args.x + static_cast<int64_t>(row) * args.row_bytes);
-        __syncwarp();
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
         // V2 starts from bias0 + bias1 itself, not from zero: the same but for a sum of -0.0.
         const auto add_biases = [&](float (&acc)[kBf16PerVector], int v) {
@@ -451,10 +446,8 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
             if (args.bias1 != nullptr)
                 accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
         };
-        const auto row_at = [&](int c) { return lane_row[warp][c]; };
-        warp_sum_bf16_rows<kRowUnroll, kLaneRowsPerLoad>(reinterpret_cast<int4*>(args.out_x) + token_vectors,
-                                                         num_vectors, __popc(present), row_at, add_biases, none, lane);
-        __syncwarp();  // lane_row is rewritten for the warp's next token
+        sum_lane_rows(lane_row[warp], row, args.x, args.row_bytes, reinterpret_cast<int4*>(args.out_x) + token_vectors,
+                      num_vectors, add_biases, lane);
     }
 }
 
