@@ -8,7 +8,7 @@ C++ entries, each taking one argument struct by value (mirrored below)::
     cuep::elastic::place_rows(const PlaceArgs)    a block per chunk, then one per expert's padding
     cuep::elastic::slot_rows(const SlotArgs)      a thread per (token, lane)
     cuep::elastic::reduce_rows(const ReduceArgs)  a warp per compact row
-    cuep::elastic::route_back(const RouteBackArgs) a thread per expanded row, then per (compact row, lane)
+    cuep::elastic::route_back(const RouteBackArgs) a thread per expanded row, per (compact row, lane), per own lane
     cuep::elastic::index_lanes(const LanesArgs)   a thread per row received back
     cuep::elastic::sum_lanes(const LanesArgs)     a warp per token
 
