@@ -141,24 +141,20 @@ __device__ __forceinline__ int align_to(int value, int alignment) {
     return (value + alignment - 1) / alignment * alignment;
 }
 
-// A sum that starts from zero (warp_sum_bf16_rows's `before` or `after`).
-struct NoStart {
-    __device__ __forceinline__ void operator()(float (&)[kBf16PerVector], int) const {}
-};
-
 // One warp sums the rows of `x` its lanes name (`row` >= 0; -1: none), in lane order, from `start`'s values,
-// in FP32, and writes the sum rounded once to `out` (`num_vectors` 16-byte vectors). `staged`: the warp's
-// kMaxTopk row addresses in shared memory, which the sum reads in order.
-template <typename Start>
+// then `finish`, in FP32, and writes the sum rounded once to `out` (`num_vectors` 16-byte vectors). `staged`: the
+// warp's kMaxTopk row addresses in shared memory, which the sum reads in order.
+template <typename Start, typename Finish>
 __device__ __forceinline__ void sum_lane_rows(const int4** staged, int row, const uint8_t* x, int64_t row_bytes,
-                                              int4* out, int num_vectors, const Start& start, int lane) {
+                                              int4* out, int num_vectors, const Start& start, const Finish& finish,
+                                              int lane) {
     const uint32_t present = __ballot_sync(kFullWarpMask, row >= 0);
     if (row >= 0)
         staged[__popc(present & ((1u << lane) - 1u))] = reinterpret_cast<const int4*>(x + static_cast<int64_t>(row) *
                                                                                            row_bytes);
     __syncwarp();
     warp_sum_bf16_rows<kRowUnroll, kLaneRowsPerLoad>(out, num_vectors, __popc(present),
-                                                     [&](int c) { return staged[c]; }, start, NoStart{}, lane);
+                                                     [&](int c) { return staged[c]; }, start, finish, lane);
     __syncwarp();  // the addresses are rewritten for the warp's next row
 }
 
@@ -374,7 +370,7 @@ __global__ void __launch_bounds__(kNumThreads) reduce_rows(const ReduceArgs args
         const int slot = lane < num_topk ? args.metadata[static_cast<int64_t>(row) * (num_topk + 2) + 2 + lane] : -1;
         sum_lane_rows(lane_row[warp], slot, args.x, args.row_bytes,
                       reinterpret_cast<int4*>(args.out_x + static_cast<int64_t>(row) * args.row_bytes), num_vectors,
-                      NoStart{}, lane);
+                      NoAddend{}, NoAddend{}, lane);
         if (args.out_weights != nullptr && lane < num_topk)
             args.out_weights[static_cast<int64_t>(row) * num_topk + lane] =
                 slot >= 0 && args.weights != nullptr ? args.weights[slot] : 0.0f;
@@ -433,11 +429,21 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
     for (int t = static_cast<int>(blockIdx.x) * kWarps + warp; t < args.num_tokens; t += gridDim.x * kWarps) {
         const int64_t entry = static_cast<int64_t>(t) * num_topk + lane;
         int row = -1;
+        bool unrouted = false;
         if (lane < num_topk) {
             const int64_t id = args.topk_idx[entry];
+            unrouted = id < 0;
             row = id >= 0 && id < args.num_experts ? args.lane_rows[entry] : -1;
             row = row < args.capacity ? row : -1;
         }
+        // V2 adds a zero row for each lane without an expert: +0.0 once, which turns a sum of -0.0 into +0.0.
+        const bool add_zero = __any_sync(kFullWarpMask, unrouted);
+        const auto zero_rows = [&](float (&acc)[kBf16PerVector], int) {
+            if (add_zero)
+#pragma unroll
+                for (int c = 0; c < kBf16PerVector; ++c)
+                    acc[c] += 0.0f;
+        };
         const int64_t token_vectors = static_cast<int64_t>(t) * num_vectors;
         // V2 starts from bias0 + bias1 itself, not from zero: the same but for a sum of -0.0.
         const auto add_biases = [&](float (&acc)[kBf16PerVector], int v) {
@@ -447,7 +453,7 @@ __global__ void __launch_bounds__(kNumThreads) sum_lanes(const LanesArgs args) {
                 accumulate_bf16x8(acc, ld_nc_global(reinterpret_cast<const int4*>(args.bias1) + token_vectors + v));
         };
         sum_lane_rows(lane_row[warp], row, args.x, args.row_bytes, reinterpret_cast<int4*>(args.out_x) + token_vectors,
-                      num_vectors, add_biases, lane);
+                      num_vectors, add_biases, zero_rows, lane);
     }
 }
 

@@ -978,11 +978,6 @@ static __device__ __forceinline__ bool holds_lane(const CombineInput& input, int
 constexpr int kSumUnroll = 4;
 constexpr int kSumRowsPerLoad = 2;
 
-// Nothing added to a sum besides its rows.
-struct NoAddend {
-    __device__ __forceinline__ void operator()(float (&)[kBf16PerVector], int) const {}
-};
-
 // ---------------------------------------------------------------------------------------------
 // Combine push (one round): every warp takes this rank's received rows of the round that came through another
 // forwarder in turn and writes each, with its top-k weights, into that forwarder's landing rows (a forwarder

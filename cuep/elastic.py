@@ -158,8 +158,9 @@ class ElasticBuffer:
             token's rank alone and is added there in top-k lane order, rounded once (V2's single reduction; it
             moves a row per lane instead of one per rank, and takes no ``topk_weights``). Across nodes it must
             stay ``True``: the constructor raises ``NotImplementedError`` otherwise. Its combine stages the routing
-            of the rows going back for the worst case, so it may need a larger ``num_bytes`` than the hint (it
-            raises ``ValueError`` naming the size).
+            of the rows going back for the worst case (:meth:`get_buffer_size_hint` counts their lanes; beyond the
+            hint, the expanded layout's padding rows: a combine the buffer cannot serve raises ``ValueError``
+            naming the size).
         prefer_overlap_with_compute: :meth:`get_theoretical_num_sms` leaves SMs to computation (else at
             least 64).
         sl_idx: accepted (the network service level of V2's RDMA path).
@@ -230,16 +231,21 @@ class ElasticBuffer:
                              allow_multiple_reduction: bool = True) -> int:
         """Bytes of buffer for these MoE settings, a multiple of 2 MiB: DeepEP V1's NVL hint for BF16 rows of
         ``hidden`` (its dispatch and combine configs), plus across nodes its RDMA hint. Any batch goes through
-        them in rounds, so the size does not grow with ``num_max_tokens_per_rank``.
+        them in rounds, so the size does not grow with ``num_max_tokens_per_rank``, except with
+        ``allow_multiple_reduction=False``: its expanded combine sends each (token, lane) back as a dispatch's
+        row, whose routing the buffer stages, so the hint is at least the room for every rank's
+        ``num_max_tokens_per_rank * num_topk`` of them (the expanded layout's padding rows, which depend on the
+        experts and their alignment, aside: the combine names the size it needs).
 
         Arguments:
             group: the ranks (a ``torch.distributed`` group, an ``mpi4py`` communicator, or ``None`` for
                 ``MPI.COMM_WORLD``); their nodes are as V1's hints assume (``CUEP_RANKS_PER_NODE``, else
                 up to 8 ranks a node).
-            num_max_tokens_per_rank, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction: accepted for
-                V2's signature.
+            num_max_tokens_per_rank: the most tokens a rank dispatches (read with ``allow_multiple_reduction=False``).
             hidden: the hidden size.
             num_topk: the choices per token (0: 8), for the rows' top-k weights.
+            use_fp8_dispatch, allow_hybrid_mode: accepted for V2's signature.
+            allow_multiple_reduction: the constructor's.
         """
         call = "get_buffer_size_hint()"
         _checks.check_positive_ints(call, hidden=hidden)
@@ -248,6 +254,9 @@ class ElasticBuffer:
         configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
         topk = num_topk or MAX_TOPK_HINT
         hint = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks, num_topk=topk) for config in configs)
+        if not allow_multiple_reduction:
+            lanes = num_ranks * num_max_tokens_per_rank * topk
+            hint = max(hint, intranode.nvl_bytes_for(intranode.staging_layout(lanes, 1, num_ranks).end))
         hint += max(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, num_topk=topk) for config in configs)
         return align_up(hint, BUFFER_ALIGNMENT)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import numpy as np
 import pytest
@@ -155,9 +156,9 @@ def _expanded_handle(num_max_tokens_per_rank: int, num_topk: int, num_experts: i
     return handle
 
 
-def _single_reduction(num_nvl_bytes: int) -> ElasticBuffer:
-    """An unmade 4-rank ElasticBuffer of ``allow_multiple_reduction=False`` with this much NVLink buffer."""
-    buffer = _unmade(4)
+def _single_reduction(num_nvl_bytes: int, num_ranks: int = 4) -> ElasticBuffer:
+    """An unmade ElasticBuffer of ``allow_multiple_reduction=False`` with this much NVLink buffer."""
+    buffer = _unmade(num_ranks)
     buffer.allow_multiple_reduction, buffer.num_bytes = False, num_nvl_bytes
     buffer._buffer = type("Core", (), {"num_nvl_bytes": num_nvl_bytes})()
     return buffer
@@ -178,5 +179,16 @@ def test_expanded_combine_without_multiple_reduction_states_its_limits(weights, 
 def test_expanded_combine_without_multiple_reduction_fits_the_hint():
     # The buffer V2's size hint gives for 4096 tokens at hidden 7168 stages the worst case with room to spare.
     hint = ElasticBuffer.get_buffer_size_hint(_Ranks(4), 4096, 7168)
-    buffer = _single_reduction(hint)
-    buffer._check_lanes_apart("combine()", _expanded_handle(4096, 8), 8, None)
+    _single_reduction(hint)._check_lanes_apart("combine()", _expanded_handle(4096, 8), 8, None)
+    # At 8 ranks, 16384 tokens, hidden 2048: V1's hint stages too few rows, the hint for the option enough (an
+    # alignment of 1 pads nothing), and so does the size the refusal names.
+    ranks, handle = _Ranks(8), _expanded_handle(16384, 8, num_experts=256)
+    handle.expert_alignment = 1
+    plain = ElasticBuffer.get_buffer_size_hint(ranks, 16384, 2048)
+    single = ElasticBuffer.get_buffer_size_hint(ranks, 16384, 2048, allow_multiple_reduction=False)
+    assert single > plain == ElasticBuffer.get_buffer_size_hint(ranks, 1, 2048)
+    _single_reduction(single, 8)._check_lanes_apart("combine()", handle, 8, None)
+    with pytest.raises(ValueError, match="make it with num_bytes >= ") as refused:
+        _single_reduction(plain, 8)._check_lanes_apart("combine()", handle, 8, None)
+    named = int(re.search(r"num_bytes >= (\d+)", str(refused.value)).group(1))
+    _single_reduction(named, 8)._check_lanes_apart("combine()", handle, 8, None)

@@ -50,6 +50,11 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[kBf16PerVector], 
         acc[c] = fmaf(weight, f[c], acc[c]);
 }
 
+// Nothing added to a sum besides its rows (warp_sum_bf16_rows's `before` or `after`).
+struct NoAddend {
+    __device__ __forceinline__ void operator()(float (&)[kBf16PerVector], int) const {}
+};
+
 // One warp sums, in FP32, `num_rows` BF16 rows of `num_vectors` 16-byte vectors and writes the sum, rounded
 // once, to `out`. Vector v's sum starts from zero, takes `before(acc, v)`, then rows row_at(0), row_at(1),
 // ... in that order, then `after(acc, v)`; so the order of the sums is the caller's. Every lane runs the same
