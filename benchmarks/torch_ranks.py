@@ -32,7 +32,8 @@ def deepep_environment(tree: str, unset: list[str]) -> dict[str, str]:
     """This process's environment for a run on DeepEP: the variables ``unset`` names taken out (a preload of
     another NVSHMEM, say; ``PYTHONPATH`` itself, which then holds the tree alone), then its ``tree`` (built in
     place) first on ``PYTHONPATH``."""
-    environment = {name: value for name, value in os.environ.items() if name not in set(unset)}
+    dropped = set(unset)
+    environment = {name: value for name, value in os.environ.items() if name not in dropped}
     environment["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree),
                                                  *filter(None, [environment.get("PYTHONPATH")])])
     return environment

@@ -87,6 +87,13 @@ def check_layouts(inputs, alignment: int, compact, expanded, exact: bool = True)
     return want, layout
 
 
+def holder_sums(expanded_row, rows):
+    """On the expert's rank, each compact row's sum of its lanes' expanded rows (``rows[expanded_row[i, k]]``, none
+    where -1) in lane order, as the default expanded combine sends it."""
+    lanes = np.where(expanded_row[..., None] >= 0, rows[np.maximum(expanded_row, 0)], np.zeros((), BF16))
+    return reference.lane_order_sum(lanes)
+
+
 def combine_and_check(buffer, inputs, want, layout, handle, ex_handle, key: int, biases=None):
     """Compact and expanded combines of known expert rows, bit for bit against V2's order; each lane's top-k
     weight comes back from its expert's holder."""
@@ -101,8 +108,7 @@ def combine_and_check(buffer, inputs, want, layout, handle, ex_handle, key: int,
         compact_rows = expert_rows(key, len(sources), hidden, r)
         expanded_rows = expert_rows(key + 1, num_expanded, hidden, r)
         expanded_weights = np.random.default_rng([SEED, key, r]).random(num_expanded, dtype=np.float32)
-        lanes = np.where(expanded[..., None] >= 0, expanded_rows[np.maximum(expanded, 0)], np.zeros((), BF16))
-        summed = reference.lane_order_sum(lanes)  # on the expert's rank: a token's expanded rows in lane order
+        summed = holder_sums(expanded, expanded_rows)
         for i, (s, t) in enumerate(sources):
             compact_from[s][t, r], expand_from[s][t, r] = compact_rows[i], summed[i]
             if s == rank:
@@ -264,8 +270,7 @@ def expanded_combine_without_multiple_reduction(buffer):
                 mine = sources[:, 0] == rank
                 i, k = np.nonzero(mine[:, None] & (expanded >= 0))
                 lanes[sources[i, 1], k] = rows[expanded[i, k]]
-                held = np.where(expanded[mine][..., None] >= 0, rows[np.maximum(expanded[mine], 0)], np.zeros((), BF16))
-                summed_by_holder[sources[mine, 1], r] = reference.lane_order_sum(held)
+                summed_by_holder[sources[mine, 1], r] = holder_sums(expanded[mine], rows)
             rng = np.random.default_rng([SEED, key, rank, 98])
             biases = [rng.standard_normal((len(topk), hidden)).astype(BF16) for _ in range(num_biases)]
             start = functools.reduce(np.add, (b.astype(np.float32) for b in biases)) if biases else None  # V2's

@@ -651,6 +651,27 @@ def combined_error(combined, want, scale, use_logfmt: bool, what: str) -> np.nda
     return error
 
 
+def combine_with_a_late_rank(buffer, late_source, what: str, *args, **kwargs):
+    """``buffer.low_latency_combine(*args, **kwargs)``'s output; with a ``late_source`` rank, through a hook, that rank
+    starting its combine LATE_S after the others, whose sends must finish meanwhile (a hook's send waits for no
+    peer: its pairs for the late rank go as their rows, one by one), then the receive."""
+    if late_source is None:
+        return buffer.low_latency_combine(*args, **kwargs)[0]
+    cupy.cuda.get_current_stream().synchronize()
+    comm.Barrier()
+    if rank == late_source:
+        time.sleep(LATE_S)
+    started = time.perf_counter()
+    combined, _, hook = buffer.low_latency_combine(*args, return_recv_hook=True, **kwargs)
+    cupy.cuda.get_current_stream().synchronize()
+    sent_in = time.perf_counter() - started
+    assert rank == late_source or sent_in < LATE_S / 2, (
+        f"{what}: rank {rank}'s hook send took {sent_in:.3f} s while rank {late_source} was {LATE_S} s late: it "
+        f"waited for that rank (CUEP_COMBINE_HOOK_SPLIT_US set?), so no pair split")
+    hook()
+    return combined
+
+
 def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=None):
     """The same dispatch combined with BF16 partials, then with LogFMT ones: each within its bound of
     the exact result. LogFMT: each partial element within ``logfmt.MAX_RELATIVE_ERROR`` (BF16 blocks:
@@ -695,21 +716,8 @@ def logfmt_against_bf16(buffer, hidden, use_fp8, huge_channel=None, late_source=
         received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, EXPERTS,
                                                                          use_fp8=use_fp8)
         check_received(received, recv_count, expected[rank], use_fp8)
-        if late_source is not None:
-            cupy.cuda.get_current_stream().synchronize()
-            comm.Barrier()
-            if rank == late_source:
-                time.sleep(LATE_S)
-            started = time.perf_counter()
-        combined, _, hook = buffer.low_latency_combine(expert_x, topk, topk_weights, handle, use_logfmt=use_logfmt,
-                                                       return_recv_hook=late_source is not None)
-        if late_source is not None:
-            cupy.cuda.get_current_stream().synchronize()
-            sent_in = time.perf_counter() - started
-            assert rank == late_source or sent_in < LATE_S / 2, (
-                f"use_logfmt={use_logfmt}: rank {rank}'s hook send took {sent_in:.3f} s while rank {late_source} "
-                f"was {LATE_S} s late: it waited for that rank")
-            hook()
+        combined = combine_with_a_late_rank(buffer, late_source, f"use_logfmt={use_logfmt}", expert_x, topk,
+                                            topk_weights, handle, use_logfmt=use_logfmt)
         results[use_logfmt] = combined.get().view(np.uint16)
         error = combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}")
         counted = scale > 0
@@ -882,21 +890,8 @@ def ids_set_to_minus_one_after_the_dispatch(buffer, late_rank: bool = True):
         received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk, MAX_TOKENS, FEW_EXPERTS,
                                                                          use_fp8=False)
         check_received(received, recv_count, expected[rank], use_fp8=False)
-        if late:
-            cupy.cuda.get_current_stream().synchronize()
-            comm.Barrier()
-            if rank == 0:
-                time.sleep(LATE_S)
-            started = time.perf_counter()
-        combined, _, hook = buffer.low_latency_combine(expert_x, now, topk_weights, handle, use_logfmt=use_logfmt,
-                                                       return_recv_hook=late)
-        if late:
-            cupy.cuda.get_current_stream().synchronize()
-            sent_in = time.perf_counter() - started
-            assert rank == 0 or sent_in < LATE_S / 2, (
-                f"rank {rank}'s hook send took {sent_in:.3f} s while rank 0 was {LATE_S} s late: it waited for rank 0 "
-                f"(CUEP_COMBINE_HOOK_SPLIT_US set?), so no pair split")
-            hook()
+        combined = combine_with_a_late_rank(buffer, 0 if late else None, f"use_logfmt={use_logfmt}", expert_x, now,
+                                            topk_weights, handle, use_logfmt=use_logfmt)
         combined_error(combined, want, scale, use_logfmt, f"use_logfmt={use_logfmt}, late={late}")
 
 
